@@ -1,0 +1,3 @@
+from deploy_tool.cli import main
+
+main()

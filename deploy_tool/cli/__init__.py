@@ -1,0 +1,133 @@
+"""The command line: thin click commands that parse, call one library function and print.
+
+Errors are mapped at this one edge: a DeployError becomes one red line plus a hint and its own exit code;
+anything else is a bug (exit 70), shown with its traceback only under --debug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from deploy_tool import __version__
+from deploy_tool.errors import DeployError, ExitCode
+
+ENV_CONFIG = "DEPLOYTOOL_CONFIG"
+
+
+@dataclass
+class Ctx:
+    config_path: Path | None
+    json: bool
+    dry_run: bool
+    verbose: bool
+    debug: bool
+
+    def load_config(self):
+        from deploy_tool import config
+
+        path = self.config_path
+        if path is None:
+            local = Path("deploytool.yaml")
+            path = local if local.exists() else config.DEFAULT_CONFIG_PATH
+        return config.load(path)
+
+    def emit(self, data: object, human: str | None = None) -> None:
+        """Print `data` as JSON with --json, else the human text."""
+        if self.json:
+            click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        elif human is not None:
+            click.echo(human.rstrip("\n"))
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+
+
+class Group(click.Group):
+    """Maps DeployError to a one-line message with a hint and its exit code; shows tracebacks only with --debug."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except DeployError as exc:
+            obj = ctx.find_object(Ctx)
+            if obj is not None and obj.json:
+                click.echo(json.dumps(exc.to_json(), indent=2, sort_keys=True, default=str))
+            else:
+                click.secho(f"error: {exc.message}", fg="red", err=True)
+                if exc.hint:
+                    click.echo(f"hint: {exc.hint}", err=True)
+            if obj is not None and obj.debug:
+                traceback.print_exc()
+            sys.exit(int(exc.exit_code))
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            click.secho("interrupted", fg="red", err=True)
+            sys.exit(130)
+        except Exception as exc:  # a bug: say so in one line, traceback with --debug
+            obj = ctx.find_object(Ctx)
+            if obj is not None and obj.debug:
+                traceback.print_exc()
+            click.secho(f"internal error: {type(exc).__name__}: {exc}", fg="red", err=True)
+            click.echo("hint: this is a bug in deploytool; rerun with --debug and report the traceback", err=True)
+            sys.exit(int(ExitCode.INTERNAL))
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="deploytool")
+@click.option("--config", "-c", "config_path", type=click.Path(path_type=Path), envvar=ENV_CONFIG,
+              help=f"The config file (default: ./deploytool.yaml if present, else /etc/deploytool/deploytool.yaml; "
+                   f"env {ENV_CONFIG}).")
+@click.option("--json", "json_out", is_flag=True, help="Print machine-readable JSON instead of text.")
+@click.option("--dry-run", "-n", is_flag=True, help="Show what would change, change nothing.")
+@click.option("--verbose", "-v", is_flag=True, help="Log every external command (+ argv).")
+@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: bool, verbose: bool,
+         debug: bool) -> None:
+    """deploytool: run self-hosted LLM inference servers as systemd services.
+
+    \b
+    One YAML config describes the box and its backends (e.g. ftllm-dflash and llamacpp-tensor behind one
+    port and one model name). Typical flow:
+      deploytool init --example two-2080ti   write a starter config
+      deploytool check                       validate it against every known pitfall
+      deploytool render --out DIR            the unit and env files it produces
+      deploytool pack                        a signed, reproducible, offline bundle in artifacts/
+      deploytool install                     set up this box from the bundle, start the default backend
+      deploytool switch llamacpp             swap backends behind a health gate, rolling back on failure
+      deploytool status / history            what runs, what happened
+
+    \b
+    Exit codes: 0 ok, 2 usage, 3 config, 4 check failed, 5 input file, 6 bundle, 7 drift, 8 systemd,
+    9 health, 10 rolled back, 11 rollback failed, 12 locked, 13 state, 14 install, 15 sandbox,
+    16 missing tool, 17 OS, 18 runtime truth, 19 performance, 70 internal bug.
+    """
+    level = logging.DEBUG if (verbose or debug) else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    ctx.obj = Ctx(config_path=config_path, json=json_out, dry_run=dry_run, verbose=verbose, debug=debug)
+
+
+def _register() -> None:
+    from deploy_tool.cli import basic
+
+    for cmd in basic.COMMANDS:
+        main.add_command(cmd)
+    import importlib
+
+    for mod, attr in (("sandbox", "sandbox"), ("keys", "keygen"), ("bundle", "bundle")):
+        try:
+            m = importlib.import_module(f"deploy_tool.cli.{mod}")
+        except ImportError:
+            continue
+        main.add_command(getattr(m, attr))
+
+
+_register()

@@ -1,0 +1,121 @@
+"""init, check, render, config-reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from deploy_tool.cli import Ctx, pass_ctx
+
+
+@click.command()
+@click.option("--example", "-e", default="two-2080ti", show_default=True,
+              help="Which embedded example: two-2080ti (the real box) or cpu-demo (both backends on CPU).")
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("deploytool.yaml"), show_default=True,
+              help="Where to write the config.")
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+@pass_ctx
+def init(ctx: Ctx, example: str, out: Path, force: bool) -> None:
+    """Write a starter deploytool.yaml from an embedded example."""
+    from deploy_tool import config
+    from deploy_tool.errors import InputError
+    from deploy_tool.fsutil import atomic_write
+
+    text = config.example_text(example)
+    if out.exists() and not force:
+        raise InputError(f"{out} already exists; not overwriting it", hint="pass --force, or --out another path")
+    if ctx.dry_run:
+        ctx.emit({"would_write": str(out), "example": example}, f"would write {out} from example {example}")
+        return
+    atomic_write(out, text.encode(), 0o644)
+    ctx.emit({"wrote": str(out), "example": example},
+             f"wrote {out} from example {example}\nnext: deploytool --config {out} check")
+
+
+@click.command()
+@click.option("--no-files", is_flag=True, help="Skip checks that read files the config names (libraries, models).")
+@pass_ctx
+def check(ctx: Ctx, no_files: bool) -> None:
+    """Validate the config against every known pitfall; exit 4 when any error is found.
+
+    \b
+    Each finding has a stable id, a severity (error, warning, info), the measured evidence from the
+    field notes, and the fix. Warnings and infos never fail the check.
+    """
+    from deploy_tool import checks
+    from deploy_tool.errors import CheckFailed
+
+    cfg = ctx.load_config()
+    findings = checks.run_checks(cfg, inspect_files=not no_files)
+    errors = [f for f in findings if f.severity == "error"]
+    if ctx.json:
+        ctx.emit({"config": cfg.source_path, "ok": not errors, "findings": [f.to_json() for f in findings]})
+    else:
+        click.echo(format_findings(findings, cfg.source_path or "config"))
+    if errors:
+        if ctx.json:
+            sys.exit(int(CheckFailed.exit_code))
+        raise CheckFailed(f"{len(errors)} error(s) in {cfg.source_path}", hint="fix the errors listed above")
+
+
+def format_findings(findings, source: str) -> str:
+    if not findings:
+        return f"{source}: all checks passed"
+    color = {"error": "red", "warning": "yellow", "info": "cyan"}
+    lines = []
+    for f in findings:
+        head = click.style(f"{f.severity.upper():7}", fg=color[f.severity], bold=f.severity == "error")
+        where = f" [{f.backend}]" if f.backend else ""
+        lines.append(f"{head} {f.id}{where}: {f.message}")
+        lines.append(f"        fix: {f.fix}  ({f.source})")
+    n = {s: sum(1 for f in findings if f.severity == s) for s in ("error", "warning", "info")}
+    lines.append(f"{n['error']} error(s), {n['warning']} warning(s), {n['info']} info")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=None,
+              help="Directory to write the files into (default: print them).")
+@pass_ctx
+def render(ctx: Ctx, out: Path | None) -> None:
+    """Render the unit files and env files of every backend (deterministic)."""
+    from deploy_tool import render as r
+    from deploy_tool.fsutil import atomic_write
+
+    cfg = ctx.load_config()
+    files = r.render_all(cfg)
+    if out is None or ctx.dry_run:
+        if ctx.json:
+            ctx.emit({f.name: f.content for f in files})
+        else:
+            for f in files:
+                prefix = f"would write {out / f.name}" if out is not None else f.name
+                click.echo(click.style(f"# ---- {prefix}", bold=True))
+                click.echo(f.content, nl=False)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        atomic_write(out / f.name, f.content.encode(), f.mode)
+    ctx.emit({"wrote": [str(out / f.name) for f in files]},
+             "\n".join(f"wrote {out / f.name}" for f in files))
+
+
+@click.command("config-reference")
+@pass_ctx
+def config_reference(ctx: Ctx) -> None:
+    """Every config key with its type, default and meaning."""
+    from deploy_tool import config
+
+    rows = config.reference_rows()
+    if ctx.json:
+        ctx.emit([dict(zip(("key", "type", "default", "doc"), r, strict=True)) for r in rows])
+        return
+    for key, tp, default, doc in rows:
+        click.echo(f"{key}\n    {tp}; default {default}\n    {doc}")
+
+
+COMMANDS = [init, check, render, config_reference]
+_ = os

@@ -1,0 +1,653 @@
+"""The one input: `deploytool.yaml` -> frozen, typed, validated objects.
+
+Validation happens once, here, at load. Every error names the key path, the bad value and the expected form
+(`backends.llamacpp-tensor.port: 'abc' is not a valid port (expected an integer 1-65535)`); unknown keys are
+errors with a did-you-mean. Past this module only frozen dataclasses travel, never raw dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from deploy_tool.errors import ConfigError, InputError
+
+CONFIG_VERSION = 1
+DEFAULT_CONFIG_PATH = Path("/etc/deploytool/deploytool.yaml")
+BACKEND_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+EXAMPLES = ("two-2080ti", "cpu-demo")
+
+Device = Literal["cuda", "cpu"]
+ArchPolicy = Literal["exact", "compatible"]
+KvDtypeFtllm = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp4"]
+KvDtypeLlama = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+SplitMode = Literal["none", "layer", "row", "tensor"]
+FlashAttn = Literal["on", "off", "auto"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schema. Field metadata: "doc" (shown by `deploytool config-reference`), "check" (callable value -> error or None)
+
+
+def _doc(text: str, check: typing.Callable[[Any], str | None] | None = None, **kw: Any) -> Any:
+    meta: dict[str, Any] = {"doc": text}
+    if check is not None:
+        meta["check"] = check
+    return field(metadata=meta, **kw)
+
+
+def _port(v: int) -> str | None:
+    return None if 1 <= v <= 65535 else "is not a valid port (expected an integer 1-65535)"
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be greater than 0"
+
+
+def _ratio(v: float) -> str | None:
+    return None if 0 < v <= 1 else "must be a fraction in (0, 1]"
+
+
+def _cc(v: str) -> str | None:
+    return None if re.fullmatch(r"\d+\.\d+", v) else "is not a compute capability (expected a string like '7.5')"
+
+
+def _abs_or_placeholder(v: str) -> str | None:
+    if v.startswith("{") and not v.startswith(("{current}", "{venv}")):
+        return "may only start with the placeholders {current} or {venv}"
+    return None if v.strip() else "must not be empty"
+
+
+@dataclass(frozen=True)
+class Host:
+    gpus: tuple[int, ...] = _doc("GPU ids given to the services (CUDA_VISIBLE_DEVICES)", default=(0,))
+    compute_capability: str = _doc("compute capability of the GPUs, e.g. '7.5' for Turing (sm_75)",
+                                   _cc, default="7.5")
+    vram_mib: int = _doc("memory per GPU in MiB (22528 for a modified 2080 Ti 22G)", _positive, default=22528)
+
+
+@dataclass(frozen=True)
+class Serve:
+    host: str = _doc("address both backends bind (one port, one model name, whichever backend runs)",
+                     default="127.0.0.1")
+    port: int = _doc("TCP port both backends bind", _port, default=8082)
+    model_name: str = _doc("the model name clients send; both backends answer to it", default="model")
+    api_key_file: str | None = _doc("file holding the API key (kept out of unit files; written 0600)",
+                                    default=None)
+    user: str = _doc("who the services run as: 'dynamic' (DynamicUser=yes, the safest; model files must be "
+                     "world-readable) or a user name such as 'root'", default="dynamic")
+
+
+@dataclass(frozen=True)
+class Paths:
+    config: str = _doc("where the config lives on the box (ExecStartPre passes it to `deploytool verify`)",
+                       _abs_or_placeholder, default="/etc/deploytool/deploytool.yaml")
+    root: str = _doc("install root: releases/<id>/ and the `current` symlink live here", _abs_or_placeholder,
+                     default="/opt/deploytool")
+    unit_dir: str = _doc("where unit files are installed", _abs_or_placeholder, default="/etc/systemd/system")
+    env_dir: str = _doc("where env files are installed", _abs_or_placeholder, default="/etc/deploytool/env")
+    state_dir: str = _doc("state.json, history.jsonl and the lock", _abs_or_placeholder,
+                          default="/var/lib/deploytool")
+    keys_dir: str = _doc("trusted Ed25519 public keys (*.pub)", _abs_or_placeholder, default="/etc/deploytool/keys")
+    deploytool: str = _doc("the deploytool the units' ExecStartPre runs (pinned inside the release)",
+                           _abs_or_placeholder, default="{current}/tool/bin/deploytool")
+
+    @property
+    def releases_dir(self) -> str:
+        return self.root.rstrip("/") + "/releases"
+
+    @property
+    def current(self) -> str:
+        return self.root.rstrip("/") + "/current"
+
+
+@dataclass(frozen=True)
+class SystemdCfg:
+    sandbox: str | None = _doc("a `deploytool sandbox` directory: systemctl, journalctl and the unit dir "
+                               "then target that sandboxed systemd instead of the host", default=None)
+    systemctl: tuple[str, ...] = _doc("the systemctl command (argv prefix)", default=("systemctl",))
+    journalctl: tuple[str, ...] = _doc("the journalctl command (argv prefix)", default=("journalctl",))
+
+
+@dataclass(frozen=True)
+class HealthCfg:
+    start_timeout_s: float = _doc("how long a backend may take to become ready (a 29 GB load takes minutes)",
+                                  _positive, default=900.0)
+    interval_s: float = _doc("poll interval while waiting", _positive, default=0.5)
+    smoke_timeout_s: float = _doc("timeout of the smoke chat completion", _positive, default=120.0)
+    smoke_max_tokens: int = _doc("max_tokens of the smoke chat completion", _positive, default=16)
+
+
+@dataclass(frozen=True)
+class TemplatePatch:
+    find: str = _doc("text that must occur exactly once in the original template",
+                     default="is not none else 'medium' %}")
+    replace: str = _doc("its replacement", default="is not none else 'low' %}")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str = _doc("the original template file (relative to the config file or absolute)")
+    sha256: str | None = _doc("SHA-256 of the original; checked before patching", default=None)
+    origin: str | None = _doc("where it came from (recorded in the manifest)", default=None)
+    commit: str | None = _doc("the pinned upstream commit (recorded in the manifest)", default=None)
+    patch: TemplatePatch | None = _doc("one exact substitution; must match exactly once", default=None)
+
+
+@dataclass(frozen=True)
+class Nccl:
+    library: str = _doc("the NCCL library to bundle and LD_PRELOAD (libnccl.so.2)")
+    arch_policy: ArchPolicy = _doc("'exact': require a cubin for the GPUs' arch (the write-up's fix); "
+                                   "'compatible': also accept same-major lower-minor cubins", default="exact")
+    force: bool = _doc("bundle it even though the arch check fails (marked in the manifest)", default=False)
+
+
+@dataclass(frozen=True)
+class BundleCfg:
+    name: str = _doc("bundle name prefix", default="deploytool")
+    python: str = _doc("the Python that builds and runs the release venv", default="/usr/bin/python3")
+    requirements: str | None = _doc("requirements input for `deploytool lock` (relative to the config)",
+                                    default=None)
+    lock: str = _doc("hash-pinned lock file (pip --require-hashes format)", default="requirements.lock")
+    wheels_dir: str = _doc("local wheel directory the lock resolves against", default="wheels")
+    tool_wheels_dir: str | None = _doc("deploytool's own wheel and its dependencies' wheels", default=None)
+    chat_template: ChatTemplate | None = _doc("the chat template to patch and bundle", default=None)
+    nccl: Nccl | None = _doc("the NCCL library to bundle", default=None)
+
+
+@dataclass(frozen=True)
+class Speculative:
+    algorithm: Literal["dflash", "mtp", "eagle", "none"] = _doc("ftllm --speculative_algorithm", default="dflash")
+    draft_model: str | None = _doc("--speculative_draft_model_path (the DFlash2 draft directory)", default=None)
+    num_draft_tokens: int = _doc("--speculative_num_draft_tokens N (drafts N-1 tokens)", _positive, default=8)
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    type: str = _doc("--spec-type (draft-mtp uses the GGUF's built-in MTP heads)", default="draft-mtp")
+    draft_n_max: int = _doc("--spec-draft-n-max", _positive, default=3)
+
+
+@dataclass(frozen=True)
+class BackendBase:
+    name: str
+    kind: str
+    aliases: tuple[str, ...]
+    device: Device
+    model: str
+    threads: int | None
+    env: tuple[tuple[str, str], ...]
+    extra_args: tuple[str, ...]
+    description: str | None
+
+    @property
+    def unit(self) -> str:
+        return f"{self.name}.service"
+
+
+@dataclass(frozen=True)
+class FtllmBackend(BackendBase):
+    executable: str = "{venv}/bin/ftllm"
+    tp: int = 1
+    max_batch: int | None = None
+    tokens: int | None = None
+    gpu_mem_ratio: float | None = None
+    kv_cache_dtype: str | None = None
+    cuda_embedding: bool = False
+    think: bool | None = None
+    prefix_cache: bool | None = None
+    use_bundle_chat_template: bool = False
+    use_bundle_nccl: bool = False
+    clients_request_thinking: bool = True
+    speculative: Speculative | None = None
+    model_config: str | None = None
+
+
+@dataclass(frozen=True)
+class LlamacppBackend(BackendBase):
+    binary: str = "/usr/local/bin/llama-server"
+    build: str | None = None
+    mmproj: str | None = None
+    split_mode: str | None = None
+    ctx_size: int | None = None
+    flash_attn: str | None = None
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    spec: LlamaSpec | None = None
+    model_config: str | None = None
+
+
+Backend = FtllmBackend | LlamacppBackend
+
+
+# raw-schema classes for the two backend kinds (what the YAML may say); turned into the classes above
+@dataclass(frozen=True)
+class _BackendCommon:
+    kind: Literal["ftllm", "llamacpp"] = _doc("which server: 'ftllm' (FastLLM) or 'llamacpp' (llama-server)")
+    model: str = _doc("model directory (ftllm) or GGUF file")
+    aliases: tuple[str, ...] = _doc("short names accepted by switch (e.g. 'ftllm')", default=())
+    device: Device = _doc("'cuda' (the GPUs) or 'cpu' (ftllm --device cpu -t 1; llama-server on CPU: "
+                          "how the demo and the tests run here)", default="cuda")
+    threads: int | None = _doc("CPU threads (-t); default 1 on cpu", default=None)
+    env: Mapping[str, str] = _doc("extra environment (EnvironmentFile syntax is handled for you)",
+                                  default_factory=dict)
+    extra_args: tuple[str, ...] = _doc("extra arguments appended to the launch line", default=())
+    description: str | None = _doc("unit Description=", default=None)
+    model_config: str | None = _doc("the model's config.json (capacity math; default <model>/config.json)",
+                                    default=None)
+
+
+@dataclass(frozen=True)
+class _FtllmRaw(_BackendCommon):
+    executable: str = _doc("the ftllm console script", _abs_or_placeholder, default="{venv}/bin/ftllm")
+    tp: int = _doc("--tp tensor parallel degree", _positive, default=1)
+    max_batch: int | None = _doc("--max_batch", default=None)
+    tokens: int | None = _doc("--tokens: KV cache token budget (context)", default=None)
+    gpu_mem_ratio: float | None = _doc("--gpu_mem_ratio (0.95 is the known-good value)", _ratio, default=None)
+    kv_cache_dtype: KvDtypeFtllm | None = _doc("--kv_cache_dtype (fp4 for 262K with DFlash2)", default=None)
+    cuda_embedding: bool = _doc("--cuda_embedding (pins a 2.4 GB FP16 embedding on GPU0)", default=False)
+    think: bool | None = _doc("--think (only prepends '<think>\\n' to output; does not change the model)",
+                              default=None)
+    prefix_cache: bool | None = _doc("--prefix_cache", default=None)
+    chat_template: Literal["bundle"] | None = _doc("'bundle': pass the bundle's patched chat template",
+                                                   default=None)
+    nccl: Literal["bundle"] | None = _doc("'bundle': LD_PRELOAD the bundle's NCCL", default=None)
+    clients_request_thinking: bool = _doc("clients may send enable_thinking: true", default=True)
+    speculative: Speculative | None = _doc("speculative decoding", default=None)
+
+
+@dataclass(frozen=True)
+class _LlamacppRaw(_BackendCommon):
+    binary: str = _doc("the llama-server binary", _abs_or_placeholder, default="/usr/local/bin/llama-server")
+    build: str | None = _doc("the llama.cpp build the settings were proven on (e.g. b10064)", default=None)
+    mmproj: str | None = _doc("--mmproj GGUF (vision)", default=None)
+    split_mode: SplitMode | None = _doc("-sm (row was removed upstream; use tensor)", default=None)
+    ctx_size: int | None = _doc("-c context size (required with -sm tensor: it ignores --fit)", default=None)
+    flash_attn: FlashAttn | None = _doc("-fa", default=None)
+    cache_type_k: KvDtypeLlama | None = _doc("-ctk (leave unset for f16 main KV: best MTP acceptance)",
+                                             default=None)
+    cache_type_v: KvDtypeLlama | None = _doc("-ctv", default=None)
+    spec: LlamaSpec | None = _doc("speculative decoding with the built-in MTP heads", default=None)
+
+
+@dataclass(frozen=True)
+class Config:
+    version: int = _doc("config format version (1)")
+    default_backend: str = _doc("the backend install starts")
+    backends: Mapping[str, Backend] = _doc("the backends, by name (unit name = <name>.service)")
+    host: Host = _doc("the machine", default_factory=Host)
+    serve: Serve = _doc("what is served", default_factory=Serve)
+    paths: Paths = _doc("system paths (point them at a sandbox to rehearse)", default_factory=Paths)
+    systemd: SystemdCfg = _doc("how systemd is reached", default_factory=SystemdCfg)
+    health: HealthCfg = _doc("the health gate", default_factory=HealthCfg)
+    bundle: BundleCfg = _doc("what `pack` bundles", default_factory=BundleCfg)
+    # not from YAML:
+    source_path: str | None = None
+    source_sha256: str | None = None
+
+    @property
+    def base_dir(self) -> Path:
+        return Path(self.source_path).parent if self.source_path else Path.cwd()
+
+    def resolve(self, p: str) -> Path:
+        """A path from the config, relative paths taken from the config file's directory."""
+        path = Path(p).expanduser()
+        return path if path.is_absolute() else self.base_dir / path
+
+    def backend(self, name_or_alias: str) -> Backend:
+        """Resolve a backend by name, alias or unambiguous prefix; an unknown name lists the backends."""
+        return self.backends[resolve_backend_name(self, name_or_alias)]
+
+    def other_backends(self, name: str) -> list[Backend]:
+        return [b for n, b in sorted(self.backends.items()) if n != name]
+
+
+_RAW_TOP = {"version", "default_backend", "backends", "host", "serve", "paths", "systemd", "health", "bundle"}
+
+
+def resolve_backend_name(cfg: Config, name: str) -> str:
+    if name in cfg.backends:
+        return name
+    by_alias = [n for n, b in cfg.backends.items() if name in b.aliases]
+    if len(by_alias) == 1:
+        return by_alias[0]
+    pref = sorted({n for n, b in cfg.backends.items()
+                   if n.startswith(name) or any(a.startswith(name) for a in b.aliases)}) if name else []
+    if len(pref) == 1:
+        return pref[0]
+    choices = ", ".join(f"{n} ({', '.join(b.aliases)})" if b.aliases else n for n, b in sorted(cfg.backends.items()))
+    if len(pref) > 1:
+        raise ConfigError(f"backend name {name!r} is ambiguous: it could be {', '.join(pref)}",
+                          hint=f"use one of: {choices}")
+    raise ConfigError(f"unknown backend {name!r}", hint=f"the backends are: {choices}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Generic loader
+
+
+def _fmt(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        inner = " or ".join(_type_name(a) for a in args)
+        return inner + " (or null)" if len(args) < len(get_args(tp)) else inner
+    if origin is tuple:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    if origin in (Mapping, dict):
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _convert(non_none[0], value, path)
+        raise AssertionError("unions of several types are not used in the schema")
+    if value is None:
+        raise ConfigError(f"{path}: null is not allowed (expected {_type_name(tp)})")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f"did you mean {close[0]!r}?" if close else None
+            raise ConfigError(f"{path}: {_fmt(value)} is not valid (expected {_type_name(tp)})", hint=hint)
+        return value
+    if origin is tuple:
+        (item_tp, *_rest) = get_args(tp)
+        if isinstance(value, str | bytes) or not isinstance(value, list):
+            raise ConfigError(f"{path}: {_fmt(value)} is not a list (expected {_type_name(tp)})")
+        return tuple(_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: {_fmt(value)} is not a mapping")
+        k_tp, v_tp = get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{path}: key {_fmt(k)} is not a string")
+            out[k] = _convert(v_tp, v, f"{path}.{k}")
+        return types.MappingProxyType(out)
+    if dataclasses.is_dataclass(tp):
+        return _load_dataclass(tp, value, path)  # type: ignore[arg-type]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: {_fmt(value)} is not true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: {_fmt(value)} is not an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: {_fmt(value)} is not a number")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{path}: {_fmt(value)} is not a finite number")
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise ConfigError(f"{path}: {_fmt(value)} is not a string")
+        s = str(value)
+        if "\x00" in s:
+            raise ConfigError(f"{path}: contains a NUL byte")
+        return s
+    raise AssertionError(f"unsupported schema type {tp!r}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _load_dataclass(cls: type, raw: Any, path: str) -> Any:
+    where = path or "the config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {_fmt(raw)} is not a mapping (expected keys: "
+                          f"{', '.join(f.name for f in dataclasses.fields(cls) if f.init and 'doc' in f.metadata)})")
+    hints = _hints(cls)
+    known = [f.name for f in dataclasses.fields(cls) if "doc" in f.metadata]
+    for key in raw:
+        if not isinstance(key, str) or key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            raise ConfigError(f"{where}: unknown key {_fmt(key)}", hint=hint)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if "doc" not in f.metadata:
+            continue
+        sub = f"{path}.{f.name}" if path else f.name
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{sub}: missing (expected {_type_name(hints[f.name])}: {f.metadata['doc']})")
+            continue
+        val = _convert(hints[f.name], raw[f.name], sub)
+        check = f.metadata.get("check")
+        if check is not None and val is not None:
+            msg = check(val)
+            if msg:
+                raise ConfigError(f"{sub}: {_fmt(raw[f.name])} {msg}")
+        kwargs[f.name] = val
+    return cls(**kwargs)
+
+
+def _backend_from_raw(name: str, raw: Any) -> Backend:
+    path = f"backends.{name}"
+    if not BACKEND_NAME_RE.match(name):
+        raise ConfigError(f"{path}: {name!r} is not a valid backend name (expected lowercase letters, digits and "
+                          f"'-', starting with a letter, at most 40 characters; it becomes the unit name)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {_fmt(raw)} is not a mapping")
+    kind = raw.get("kind")
+    if kind not in ("ftllm", "llamacpp"):
+        raise ConfigError(f"{path}.kind: {_fmt(kind)} is not valid (expected one of 'ftllm', 'llamacpp')")
+    r = _load_dataclass(_FtllmRaw if kind == "ftllm" else _LlamacppRaw, raw, path)
+    for k in r.env:
+        if not ENV_NAME_RE.match(k):
+            raise ConfigError(f"{path}.env: {k!r} is not a valid environment variable name")
+    threads = r.threads if r.threads is not None else (1 if r.device == "cpu" else None)
+    common = dict(name=name, kind=kind, aliases=r.aliases, device=r.device, model=r.model, threads=threads,
+                  env=tuple(sorted(r.env.items())), extra_args=r.extra_args, description=r.description,
+                  model_config=r.model_config)
+    if kind == "ftllm":
+        return FtllmBackend(**common, executable=r.executable, tp=r.tp, max_batch=r.max_batch, tokens=r.tokens,
+                            gpu_mem_ratio=r.gpu_mem_ratio, kv_cache_dtype=r.kv_cache_dtype,
+                            cuda_embedding=r.cuda_embedding, think=r.think, prefix_cache=r.prefix_cache,
+                            use_bundle_chat_template=r.chat_template == "bundle",
+                            use_bundle_nccl=r.nccl == "bundle",
+                            clients_request_thinking=r.clients_request_thinking, speculative=r.speculative)
+    return LlamacppBackend(**common, binary=r.binary, build=r.build, mmproj=r.mmproj, split_mode=r.split_mode,
+                           ctx_size=r.ctx_size, flash_attn=r.flash_attn, cache_type_k=r.cache_type_k,
+                           cache_type_v=r.cache_type_v, spec=r.spec)
+
+
+def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | None = None) -> Config:
+    """Validate a parsed YAML document and build the Config (raises ConfigError naming the key path)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a YAML mapping at the top level, not {type(raw).__name__}",
+                          hint="start from `deploytool init --example cpu-demo`")
+    for key in raw:
+        if key not in _RAW_TOP:
+            close = difflib.get_close_matches(str(key), sorted(_RAW_TOP), n=1, cutoff=0.6)
+            raise ConfigError(f"unknown key {_fmt(key)} at the top level",
+                              hint=f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(_RAW_TOP))}")
+    if "version" not in raw:
+        raise ConfigError("version: missing (expected 1)", hint="add `version: 1` at the top")
+    if raw["version"] != CONFIG_VERSION or isinstance(raw["version"], bool):
+        raise ConfigError(f"version: {_fmt(raw['version'])} is not a supported config version (expected 1)")
+    backends_raw = raw.get("backends")
+    if not isinstance(backends_raw, dict) or not backends_raw:
+        raise ConfigError("backends: missing or empty (expected a mapping of backend name -> settings)")
+    backends = {}
+    for name, b in backends_raw.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"backends: key {_fmt(name)} is not a string")
+        backends[name] = _backend_from_raw(name, b)
+    rest = {k: v for k, v in raw.items() if k not in ("backends", "version", "default_backend")}
+    parts = _load_dataclass(_ConfigRest, rest, "")
+    default = raw.get("default_backend")
+    if not isinstance(default, str):
+        raise ConfigError(f"default_backend: {_fmt(default)} is not a string (expected one of "
+                          f"{', '.join(sorted(backends))})")
+    if default not in backends:
+        close = difflib.get_close_matches(default, sorted(backends), n=1)
+        raise ConfigError(f"default_backend: {default!r} is not one of the backends ({', '.join(sorted(backends))})",
+                          hint=f"did you mean {close[0]!r}?" if close else None)
+    # aliases must be unique and must not shadow a backend name
+    seen: dict[str, str] = {}
+    for name, b in backends.items():
+        for a in b.aliases:
+            if a in backends and a != name:
+                raise ConfigError(f"backends.{name}.aliases: {a!r} is the name of another backend")
+            if a in seen and seen[a] != name:
+                raise ConfigError(f"backends.{name}.aliases: {a!r} is already an alias of {seen[a]}")
+            seen[a] = name
+    cfg = Config(version=CONFIG_VERSION, default_backend=default, backends=types.MappingProxyType(backends),
+                 host=parts.host, serve=parts.serve, paths=parts.paths, systemd=parts.systemd,
+                 health=parts.health, bundle=parts.bundle, source_path=source_path, source_sha256=source_sha256)
+    return _resolve_paths(cfg, raw)
+
+
+def _abs(base: Path, p: str | None) -> str | None:
+    """Relative paths are taken from the config file's directory; {current}/{venv} placeholders stay."""
+    if p is None or p.startswith("{"):
+        return p
+    q = Path(p).expanduser()
+    return str(q if q.is_absolute() else (base / q).resolve())
+
+
+def _resolve_paths(cfg: Config, raw: dict[str, Any]) -> Config:
+    base = cfg.base_dir
+    rp = dataclasses.replace
+    paths_raw = raw.get("paths") or {}
+    sandbox = _abs(base, cfg.systemd.sandbox)
+    paths = cfg.paths
+    paths = rp(paths, **{f.name: _abs(base, getattr(paths, f.name)) for f in dataclasses.fields(paths)})
+    if "config" not in paths_raw and cfg.source_path:
+        paths = rp(paths, config=cfg.source_path)
+    if sandbox and "unit_dir" not in paths_raw:
+        paths = rp(paths, unit_dir=str(Path(sandbox) / "etc-systemd-system"))
+    b = cfg.bundle
+    ct = b.chat_template and rp(b.chat_template, source=_abs(base, b.chat_template.source))
+    nc = b.nccl and rp(b.nccl, library=_abs(base, b.nccl.library))
+    bundle = rp(b, requirements=_abs(base, b.requirements), lock=_abs(base, b.lock),
+                wheels_dir=_abs(base, b.wheels_dir), tool_wheels_dir=_abs(base, b.tool_wheels_dir),
+                chat_template=ct, nccl=nc)
+    backends: dict[str, Backend] = {}
+    for name, be in cfg.backends.items():
+        upd: dict[str, Any] = {"model": _abs(base, be.model), "model_config": _abs(base, be.model_config)}
+        if isinstance(be, FtllmBackend):
+            upd["executable"] = _abs(base, be.executable)
+            if be.speculative is not None:
+                upd["speculative"] = rp(be.speculative, draft_model=_abs(base, be.speculative.draft_model))
+        else:
+            upd["binary"] = _abs(base, be.binary)
+            upd["mmproj"] = _abs(base, be.mmproj)
+        backends[name] = rp(be, **upd)
+    return rp(cfg, paths=paths, systemd=rp(cfg.systemd, sandbox=sandbox), bundle=bundle,
+              backends=types.MappingProxyType(backends))
+
+
+@dataclass(frozen=True)
+class _ConfigRest:
+    host: Host = _doc("the machine", default_factory=Host)
+    serve: Serve = _doc("what is served", default_factory=Serve)
+    paths: Paths = _doc("system paths", default_factory=Paths)
+    systemd: SystemdCfg = _doc("how systemd is reached", default_factory=SystemdCfg)
+    health: HealthCfg = _doc("the health gate", default_factory=HealthCfg)
+    bundle: BundleCfg = _doc("what `pack` bundles", default_factory=BundleCfg)
+
+
+def parse_yaml(text: str | bytes, *, name: str = "config") -> Any:
+    import yaml  # lazy
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{name}: malformed YAML{where}: {exc.problem or exc}",
+                          hint="fix the YAML syntax (indentation, quotes, colons)") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{name}: malformed YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                          hint="fix the YAML syntax") from None
+
+
+def load(path: str | Path) -> Config:
+    """Read, parse and validate the config file at `path`."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"config file not found: {p}",
+                         hint="write one with `deploytool init --example cpu-demo` or pass --config PATH") from None
+    except IsADirectoryError:
+        raise InputError(f"config path is a directory, not a file: {p}") from None
+    except OSError as exc:
+        raise InputError(f"cannot read config file {p}: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    raw = parse_yaml(text, name=str(p))
+    return from_dict(raw, source_path=str(p.resolve()), source_sha256=hashlib.sha256(data).hexdigest())
+
+
+def example_text(name: str) -> str:
+    if name not in EXAMPLES:
+        close = difflib.get_close_matches(name, EXAMPLES, n=1)
+        raise ConfigError(f"unknown example {name!r} (examples: {', '.join(EXAMPLES)})",
+                          hint=f"did you mean {close[0]!r}?" if close else None)
+    return resources.files("deploy_tool.examples").joinpath(f"{name}.yaml").read_text("utf-8")
+
+
+def reference_rows() -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, doc) for every setting: the README's config reference and `config-reference`."""
+    rows: list[tuple[str, str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            if "doc" not in f.metadata:
+                continue
+            tp = hints[f.name]
+            key = f"{prefix}{f.name}"
+            inner = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) else [tp]
+            if f.default is not dataclasses.MISSING:
+                default = "null" if f.default is None else repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = "(see below)" if dataclasses.is_dataclass(inner[0]) else "{}"
+            else:
+                default = "required"
+            rows.append((key, _type_name(tp), default, f.metadata["doc"]))
+            if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+                walk(inner[0], key + ".")  # type: ignore[arg-type]
+
+    rows.append(("version", "an integer", "required", "config format version (1)"))
+    rows.append(("default_backend", "a string", "required", "the backend install starts"))
+    walk(_ConfigRest, "")
+    walk(_FtllmRaw, "backends.<name>.  (kind: ftllm) ")
+    walk(_LlamacppRaw, "backends.<name>.  (kind: llamacpp) ")
+    return rows

@@ -1,0 +1,117 @@
+"""The only module that runs external programs (and the only importer of `sh`).
+
+Commands are argv lists, never shell strings. Expected non-zero exits are declared by the caller
+(`ok=(0, 3)` for `systemctl is-active`). A missing program gets its own error. With verbose logging on,
+every command is logged as `+ argv...`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from deploy_tool.errors import DeployError, MissingTool
+
+log = logging.getLogger("deploytool.proc")
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class CommandFailed(DeployError):
+    """A command exited with a code the caller did not declare as expected."""
+
+    def __init__(self, result: Result) -> None:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        super().__init__(
+            f"command failed (exit {result.returncode}): {shlex.join(result.argv)}"
+            + (("\n  " + "\n  ".join(tail)) if tail else ""),
+        )
+        self.result = result
+
+
+def _sh():
+    import sh  # lazy: keeps `deploytool --version` fast
+
+    return sh
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    ok: Sequence[int] = (0,),
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    input: str | bytes | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> Result:
+    """Run argv to completion and return its exit code and output; raise CommandFailed unless the code is in `ok`."""
+    argv = tuple(str(a) for a in argv)
+    if not argv:
+        raise ValueError("empty argv")
+    log.debug("+ %s", shlex.join(argv))
+    sh = _sh()
+    try:
+        cmd = sh.Command(argv[0])
+    except sh.CommandNotFound as exc:
+        raise MissingTool(f"program not found: {argv[0]}",
+                          hint="install it, or set its path in the config (paths: section)") from exc
+    kwargs: dict[str, object] = {"_ok_code": list(range(256)), "_return_cmd": True, "_tty_out": False,
+                                 "_decode_errors": "replace"}
+    if timeout is not None:
+        kwargs["_timeout"] = timeout
+    if env is not None:
+        kwargs["_env"] = dict(env)
+    if input is not None:
+        kwargs["_in"] = input
+    if cwd is not None:
+        kwargs["_cwd"] = str(cwd)
+    try:
+        proc = cmd(*argv[1:], **kwargs)
+    except sh.TimeoutException as exc:
+        raise DeployError(f"command timed out after {timeout}s: {shlex.join(argv)}") from exc
+    except sh.SignalException as exc:  # killed by a signal: report like a shell would
+        res = Result(argv, 128 + abs(exc.exit_code), _dec(exc.stdout), _dec(exc.stderr))
+        raise CommandFailed(res) from exc
+    except PermissionError as exc:
+        raise MissingTool(f"program not executable: {argv[0]}") from exc
+    res = Result(argv, proc.exit_code, _dec(proc.stdout), _dec(proc.stderr))
+    if res.returncode not in ok:
+        raise CommandFailed(res)
+    return res
+
+
+def _dec(b: bytes | str | None) -> str:
+    if b is None:
+        return ""
+    if isinstance(b, bytes):
+        return b.decode("utf-8", "replace")
+    return b
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    stdout: object = subprocess.DEVNULL,
+    stderr: object = subprocess.DEVNULL,
+    new_session: bool = True,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start argv in the background (for long-lived helpers like the sandbox launcher); the caller owns the PID."""
+    argv = [str(a) for a in argv]
+    log.debug("+ (background) %s", shlex.join(argv))
+    try:
+        return subprocess.Popen(argv, env=dict(env) if env is not None else None, stdin=subprocess.DEVNULL,
+                                stdout=stdout, stderr=stderr, start_new_session=new_session, cwd=cwd)  # type: ignore[arg-type]
+    except FileNotFoundError as exc:
+        raise MissingTool(f"program not found: {argv[0]}") from exc
