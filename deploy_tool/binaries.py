@@ -1,0 +1,520 @@
+"""Inspect native binaries without running them on a GPU: CUDA fatbin architectures and string counts.
+
+Two pitfalls from the field motivate this module:
+
+* NCCL without sm_75 (pitfall 1). The 2080 Ti box crashed in `ncclAllReduce` with "unhandled cuda error"
+  because the libnccl.so.2 it loaded carried no sm_75 code; the error never names the architecture.
+  `read_fatbin` lists the cubin and PTX architectures inside a shared library, the same answer as
+  `cuobjdump --list-elf` / `--list-ptx`, in pure Python, and `arch_supported` decides whether they serve a
+  device. A naive `strings | grep sm_75` is not a substitute: libnccl mentions "sm_75" in unrelated text.
+* llama.cpp `-sm row` removed (pitfall 9). `count_strings` counts a byte string in a binary without
+  loading it into memory (e.g. `split_buffer`), and `read_llama_version` reads the build and commit that
+  `llama-server --version` reports.
+
+File layout read by `read_fatbin` (little-endian ELF64 only):
+  ELF header -> section header table -> sections `.nv_fatbin` (what the CUDA runtime loads, and what
+  cuobjdump lists) and `__nv_relfatbin` (relocatable device code kept for device linking) -> a sequence of
+  8-byte-aligned fatbin containers, each a 16-byte header `<IHHQ` (magic 0xBA55ED50, version, header size,
+  payload size) -> entries, each with a header of at least 64 bytes: u16 kind at 0 (1 PTX, 2 cubin,
+  8 LTO-IR), u32 header size at 4, u64 payload size at 8, u32 arch at 28 (75 = sm_75), u64 flags at 40
+  (0x2000 LZ4, 0x8000 zstd payload; 0x100000 arch-specific "a" target; 0x200000 family "f" target).
+Only headers are read (positioned reads on the open file), never payloads, so a 500 MB library costs a few
+hundred small reads.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy_tool import proc
+from deploy_tool.errors import InputError
+
+__all__ = [
+    "FatbinEntry",
+    "FatbinInfo",
+    "LlamaVersion",
+    "POLICIES",
+    "arch_supported",
+    "count_strings",
+    "find_build_number",
+    "parse_llama_version",
+    "read_fatbin",
+    "read_llama_version",
+]
+
+FATBIN_MAGIC = 0xBA55ED50
+RUNTIME_SECTION = ".nv_fatbin"
+FATBIN_SECTIONS = (RUNTIME_SECTION, "__nv_relfatbin")
+
+_ELF_MAGIC = b"\x7fELF"
+_SHT_NOBITS = 8
+_SHN_XINDEX = 0xFFFF
+_KINDS = {1: "ptx", 2: "cubin", 8: "ltoir"}
+_FLAG_LZ4 = 0x2000
+_FLAG_ZSTD = 0x8000
+_FLAG_ARCH_SPECIFIC = 0x100000  # sm_90a
+_FLAG_FAMILY = 0x200000  # sm_120f
+_MAX_SHSTRTAB = 16 << 20
+_SCAN_WINDOW = 64 << 10
+
+# The fact from the field write-up (FIELD-NOTES pitfall 1) and the CUDA rule the explanations cite.
+FIELD_FACT = (
+    "the field write-up's NCCL crash on the sm_75 cards ('ncclAllReduce failed: unhandled cuda error' under "
+    "TP=2 speculative decoding) was fixed only by an NCCL built with exactly sm_75"
+)
+COMPAT_RULE = (
+    "a cubin runs on its own major version at an equal or higher minor, e.g. sm_70 on 7.5, an 'a' cubin only "
+    "on its exact version; PTX at or below the device's architecture can be JIT-compiled by the driver"
+)
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class FatbinEntry:
+    """One fatbin entry: a cubin (machine code for one architecture) or PTX (portable code to JIT)."""
+
+    section: str  # ".nv_fatbin" or "__nv_relfatbin"
+    offset: int  # file offset of the entry header
+    kind: str  # "cubin", "ptx", "ltoir" or "kind-N" for an unknown kind
+    arch: str  # "sm_75", "sm_90a", "sm_120f" (PTX only; cuobjdump names family cubins plainly)
+    arch_number: int  # 75
+    flags: int
+    payload_size: int
+
+    @property
+    def compression(self) -> str | None:
+        """'lz4', 'zstd' or None for a payload stored as is."""
+        if self.flags & _FLAG_ZSTD:
+            return "zstd"
+        if self.flags & _FLAG_LZ4:
+            return "lz4"
+        return None
+
+    @property
+    def compressed(self) -> bool:
+        return self.compression is not None
+
+    @property
+    def arch_specific(self) -> bool:
+        """True for an 'a' target (sm_90a): runs only on exactly that compute capability."""
+        return bool(self.flags & _FLAG_ARCH_SPECIFIC)
+
+    @property
+    def family(self) -> bool:
+        """True for an 'f' target (sm_120f): portable within the same major version only."""
+        return bool(self.flags & _FLAG_FAMILY)
+
+
+@dataclass(frozen=True)
+class FatbinInfo:
+    """The CUDA device code found in one ELF file.
+
+    `cubin_archs` and `ptx_archs` describe `.nv_fatbin`, the section the CUDA runtime loads (and the one
+    `cuobjdump --list-elf/--list-ptx` lists); `entries` holds every entry of both fatbin sections.
+    """
+
+    path: str
+    has_fatbin: bool
+    sections: tuple[str, ...] = ()
+    entries: tuple[FatbinEntry, ...] = ()
+    cubin_archs: tuple[str, ...] = field(init=False)
+    ptx_archs: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cubin_archs", _sorted_archs(self.runtime_entries("cubin")))
+        object.__setattr__(self, "ptx_archs", _sorted_archs(self.runtime_entries("ptx")))
+
+    @property
+    def entry_count(self) -> int:
+        return len(self.entries)
+
+    def runtime_entries(self, kind: str | None = None) -> tuple[FatbinEntry, ...]:
+        """Entries of `.nv_fatbin` (optionally of one kind): the code the CUDA runtime can load."""
+        return tuple(e for e in self.entries
+                     if e.section == RUNTIME_SECTION and (kind is None or e.kind == kind))
+
+    def arch_counts(self, kind: str, section: str = RUNTIME_SECTION) -> dict[str, int]:
+        """How many entries of `kind` each architecture has in `section` (cuobjdump lists one line each)."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            if e.kind == kind and e.section == section:
+                out[e.arch] = out.get(e.arch, 0) + 1
+        return out
+
+
+def _arch_key(arch: str) -> tuple[int, str]:
+    m = re.fullmatch(r"sm_(\d+)([a-z]*)", arch)
+    return (int(m.group(1)), m.group(2)) if m else (1 << 30, arch)
+
+
+def _sorted_archs(entries: tuple[FatbinEntry, ...]) -> tuple[str, ...]:
+    return tuple(sorted({e.arch for e in entries}, key=_arch_key))
+
+
+# --------------------------------------------------------------------------------------------- file access
+
+
+class _File:
+    """A regular file opened for positioned reads, with errors turned into InputError naming the path."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise InputError(f"{path} does not exist",
+                             hint="check the path (for a library the service loads, see `ldd` or LD_PRELOAD)") from None
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror}") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise InputError(f"{path} is a directory, not an ELF shared library",
+                             hint="name the library file itself, e.g. .../lib/libnccl.so.2")
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path} is not a regular file, so it cannot be an ELF shared library")
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except PermissionError:
+            raise InputError(f"cannot read {path}: permission denied",
+                             hint="run as a user who can read it, or copy it somewhere readable") from None
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror}") from None
+        self.size = os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> _File:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pread(self, offset: int, n: int, what: str) -> bytes:
+        """Exactly n bytes at offset, or InputError saying the file is truncated where `what` should be."""
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise InputError(
+                f"{self.path} is truncated or corrupt: {what} would span bytes {offset}..{offset + n} "
+                f"but the file has {self.size} bytes",
+                hint="re-download or re-extract the library; a partial copy cannot be checked")
+        chunks = []
+        want = n
+        while want:
+            try:
+                b = os.pread(self.fd, want, offset + n - want)
+            except OSError as exc:
+                raise InputError(f"cannot read {self.path}: {os.strerror(exc.errno or errno.EIO)}") from None
+            if not b:
+                raise InputError(f"{self.path} shrank while being read (at byte {offset + n - want})")
+            chunks.append(b)
+            want -= len(b)
+        return b"".join(chunks)
+
+
+# --------------------------------------------------------------------------------------------- ELF + fatbin
+
+
+@dataclass(frozen=True)
+class _Section:
+    name: str
+    type: int
+    offset: int
+    size: int
+
+
+def _elf_sections(f: _File) -> list[_Section]:
+    path = f.path
+    head = f.pread(0, min(f.size, 64), "the ELF header")
+    if not head:
+        raise InputError(f"{path} is empty (0 bytes), not an ELF shared library")
+    if head[:4] != _ELF_MAGIC:
+        raise InputError(f"{path} is not an ELF shared library (starts with {head[:8]!r})",
+                         hint="point the check at the .so file itself, not a linker script, symlink list or archive")
+    if len(head) < 5 or head[4] not in (1, 2):
+        raise InputError(f"{path} is a corrupt ELF file (ELF class byte {head[4:5]!r})")
+    if head[4] == 1:
+        raise InputError(f"{path} is a 32-bit ELF file; CUDA libraries are 64-bit, so this is the wrong file")
+    if len(head) < 6 or head[5] != 1:
+        raise InputError(f"{path} is not a little-endian ELF file (data byte {head[5:6]!r}); only x86-64/aarch64 "
+                         "little-endian libraries are supported")
+    if len(head) < 64:
+        raise InputError(f"{path} is truncated: {len(head)} bytes, shorter than a 64-byte ELF64 header")
+    (e_shoff,) = struct.unpack_from("<Q", head, 0x28)
+    e_shentsize, e_shnum, e_shstrndx = struct.unpack_from("<HHH", head, 0x3A)
+    if e_shoff == 0:
+        raise InputError(f"{path} has no section header table, so its CUDA fatbin sections cannot be located",
+                         hint="use the unstripped library as shipped")
+    if e_shentsize != 64:
+        raise InputError(f"{path} is a corrupt ELF64 file (section header size {e_shentsize}, expected 64)")
+    if e_shnum == 0 or e_shstrndx == _SHN_XINDEX:  # extended numbering lives in section 0
+        s0 = f.pread(e_shoff, 64, "section header 0")
+        if e_shnum == 0:
+            (e_shnum,) = struct.unpack_from("<Q", s0, 0x20)
+        if e_shstrndx == _SHN_XINDEX:
+            (e_shstrndx,) = struct.unpack_from("<I", s0, 0x28)
+    if e_shnum == 0:
+        return []
+    table = f.pread(e_shoff, e_shnum * 64, "the section header table")
+    raw = [struct.unpack_from("<IIQQQQIIQQ", table, i * 64) for i in range(e_shnum)]
+    if e_shstrndx >= e_shnum:
+        raise InputError(f"{path} is a corrupt ELF file (section name table index {e_shstrndx} "
+                         f"of {e_shnum} sections)")
+    _n, str_type, _fl, _addr, str_off, str_size, *_ = raw[e_shstrndx]
+    if str_type == _SHT_NOBITS or str_size > _MAX_SHSTRTAB:
+        raise InputError(f"{path} is a corrupt ELF file (section name table of type {str_type}, {str_size} bytes)")
+    strtab = f.pread(str_off, str_size, "the section name table")
+    out = []
+    for sh_name, sh_type, _fl, _addr, sh_offset, sh_size, *_ in raw:
+        if sh_name >= len(strtab) and sh_name != 0:
+            raise InputError(f"{path} is a corrupt ELF file (section name offset {sh_name} outside the name table)")
+        end = strtab.find(b"\0", sh_name)
+        name = strtab[sh_name: end if end >= 0 else len(strtab)].decode("latin-1")
+        out.append(_Section(name, sh_type, sh_offset, sh_size))
+    return out
+
+
+def _find_magic(f: _File, start: int, end: int, base: int) -> int:
+    """File offset of the next container magic at or after `start` and before `end`, 8-aligned from `base`."""
+    magic = struct.pack("<I", FATBIN_MAGIC)
+    pos = start
+    while pos + 16 <= end:
+        n = min(_SCAN_WINDOW, end - pos)
+        buf = f.pread(pos, n, "fatbin padding")
+        i = buf.find(magic)
+        while i >= 0:
+            if (pos + i - base) % 8 == 0:
+                return pos + i
+            i = buf.find(magic, i + 1)
+        step = max(8, (n - 3) // 8 * 8)
+        pos += step
+    return end
+
+
+def _section_entries(f: _File, sec: _Section) -> Iterator[FatbinEntry]:
+    path = f.path
+    base, end = sec.offset, sec.offset + sec.size
+    f.pread(base, 0, f"section {sec.name}")  # bounds check only
+    if end > f.size:
+        raise InputError(f"{path} is truncated: section {sec.name} ends at byte {end} but the file has "
+                         f"{f.size} bytes", hint="re-download or re-extract the library")
+    pos = base
+    while pos + 16 <= end:
+        magic, _version, hsize, psize = struct.unpack("<IHHQ", f.pread(pos, 16, "a fatbin container header"))
+        if magic != FATBIN_MAGIC:
+            pos = _find_magic(f, pos + 8, end, base)
+            continue
+        if hsize < 16 or pos + hsize + psize > end:
+            raise InputError(f"{path} has a corrupt fatbin container in {sec.name} at byte {pos} "
+                             f"(header {hsize} bytes, payload {psize} bytes, {end - pos} bytes left in the section)")
+        e, cend = pos + hsize, pos + hsize + psize
+        while cend - e >= 64:
+            hdr = f.pread(e, 64, "a fatbin entry header")
+            kind_no, _ver, ehsize, esize = struct.unpack_from("<HHIQ", hdr, 0)
+            (arch_no,) = struct.unpack_from("<I", hdr, 28)
+            (flags,) = struct.unpack_from("<Q", hdr, 40)
+            if ehsize < 64 or e + ehsize + esize > cend:
+                raise InputError(f"{path} has a corrupt fatbin entry in {sec.name} at byte {e} "
+                                 f"(header {ehsize} bytes, payload {esize} bytes, {cend - e} bytes left "
+                                 "in its container)")
+            kind = _KINDS.get(kind_no, f"kind-{kind_no}")
+            suffix = ""
+            if flags & _FLAG_ARCH_SPECIFIC:
+                suffix = "a"
+            elif flags & _FLAG_FAMILY and kind != "cubin":
+                suffix = "f"  # cuobjdump shows family cubins under their plain name
+            yield FatbinEntry(section=sec.name, offset=e, kind=kind, arch=f"sm_{arch_no}{suffix}",
+                              arch_number=arch_no, flags=flags, payload_size=esize)
+            e += ehsize + esize
+        pos = cend + (-(cend - base) % 8)
+
+
+def read_fatbin(path: str | os.PathLike[str]) -> FatbinInfo:
+    """List the CUDA cubins and PTX inside an ELF64 shared library (like cuobjdump, without loading it).
+
+    Raises InputError (naming the path) for a missing, unreadable, non-ELF, 32-bit, truncated or corrupt
+    file. An ELF without fatbin sections is not an error: it gives `has_fatbin=False` and no archs.
+    """
+    p = Path(path)
+    with _File(p) as f:
+        sections = [s for s in _elf_sections(f) if s.name in FATBIN_SECTIONS and s.type != _SHT_NOBITS]
+        entries: list[FatbinEntry] = []
+        for sec in sections:
+            entries.extend(_section_entries(f, sec))
+    return FatbinInfo(path=str(p), has_fatbin=bool(sections),
+                      sections=tuple(dict.fromkeys(s.name for s in sections)), entries=tuple(entries))
+
+
+# --------------------------------------------------------------------------------------------- arch policy
+
+POLICIES = ("exact", "compatible")
+
+
+def _parse_cc(cc: str) -> tuple[int, int]:
+    s = str(cc).strip()
+    m = re.fullmatch(r"(\d+)\.(\d)", s) or re.fullmatch(r"(?:sm_|compute_)?(\d+)(\d)", s)
+    if not m:
+        raise InputError(f"compute capability {cc!r} is not of the form MAJOR.MINOR",
+                         hint="e.g. 7.5 for an RTX 2080 Ti (see `nvidia-smi --query-gpu=compute_cap --format=csv`)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _runs_cubin(e: FatbinEntry, major: int, minor: int) -> bool:
+    a_major, a_minor = divmod(e.arch_number, 10)
+    if e.arch_specific:
+        return (a_major, a_minor) == (major, minor)
+    return a_major == major and a_minor <= minor
+
+
+def _jits_ptx(e: FatbinEntry, major: int, minor: int) -> bool:
+    a_major, a_minor = divmod(e.arch_number, 10)
+    if e.arch_specific:
+        return (a_major, a_minor) == (major, minor)
+    if e.family:
+        return a_major == major and a_minor <= minor
+    return e.arch_number <= major * 10 + minor
+
+
+def arch_supported(info: FatbinInfo, cc: str = "7.5", policy: str = "exact") -> tuple[bool, str]:
+    """Whether the library's device code serves a GPU of compute capability `cc`, and why (one paragraph).
+
+    policy "exact": an sm_<cc> cubin must be present (what fixed the field crash; the default).
+    policy "compatible": also accept a same-major lower-minor cubin or PTX the driver can JIT.
+    """
+    if policy not in POLICIES:
+        raise InputError(f"unknown architecture policy {policy!r}", hint="use 'exact' or 'compatible'")
+    major, minor = _parse_cc(cc)
+    want = f"sm_{major}{minor}"
+    name = Path(info.path).name
+    if not info.has_fatbin:
+        return False, (f"{name} contains no CUDA device code (no .nv_fatbin section), so it has no {want} "
+                       f"cubin. {FIELD_FACT}.")
+    cubins = info.runtime_entries("cubin")
+    ptx = info.runtime_entries("ptx")
+    found = (f"{name} has cubins for {', '.join(info.cubin_archs) or 'no architecture'} and PTX for "
+             f"{', '.join(info.ptx_archs) or 'no architecture'}")
+    number = major * 10 + minor
+    exact = {e.arch for e in cubins if e.arch_number == number and _runs_cubin(e, major, minor)}
+    compat = sorted({e.arch for e in cubins if _runs_cubin(e, major, minor)} - exact, key=_arch_key)
+    jit = sorted({e.arch for e in ptx if _jits_ptx(e, major, minor)}, key=_arch_key)
+    if exact:
+        return True, (f"{found}. It has an exact {want} cubin, so policy '{policy}' is met "
+                      f"(that is the kind of build that worked in the field: {FIELD_FACT}).")
+    others = []
+    if compat:
+        others.append(f"the {', '.join(compat)} cubin")
+    if jit:
+        others.append(f"the {', '.join(jit)} PTX (by JIT)")
+    usable = " and ".join(others)
+    if not others:
+        return False, (f"{found}. It has no {want} cubin and nothing else that runs on a {major}.{minor} device "
+                       f"under CUDA's compatibility rule ({COMPAT_RULE}). Note that {FIELD_FACT}.")
+    if policy == "compatible":
+        return True, (f"{found}. It has no {want} cubin, but policy 'compatible' accepts {usable} "
+                      f"under CUDA's compatibility rule ({COMPAT_RULE}). Caution: {FIELD_FACT}.")
+    return False, (f"{found}. It has no {want} cubin, and policy 'exact' requires one. Under CUDA's "
+                   f"compatibility rule ({COMPAT_RULE}), "
+                   f"{usable} would serve a {major}.{minor} device, so policy 'compatible' would accept it; "
+                   f"'exact' is the default because {FIELD_FACT}.")
+
+
+# --------------------------------------------------------------------------------------------- strings
+
+
+def count_strings(path: str | os.PathLike[str], needle: bytes, *, chunk_size: int = 1 << 20) -> int:
+    """How many times `needle` occurs in the file (overlapping occurrences counted), read in chunks.
+
+    Used for pitfall 9: `split_buffer` is gone from llama.cpp builds after `-sm row` was removed.
+    """
+    if not needle:
+        raise ValueError("needle must not be empty")
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be positive")
+    keep = len(needle) - 1
+    count = 0
+    with _File(Path(path)) as f:
+        carry = b""
+        offset = 0
+        while offset < f.size:
+            chunk = f.pread(offset, min(chunk_size, f.size - offset), "a chunk")
+            offset += len(chunk)
+            buf = carry + chunk
+            i = buf.find(needle)
+            while i >= 0:
+                count += 1
+                i = buf.find(needle, i + 1)
+            carry = buf[len(buf) - keep:] if keep else b""
+    return count
+
+
+# --------------------------------------------------------------------------------------------- llama.cpp version
+
+
+@dataclass(frozen=True)
+class LlamaVersion:
+    """What `llama-server --version` says about its build."""
+
+    version: str | None  # "0.1.0-dev" on builds that print a version before the build number
+    build_number: int | None  # 10064 for b10064
+    commit: str | None  # short git hash
+    text: str  # the raw output, for messages
+
+    @property
+    def build(self) -> str | None:
+        """'b10064', or None when the number is absent or the placeholder of a shallow clone."""
+        if self.build_number is None or self.build_number <= 1:
+            return None
+        return f"b{self.build_number}"
+
+
+_VERSION_PATTERNS = (
+    # newer builds: "version: 0.1.0-dev (build 1, commit 7e4c0a9)"
+    re.compile(r"^version:\s*(?P<version>\S+)\s+\(build\s+(?P<build>\d+),\s*commit\s+(?P<commit>[0-9a-zA-Z]+)\)",
+               re.M),
+    # older builds: "version: 4567 (abc1234d)"
+    re.compile(r"^version:\s*(?P<build>\d+)\s+\((?P<commit>[0-9a-zA-Z]+)\)", re.M),
+)
+
+
+def parse_llama_version(text: str) -> LlamaVersion:
+    """Parse the output of `llama-server --version`; fields it cannot find are None."""
+    for pat in _VERSION_PATTERNS:
+        m = pat.search(text)
+        if m:
+            gd = m.groupdict()
+            commit = gd["commit"]
+            return LlamaVersion(version=gd.get("version"), build_number=int(gd["build"]),
+                                commit=None if commit == "unknown" else commit, text=text.strip())
+    return LlamaVersion(version=None, build_number=None, commit=None, text=text.strip())
+
+
+def read_llama_version(path: str | os.PathLike[str], *, timeout: float = 30) -> LlamaVersion:
+    """Run `<path> --version` (it loads no model and needs no GPU) and parse what it prints."""
+    p = Path(path)
+    _File(p).close()  # same clear errors for missing/directory/unreadable as the other readers
+    if not os.access(p, os.X_OK):
+        raise InputError(f"{p} is not executable", hint="point at the llama-server binary itself")
+    res = proc.run([str(p), "--version"], ok=range(256), timeout=timeout)
+    text = res.stderr + res.stdout  # llama.cpp prints build info on stderr
+    info = parse_llama_version(text)
+    if res.returncode != 0 and info.build_number is None:
+        tail = " | ".join(text.strip().splitlines()[-3:])
+        raise InputError(f"{p} --version failed (exit {res.returncode}): {tail or 'no output'}",
+                         hint="a missing shared library (e.g. libcuda.so.1) stops it before it prints anything")
+    return info
+
+
+def find_build_number(path: str | os.PathLike[str], *, timeout: float = 30) -> str | None:
+    """llama.cpp's build tag ('b10064') from `<path> --version`, or None if the binary does not know it.
+
+    A build made from a shallow git clone reports "build 1" (git counted one commit): that is a placeholder,
+    not a build number, so it gives None; `read_llama_version(path).commit` still names the commit.
+    """
+    return read_llama_version(path, timeout=timeout).build
