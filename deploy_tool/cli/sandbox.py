@@ -1,0 +1,97 @@
+"""deploytool sandbox up|down|status|exec: a real systemd manager in private namespaces, for rehearsals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from deploy_tool.cli import Ctx, pass_ctx
+
+
+@click.group()
+def sandbox() -> None:
+    """A real systemd (this machine's) as PID 1 of private namespaces, to rehearse installs and switches.
+
+    \b
+    Needs root, unshare and nsenter. Services inside share the host's network: one bound to 127.0.0.1
+    answers on the host. Unit files go to DIR/etc-systemd-system (it is /etc/systemd/system inside).
+    To point deploytool at it, set in the config:
+      systemd:
+        sandbox: DIR
+    """
+
+
+@sandbox.command()
+@click.argument("dir", type=click.Path(path_type=Path))
+@pass_ctx
+def up(ctx: Ctx, dir: Path) -> None:
+    """Start the sandbox in DIR (created if missing; must be new, empty or a sandbox)."""
+    from deploy_tool.sandbox import Sandbox
+
+    st = Sandbox(dir).up()
+    human = (f"sandbox {st.dir}: {st.detail}" if st.detail else
+             f"sandbox {st.dir} is up: systemd pid {st.pid}, {st.system_state}\n"
+             f"unit files: {st.unit_dir}\n"
+             f"try: deploytool sandbox exec {st.dir} -- systemctl status")
+    ctx.emit(st.to_json(), human)
+
+
+@sandbox.command()
+@click.argument("dir", type=click.Path(path_type=Path))
+@pass_ctx
+def down(ctx: Ctx, dir: Path) -> None:
+    """Stop the sandbox in DIR and remove its cgroups (safe to repeat; cleans up after a killed run)."""
+    from deploy_tool.sandbox import Sandbox
+
+    rep = Sandbox(dir).down()
+    if not rep.was_up and not rep.killed_pids and not rep.removed_cgroups:
+        human = f"sandbox {rep.dir} is already down; nothing to do"
+    else:
+        how = "killed (did not power off in time)" if rep.forced else "powered off"
+        human = (f"sandbox {rep.dir} is down" + (f": systemd pid {rep.stopped_pid} {how}" if rep.was_up else "")
+                 + (f"; killed leftover pids {' '.join(map(str, rep.killed_pids))}" if rep.killed_pids else "")
+                 + f"; {len(rep.removed_cgroups)} cgroups removed ({rep.seconds:.2f} s)")
+    ctx.emit(rep.__dict__, human)
+
+
+@sandbox.command()
+@click.argument("dir", type=click.Path(path_type=Path))
+@click.option("--json", "json_out", is_flag=True, help="Print JSON.")
+@pass_ctx
+def status(ctx: Ctx, dir: Path, json_out: bool) -> None:
+    """Say whether the sandbox in DIR is up, down or stale (exit 0 when up, 3 otherwise)."""
+    from deploy_tool.sandbox import Sandbox
+
+    st = Sandbox(dir).status()
+    if json_out:
+        ctx.json = True
+    lines = [f"sandbox {st.dir}: {st.state}"
+             + (f" (systemd pid {st.pid}, {st.system_state})" if st.state == "up" else "")
+             + (f": {st.detail}" if st.detail else "")]
+    if st.leftover_cgroups:
+        lines.append("leftover cgroups: " + " ".join(st.leftover_cgroups))
+    if st.leftover_pids:
+        lines.append("leftover pids: " + " ".join(map(str, st.leftover_pids)))
+    if st.state == "stale":
+        lines.append(f"hint: clean up with: deploytool sandbox down {st.dir}")
+    ctx.emit(st.to_json(), "\n".join(lines))
+    if st.state != "up":
+        sys.exit(3)
+
+
+@sandbox.command(name="exec", context_settings={"ignore_unknown_options": True})
+@click.argument("dir", type=click.Path(path_type=Path))
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(dir: Path, cmd: tuple[str, ...]) -> None:
+    """Run CMD inside the sandbox in DIR, e.g.: deploytool sandbox exec DIR -- systemctl status
+
+    The exit code is CMD's.
+    """
+    from deploy_tool import proc
+    from deploy_tool.sandbox import Sandbox
+
+    argv = Sandbox(dir).exec_argv(*cmd)
+    # output streamed to the terminal as it comes (journalctl -f works); stdin is not passed on
+    sys.exit(proc.spawn(argv, stdout=None, stderr=None, new_session=False).wait())

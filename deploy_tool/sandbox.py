@@ -1,0 +1,601 @@
+"""A real systemd manager in private namespaces, for rehearsals and tests on machines whose PID 1 is not systemd.
+
+The machine's own `/usr/lib/systemd/systemd` runs as PID 1 of private pid/mount/uts/ipc/cgroup namespaces on
+the host root file system. It is started from a sub-cgroup of its own in every cgroup hierarchy, and the
+cgroup namespace is rooted there, so it can never move the machine's other processes into its cgroups.
+Inside: private `/run`, `/dev` and journal (volatile), read-only `/proc/sys` and `/sys`, generators
+disabled, journald's audit socket masked, `DIR/etc-systemd-system` bind-mounted over `/etc/systemd/system`
+and a hand-picked set of stock units over `/usr/lib/systemd/system`. The network namespace is shared, so a
+service bound to 127.0.0.1 inside answers on the host's 127.0.0.1.
+
+Layout of a sandbox directory DIR:
+    .deploytool-sandbox   marker (JSON: format, cgroup name); a directory without it is not a sandbox
+    state.json            while up: host PIDs and start times of PID 1 and of the `unshare` launcher
+    cgroups               sub-cgroup directories created for this sandbox, one a line
+    cgroup-mounts         the cgroup hierarchies to mount inside (read by init.sh)
+    init.sh               the mount setup run inside the new namespaces (a copy of sandbox_init.sh)
+    etc-systemd-system/   /etc/systemd/system inside (unit files, kept across up/down)
+    vendor-units/         /usr/lib/systemd/system inside (rebuilt by every `up`)
+    empty/                the (empty) generator directory
+    console.log           PID 1's console output; launcher.log the launcher's output
+
+Every process this module signals is first checked to be ours: PID 1 by its start time and its namespace
+PID (1), anything else by membership in this sandbox's own sub-cgroup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from deploy_tool import proc
+from deploy_tool.errors import DeployError, MissingTool, SandboxError
+
+MARKER = ".deploytool-sandbox"
+FORMAT = 1
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+STOCK_UNITS = Path("/usr/lib/systemd/system")
+# Stock units copied into the sandbox besides every *.target and *.slice: journald, dbus, shutdown services.
+_VENDOR_SERVICES = (
+    "systemd-journald.service", "systemd-journald.socket", "systemd-journald-dev-log.socket",
+    "systemd-poweroff.service", "systemd-halt.service", "systemd-reboot.service", "systemd-exit.service",
+    "dbus.service", "dbus.socket",
+)
+_NSENTER_FLAGS = ("-m", "-p", "-u", "-i", "-C")
+_REQUIRED_TOOLS = ("unshare", "nsenter", "bash", "mount", "mknod", "env")
+
+
+@dataclass(frozen=True)
+class SandboxStatus:
+    """What `status()` found. `state` is one of: up, down, stale."""
+
+    dir: str
+    state: str
+    pid: int | None = None
+    system_state: str | None = None  # systemctl is-system-running inside: running, degraded, starting, ...
+    detail: str = ""
+    leftover_cgroups: tuple[str, ...] = ()
+    leftover_pids: tuple[int, ...] = ()
+    unit_dir: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["leftover_cgroups"] = list(self.leftover_cgroups)
+        d["leftover_pids"] = list(self.leftover_pids)
+        return d
+
+
+@dataclass(frozen=True)
+class DownReport:
+    """What `down()` did."""
+
+    dir: str
+    was_up: bool
+    stopped_pid: int | None = None
+    forced: bool = False  # PID 1 did not power off in time and was killed
+    killed_pids: tuple[int, ...] = ()  # other leftover processes of this sandbox, killed by PID
+    removed_cgroups: tuple[str, ...] = field(default=())
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Proc:
+    pid: int
+    start: int  # clock ticks since boot, field 22 of /proc/PID/stat; guards against PID reuse
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    # fields[0] is field 3 (state); the start time is field 22; a zombie is as good as gone
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _ns_pid(pid: int) -> list[int]:
+    status = _read(Path(f"/proc/{pid}/status")) or ""
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    return []
+
+
+def _alive(p: _Proc) -> bool:
+    return _start_time(p.pid) == p.start
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        stat = _read(Path(entry.path, "stat"))
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _hierarchies() -> list[tuple[Path, Path, str]]:
+    """(mount point, this process's cgroup directory, mount options) for every hierarchy under /sys/fs/cgroup.
+
+    cpuset is skipped (a child cpuset needs cpus/mems set up, and systemd does not need it). The options are
+    "cgroup2" for a pure cgroup2 host, "unified" for the cgroup2 of a hybrid host, else the v1 controller list
+    (for example "cpu,cpuacct" or "name=systemd").
+    """
+    controllers = {line.split()[0] for line in Path("/proc/cgroups").read_text().splitlines()[1:] if line.strip()}
+    mounts: dict[str, tuple[str, str]] = {}  # sorted controller list ("" for cgroup2) -> (mount point, options)
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mp, fstype, opts = line.split()[:4]
+        if fstype == "cgroup2" and mp == str(CGROUP_ROOT):
+            mounts[""] = (mp, "cgroup2")
+        elif fstype == "cgroup2" and mp == str(CGROUP_ROOT / "unified"):
+            mounts[""] = (mp, "unified")
+        elif fstype == "cgroup" and mp.startswith(str(CGROUP_ROOT) + "/"):
+            wanted = [o for o in opts.split(",") if o.startswith("name=") or o in controllers]
+            if "cpuset" in wanted:
+                continue
+            mounts[",".join(sorted(wanted))] = (mp, ",".join(wanted))
+    out = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, ctrl, path = line.split(":", 2)
+        key = ",".join(sorted(ctrl.split(","))) if ctrl else ""
+        if key in mounts:
+            mp, opts = mounts[key]
+            out.append((Path(mp), Path(mp + path.rstrip("/")), opts))
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Sandbox:
+    """A systemd sandbox living in directory `dir` (created by `up` if missing or empty)."""
+
+    def __init__(self, dir: str | os.PathLike[str], *, up_timeout: float = 20.0, down_timeout: float = 10.0) -> None:
+        self.dir = Path(os.path.realpath(os.fspath(dir)))
+        self.up_timeout = up_timeout
+        self.down_timeout = down_timeout
+        self.cgroup_name = "deploytool-sandbox-" + hashlib.sha256(str(self.dir).encode()).hexdigest()[:12]
+        self._launcher: object | None = None  # Popen of the launcher when this object started it (to reap it)
+
+    # ----------------------------------------------------------------- paths
+
+    @property
+    def unit_dir(self) -> Path:
+        """Host path of the directory that is /etc/systemd/system inside the sandbox."""
+        return self.dir / "etc-systemd-system"
+
+    @property
+    def _state_file(self) -> Path:
+        return self.dir / "state.json"
+
+    @property
+    def _cgroups_file(self) -> Path:
+        return self.dir / "cgroups"
+
+    def __repr__(self) -> str:
+        return f"Sandbox({str(self.dir)!r})"
+
+    # ----------------------------------------------------------------- checks
+
+    def _check_host(self) -> None:
+        if os.geteuid() != 0:
+            raise SandboxError("the systemd sandbox needs root (it creates namespaces, mounts and cgroups)",
+                               hint="run as root, for example with sudo")
+        for tool in _REQUIRED_TOOLS:
+            if shutil.which(tool) is None:
+                raise MissingTool(f"program not found: {tool} (needed by the systemd sandbox)",
+                                  hint="apt-get install util-linux mount coreutils bash")
+        if not any(Path(p).is_file() for p in ("/usr/lib/systemd/systemd", "/lib/systemd/systemd")):
+            raise MissingTool("systemd is not installed (/usr/lib/systemd/systemd missing)",
+                              hint="apt-get install systemd (it need not be PID 1)")
+
+    def _check_is_sandbox(self) -> None:
+        if not self.dir.exists():
+            raise SandboxError(f"no sandbox at {self.dir}: the directory does not exist",
+                               hint=f"create one with: deploytool sandbox up {self.dir}")
+        if not self.dir.is_dir():
+            raise SandboxError(f"{self.dir} is not a directory, so not a sandbox")
+        marker = self.dir / MARKER
+        if not marker.is_file():
+            raise SandboxError(f"{self.dir} is not a deploytool sandbox (no {MARKER} in it)",
+                               hint="give a new or empty directory to: deploytool sandbox up DIR")
+        try:
+            meta = json.loads(marker.read_text())
+            fmt = meta["format"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SandboxError(f"{marker} is damaged; {self.dir} cannot be used as a sandbox",
+                               hint="tear down whatever runs from it, then remove the directory") from exc
+        if fmt != FORMAT:
+            raise SandboxError(f"{self.dir} is a sandbox of format {fmt}; this deploytool knows format {FORMAT}")
+
+    # ----------------------------------------------------------------- state
+
+    def _load_state(self) -> dict[str, int] | None:
+        text = _read(self._state_file)
+        if text is None:
+            return None
+        try:
+            st = json.loads(text)
+            return {k: int(st[k]) for k in ("pid", "pid_start", "launcher", "launcher_start")}
+        except (ValueError, KeyError, TypeError):
+            return None  # damaged: treated like a lost state file (the cgroup scan still finds our processes)
+
+    def _recorded_cgroups(self) -> list[Path]:
+        text = _read(self._cgroups_file) or ""
+        return [Path(line) for line in text.splitlines() if line.strip()]
+
+    def _our_cgroups(self) -> list[Path]:
+        """Every existing sub-cgroup of this sandbox: the recorded ones plus any found by name (lost records)."""
+        found: dict[str, Path] = {str(p): p for p in self._recorded_cgroups() if p.is_dir()}
+        names = (self.cgroup_name, self.cgroup_name + ".sup")
+        if CGROUP_ROOT.is_dir():
+            for top, dirs, _ in os.walk(CGROUP_ROOT):
+                depth = top[len(str(CGROUP_ROOT)):].count("/")
+                for d in list(dirs):
+                    if d in names:
+                        p = Path(top, d)
+                        found[str(p)] = p
+                        dirs.remove(d)
+                if depth >= 4:
+                    dirs.clear()
+        return sorted(found.values())
+
+    def _cgroup_pids(self, cgroups: list[Path] | None = None) -> set[int]:
+        pids: set[int] = set()
+        for cg in self._our_cgroups() if cgroups is None else cgroups:
+            for top, _, files in os.walk(cg):
+                if "cgroup.procs" in files:
+                    text = _read(Path(top, "cgroup.procs")) or ""
+                    pids.update(int(x) for x in text.split())
+        return pids
+
+    def _in_our_cgroup(self, pid: int) -> bool:
+        text = _read(Path(f"/proc/{pid}/cgroup")) or ""
+        return any(f"/{self.cgroup_name}" in line for line in text.splitlines())
+
+    def _pid1(self) -> _Proc | None:
+        """Our running PID 1 if there is one: from state.json (checked against PID reuse), else by cgroup scan."""
+        st = self._load_state()
+        if st is not None:
+            p = _Proc(st["pid"], st["pid_start"])
+            if _alive(p) and _ns_pid(p.pid)[-1:] == [1]:
+                return p
+        for pid in self._cgroup_pids():
+            start = _start_time(pid)
+            if start is not None and len(_ns_pid(pid)) > 1 and _ns_pid(pid)[-1] == 1 and self._in_our_cgroup(pid):
+                return _Proc(pid, start)
+        return None
+
+    # ----------------------------------------------------------------- public API
+
+    def status(self) -> SandboxStatus:
+        """Report whether the sandbox is up, down or stale (a killed run's leftovers), without changing anything."""
+        self._check_is_sandbox()
+        common = {"dir": str(self.dir), "unit_dir": str(self.unit_dir)}
+        p1 = self._pid1()
+        cgroups = tuple(str(c) for c in self._our_cgroups())
+        st = self._load_state()
+        if p1 is not None and st is not None and p1.pid == st["pid"]:
+            res = proc.run(self.exec_argv("systemctl", "is-system-running"), ok=range(256), timeout=10)
+            return SandboxStatus(state="up", pid=p1.pid, system_state=res.stdout.strip() or "unknown",
+                                 **common)
+        pids = tuple(sorted(self._cgroup_pids()))
+        if p1 is not None:
+            return SandboxStatus(state="stale", pid=p1.pid, leftover_cgroups=cgroups, leftover_pids=pids,
+                                 detail=f"systemd (pid {p1.pid}) runs but its state file is missing or damaged",
+                                 **common)
+        if st is not None:
+            return SandboxStatus(state="stale", leftover_cgroups=cgroups, leftover_pids=pids,
+                                 detail=f"systemd (pid {st['pid']}) is gone but the sandbox was not taken down",
+                                 **common)
+        if cgroups or pids:
+            return SandboxStatus(state="stale", leftover_cgroups=cgroups, leftover_pids=pids,
+                                 detail="half torn down: sub-cgroups or processes are left", **common)
+        return SandboxStatus(state="down", **common)
+
+    def _require_up(self) -> _Proc:
+        self._check_is_sandbox()
+        st = self._load_state()
+        if st is not None:
+            p = _Proc(st["pid"], st["pid_start"])
+            if _alive(p):
+                return p
+            raise SandboxError(f"sandbox {self.dir} is stale: its systemd (pid {p.pid}) is gone",
+                               hint=f"clean it up and start again: deploytool sandbox down {self.dir} && "
+                                    f"deploytool sandbox up {self.dir}")
+        raise SandboxError(f"sandbox {self.dir} is not up", hint=f"start it: deploytool sandbox up {self.dir}")
+
+    def exec_argv(self, *cmd: str) -> list[str]:
+        """The argv that runs `cmd` inside the sandbox (nsenter into all its namespaces but the network one)."""
+        p = self._require_up()
+        return ["nsenter", "-t", str(p.pid), *_NSENTER_FLAGS, "--", *cmd]
+
+    def systemctl_prefix(self) -> list[str]:
+        return self.exec_argv("systemctl")
+
+    def journalctl_prefix(self) -> list[str]:
+        return self.exec_argv("journalctl")
+
+    def host_pid(self, ns_pid: int) -> int:
+        """Host PID of the process that has PID `ns_pid` inside the sandbox (for example a unit's MainPID)."""
+        self._require_up()
+        for pid in self._cgroup_pids():
+            nspids = _ns_pid(pid)
+            if len(nspids) > 1 and nspids[-1] == ns_pid and self._in_our_cgroup(pid):
+                return pid
+        raise SandboxError(f"no process with PID {ns_pid} runs inside sandbox {self.dir}")
+
+    @property
+    def pid(self) -> int:
+        """Host PID of the sandbox's systemd (raises SandboxError when not up)."""
+        return self._require_up().pid
+
+    def up(self) -> SandboxStatus:
+        """Start the sandbox; returns its status. Already up: nothing to do (status says so in `detail`)."""
+        self._check_host()
+        if self.dir.exists() and any(self.dir.iterdir()) and not (self.dir / MARKER).exists():
+            self._check_is_sandbox()  # raises "not a sandbox"
+        if (self.dir / MARKER).exists():
+            cur = self.status()
+            if cur.state == "up":
+                return SandboxStatus(**{**asdict(cur), "leftover_cgroups": (), "leftover_pids": (),
+                                        "detail": "already up; nothing to do"})
+            if cur.state == "stale":
+                raise SandboxError(f"sandbox {self.dir} is stale ({cur.detail})",
+                                   hint=f"clean it up first: deploytool sandbox down {self.dir}")
+        started = time.monotonic()
+        try:
+            self._prepare()
+            self._launch()
+            self._wait_running(started)
+        except BaseException as exc:
+            logs = self._log_tail()
+            with contextlib.suppress(DeployError):
+                self.down()
+            if isinstance(exc, SandboxError) and logs:
+                exc.details = logs
+            raise
+        return self.status()
+
+    def _prepare(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.dir / MARKER, json.dumps({"format": FORMAT, "cgroup": self.cgroup_name}) + "\n")
+        self.unit_dir.mkdir(exist_ok=True)
+        (self.dir / "empty").mkdir(exist_ok=True)
+        (self.dir / "console.log").write_bytes(b"")
+        self._make_vendor_units(self.dir / "vendor-units")
+        hier = _hierarchies()
+        if not hier:
+            raise SandboxError("no cgroup hierarchy found under /sys/fs/cgroup; cannot isolate a systemd sandbox")
+        if any(opts == "cgroup2" for _, _, opts in hier):
+            mounts = "cgroup2\n"
+        else:
+            mounts = "".join(("unified" if opts == "unified" else f"{mp} {opts}") + "\n" for mp, _, opts in hier)
+        _write_atomic(self.dir / "cgroup-mounts", mounts)
+        script = resources.files("deploy_tool").joinpath("sandbox_init.sh").read_text()
+        _write_atomic(self.dir / "init.sh", script)
+        created = []
+        try:
+            for _, d, _ in hier:
+                for name in (self.cgroup_name, self.cgroup_name + ".sup"):
+                    (d / name).mkdir(exist_ok=True)
+                    created.append(str(d / name))
+        finally:
+            _write_atomic(self._cgroups_file, "".join(c + "\n" for c in created))
+
+    @staticmethod
+    def _make_vendor_units(dest: Path) -> None:
+        if dest.exists():
+            shutil.rmtree(dest)
+        (dest / "sockets.target.wants").mkdir(parents=True)
+        (dest / "sysinit.target.wants").mkdir()
+        for src in sorted(STOCK_UNITS.iterdir()):
+            if src.name.endswith((".target", ".slice")) or src.name in _VENDOR_SERVICES:
+                if src.is_symlink():
+                    os.symlink(os.readlink(src), dest / src.name)
+                elif src.is_file():
+                    shutil.copy2(src, dest / src.name)
+        # masked: journald would otherwise switch on kernel auditing for the whole machine
+        os.symlink("/dev/null", dest / "systemd-journald-audit.socket")
+        for sock in ("systemd-journald.socket", "systemd-journald-dev-log.socket", "dbus.socket"):
+            if (dest / sock).exists():
+                os.symlink(f"../{sock}", dest / "sockets.target.wants" / sock)
+        os.symlink("../systemd-journald.service", dest / "sysinit.target.wants" / "systemd-journald.service")
+        with contextlib.suppress(FileNotFoundError):
+            (dest / "default.target").unlink()
+        os.symlink("multi-user.target", dest / "default.target")
+
+    def _launch(self) -> None:
+        with open(self.dir / "launcher.log", "wb") as log:
+            popen = proc.spawn(["bash", str(self.dir / "init.sh"), "launch", str(self.dir)], stdout=log,
+                               stderr=log, new_session=True)
+        self._launcher = popen
+        launcher = popen.pid
+        deadline = time.monotonic() + 10
+        pid1 = None
+        while time.monotonic() < deadline:
+            if popen.poll() is not None:
+                raise SandboxError(f"the sandbox launcher exited with code {popen.returncode} before systemd started",
+                                   hint=f"see {self.dir / 'launcher.log'}")
+            if (_read(Path(f"/proc/{launcher}/comm")) or "").strip() == "unshare":
+                kids = _children(launcher)
+                if kids:
+                    pid1 = kids[0]
+                    break
+            time.sleep(0.005)
+        if pid1 is None:
+            raise SandboxError("systemd did not start in the sandbox within 10 s", hint=f"see {self.dir / 'launcher.log'}")
+        l_start = _start_time(launcher)
+        p_start = _start_time(pid1)
+        if l_start is None or p_start is None:
+            raise SandboxError("the sandbox's PID 1 exited right after it started", hint=f"see {self.dir / 'console.log'}")
+        _write_atomic(self._state_file, json.dumps({"pid": pid1, "pid_start": p_start, "launcher": launcher,
+                                                    "launcher_start": l_start}) + "\n")
+        # the namespace's root cgroup holds only PID 1's tree: park the launcher in the .sup siblings
+        for cg in self._recorded_cgroups():
+            if cg.name.endswith(".sup"):
+                with contextlib.suppress(OSError):
+                    (cg / "cgroup.procs").write_text(str(launcher))
+
+    def _wait_running(self, started: float) -> None:
+        p = self._require_up()
+        argv = ["nsenter", "-t", str(p.pid), *_NSENTER_FLAGS, "--", "systemctl", "is-system-running"]
+        state = ""
+        while time.monotonic() - started < self.up_timeout:
+            if not _alive(p):
+                raise SandboxError("the sandbox's systemd exited while starting",
+                                   hint=f"see {self.dir / 'console.log'}")
+            state = proc.run(argv, ok=range(256), timeout=10).stdout.strip()
+            if state in ("running", "degraded"):
+                return
+            time.sleep(0.02)
+        raise SandboxError(f"the sandbox's systemd did not reach running within {self.up_timeout:.0f} s "
+                           f"(state: {state or 'unreachable'})", hint=f"see {self.dir / 'console.log'}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        out = []
+        for name in ("launcher.log", "console.log"):
+            text = _read(self.dir / name)
+            if text and text.strip():
+                out.append(f"--- {name}\n" + "\n".join(text.strip().splitlines()[-lines:]))
+        return "\n".join(out)
+
+    def down(self) -> DownReport:
+        """Stop the sandbox and remove its sub-cgroups. Idempotent; also cleans up after a killed run."""
+        self._check_is_sandbox()
+        t0 = time.monotonic()
+        p1 = self._pid1()
+        forced = False
+        if p1 is not None:
+            forced = not self._poweroff(p1)
+        killed = self._kill_leftovers()
+        self._reap_launcher()
+        removed, left = self._remove_cgroups()
+        with contextlib.suppress(FileNotFoundError):
+            self._state_file.unlink()
+        if left:
+            raise SandboxError(f"sandbox {self.dir}: could not remove sub-cgroups: {', '.join(left)}",
+                               hint="a process may still be inside; see `deploytool sandbox status`")
+        return DownReport(dir=str(self.dir), was_up=p1 is not None, stopped_pid=p1.pid if p1 else None,
+                          forced=forced, killed_pids=tuple(killed), removed_cgroups=tuple(removed),
+                          seconds=time.monotonic() - t0)
+
+    def _poweroff(self, p: _Proc) -> bool:
+        """Power the sandbox's systemd off; SIGKILL it if that takes too long. True when it went gracefully."""
+        argv = ["nsenter", "-t", str(p.pid), *_NSENTER_FLAGS, "--", "systemctl", "poweroff", "--no-block"]
+        try:
+            res = proc.run(argv, ok=range(256), timeout=5)
+            asked = res.returncode == 0
+        except DeployError:
+            asked = False
+        if not asked and _alive(p):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGRTMIN + 4)  # systemd's "poweroff" signal
+        deadline = time.monotonic() + self.down_timeout
+        while time.monotonic() < deadline:
+            if not _alive(p):
+                return True
+            time.sleep(0.02)
+        if _alive(p):  # still the same process (start time checked): ours to kill
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            self._wait_gone([p], 5)
+        return False
+
+    @staticmethod
+    def _wait_gone(procs: list[_Proc], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(_alive(p) for p in procs):
+            time.sleep(0.01)
+
+    def _kill_leftovers(self) -> list[int]:
+        """SIGKILL any process still in this sandbox's sub-cgroups (ours by construction), PID 1s first."""
+        killed: list[int] = []
+        for _ in range(3):
+            procs = []
+            for pid in sorted(self._cgroup_pids(), key=lambda x: _ns_pid(x)[-1:] != [1]):
+                start = _start_time(pid)
+                if start is None or not self._in_our_cgroup(pid):
+                    continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    procs.append(_Proc(pid, start))
+            if not procs:
+                break
+            self._wait_gone(procs, 5)
+            self._reap_launcher()
+        return killed
+
+    def _reap_launcher(self) -> None:
+        popen = self._launcher
+        if popen is not None:
+            with contextlib.suppress(Exception):
+                popen.wait(timeout=5)  # type: ignore[attr-defined]
+            self._launcher = None
+
+    def _remove_cgroups(self) -> tuple[list[str], list[str]]:
+        removed: list[str] = []
+        deadline = time.monotonic() + 5
+        while True:
+            left = []
+            for cg in self._our_cgroups():
+                for top, _, _ in sorted(os.walk(cg), key=lambda t: -len(t[0])):
+                    try:
+                        os.rmdir(top)
+                        if Path(top) == cg:
+                            removed.append(str(cg))
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        left.append(top)
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not left:
+            with contextlib.suppress(FileNotFoundError):
+                self._cgroups_file.unlink()
+        return removed, sorted(set(left))
+
+    # ----------------------------------------------------------------- context manager
+
+    def __enter__(self) -> Sandbox:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def sandbox_dirs_under(parent: Path) -> Iterator[Path]:
+    """Sandbox directories directly inside `parent` (for sweeping up after killed test runs)."""
+    if parent.is_dir():
+        for d in sorted(parent.iterdir()):
+            if (d / MARKER).is_file():
+                yield d

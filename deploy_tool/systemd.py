@@ -1,0 +1,333 @@
+"""The systemctl/journalctl driver: every systemd operation deploytool performs goes through `Systemd`.
+
+The `systemctl` and `journalctl` command prefixes and the unit directory are given by the caller (from the
+config), so a rehearsal or a test points them at a sandbox (`Sandbox.systemctl_prefix()`, ...) and never at
+the machine's own systemd. Unit files are installed atomically (temp file, fsync, rename) and `<unit>.d/`
+drop-in directories, where the user's own edits live, are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy_tool import proc
+from deploy_tool.errors import InputError, MissingTool, OSFailure, SystemdError
+from deploy_tool.fsutil import atomic_write
+
+UNIT_SUFFIXES = ("service", "socket", "target", "timer", "path", "mount", "automount", "swap", "slice", "scope",
+                 "device")
+_UNIT_RE = re.compile(r"[A-Za-z0-9:_.@-]+")
+_REMOTE_FLAGS = ("-M", "--machine", "-H", "--host", "--root")
+SANDBOX_HINT = ("rehearse in the sandbox: deploytool sandbox up DIR, then set systemd.sandbox: DIR in the config")
+_SHOW_PROPS = ("Id", "LoadState", "ActiveState", "SubState", "Result", "ExecMainStatus", "ExecMainCode",
+               "ExecMainPID", "MainPID", "NRestarts", "InvocationID", "UnitFileState")
+
+
+def host_systemd_available() -> bool:
+    """True when this machine's PID 1 is systemd (what `systemctl` without a sandbox needs)."""
+    try:
+        comm = Path("/proc/1/comm").read_text().strip()
+    except OSError:
+        return False
+    return comm == "systemd" and Path("/run/systemd/system").is_dir()
+
+
+def validate_unit_name(name: str) -> str:
+    """Return `name` if it is a plain unit name like `llamacpp.service`; raise InputError otherwise."""
+    if not isinstance(name, str) or not name:
+        raise InputError("empty unit name", hint="give a unit name such as llamacpp.service")
+    bad = sorted({c for c in name if not _UNIT_RE.fullmatch(c)})
+    if bad:
+        raise InputError(f"unit name {name!r} contains characters systemd does not allow: "
+                         + " ".join(repr(c) for c in bad),
+                         hint="use only letters, digits and : _ . @ - (for example llamacpp-tensor.service)")
+    if name.startswith(("-", ".")):
+        raise InputError(f"unit name {name!r} must not start with {name[0]!r}")
+    if len(name) > 255:
+        raise InputError(f"unit name {name[:40]!r}... is longer than 255 characters")
+    stem, dot, suffix = name.rpartition(".")
+    if not dot or not stem or suffix not in UNIT_SUFFIXES:
+        raise InputError(f"unit name {name!r} does not end in a unit type",
+                         hint="end it in .service (or " + ", ".join("." + s for s in UNIT_SUFFIXES[1:]) + ")")
+    if "@" in stem and stem.count("@") > 1:
+        raise InputError(f"unit name {name!r} has more than one '@'")
+    return name
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """The properties of a unit that deploytool acts on (from `systemctl show`)."""
+
+    unit: str
+    load_state: str  # loaded, not-found, masked, error, ...
+    active_state: str  # active, inactive, failed, activating, deactivating, reloading
+    sub_state: str  # running, exited, dead, failed, start-pre, auto-restart, ...
+    result: str  # success, exit-code, signal, core-dump, timeout, start-limit-hit, ...
+    exec_main_status: int  # exit code, or signal number when exec_main_code is 2 (killed) / 3 (dumped)
+    exec_main_code: int  # 0 none, 1 exited, 2 killed, 3 dumped (CLD_* codes)
+    exec_main_pid: int
+    main_pid: int
+    n_restarts: int
+    invocation_id: str
+    unit_file_state: str
+
+    @property
+    def is_active(self) -> bool:
+        return self.active_state == "active"
+
+    @property
+    def is_failed(self) -> bool:
+        return self.active_state == "failed"
+
+    def to_json(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def _int(v: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        return 0
+
+
+class Systemd:
+    """Drive one systemd manager through the given command prefixes; unit files live in `unit_dir`."""
+
+    def __init__(self, systemctl: Sequence[str], journalctl: Sequence[str], unit_dir: str | os.PathLike[str], *,
+                 timeout: float = 300.0) -> None:
+        self.systemctl = [str(a) for a in systemctl]
+        self.journalctl = [str(a) for a in journalctl]
+        self.unit_dir = Path(unit_dir)
+        self.timeout = timeout
+        for what, prefix in (("systemctl", self.systemctl), ("journalctl", self.journalctl)):
+            if not prefix:
+                raise InputError(f"the {what} command is empty", hint=f"set the {what} command in the config")
+            if shutil.which(prefix[0]) is None:
+                raise MissingTool(f"{what} command not found: {prefix[0]}",
+                                  hint=f"install it or fix the {what} command in the config; " + SANDBOX_HINT)
+        if self._targets_host() and not host_systemd_available():
+            raise SystemdError("PID 1 is not systemd; " + SANDBOX_HINT)
+
+    def _targets_host(self) -> bool:
+        return (os.path.basename(self.systemctl[0]) == "systemctl"
+                and not any(a.split("=")[0] in _REMOTE_FLAGS for a in self.systemctl[1:]))
+
+    def __repr__(self) -> str:
+        return f"Systemd(systemctl={self.systemctl!r}, unit_dir={str(self.unit_dir)!r})"
+
+    # ------------------------------------------------------------------ raw calls
+
+    def _ctl(self, *args: str, ok: Sequence[int] = (0,), timeout: float | None = None) -> proc.Result:
+        try:
+            return proc.run([*self.systemctl, "--no-pager", "--no-ask-password", *args], ok=ok,
+                            timeout=timeout or self.timeout)
+        except proc.CommandFailed as exc:
+            raise SystemdError(f"systemctl {' '.join(args)} failed (exit {exc.result.returncode}): "
+                               f"{(exc.result.stderr or exc.result.stdout).strip()[-500:]}") from exc
+
+    def _jctl(self, *args: str, ok: Sequence[int] = (0,)) -> proc.Result:
+        try:
+            return proc.run([*self.journalctl, "--no-pager", *args], ok=ok, timeout=60)
+        except proc.CommandFailed as exc:
+            raise SystemdError(f"journalctl {' '.join(args)} failed (exit {exc.result.returncode}): "
+                               f"{(exc.result.stderr or exc.result.stdout).strip()[-500:]}") from exc
+
+    # ------------------------------------------------------------------ manager
+
+    def daemon_reload(self) -> None:
+        self._ctl("daemon-reload")
+
+    def reset_failed(self, unit: str | None = None) -> None:
+        if unit is None:
+            self._ctl("reset-failed")
+        else:
+            self._ctl("reset-failed", validate_unit_name(unit), ok=(0, 1, 5))  # not loaded / not failed: fine
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, unit: str, *, no_block: bool = False) -> None:
+        """Start `unit` and wait for the job (unless no_block); on failure raise SystemdError with the journal tail."""
+        self._job("start", unit, no_block)
+
+    def restart(self, unit: str, *, no_block: bool = False) -> None:
+        self._job("restart", unit, no_block)
+
+    def stop(self, unit: str, *, no_block: bool = False) -> None:
+        validate_unit_name(unit)
+        res = self._ctl("stop", *(["--no-block"] if no_block else []), unit, ok=range(256))
+        if res.returncode == 5 and "not loaded" in res.stderr:
+            return  # nothing to stop
+        if res.returncode != 0:
+            raise SystemdError(f"stopping {unit} failed: {res.stderr.strip()[-500:]}",
+                               details=self._tail_for(unit))
+
+    def kill(self, unit: str, signal: str = "SIGTERM", *, who: str = "all") -> None:
+        """Send `signal` to the unit's processes (`who`: main, control or all) without stopping it."""
+        validate_unit_name(unit)
+        if not re.fullmatch(r"(SIG)?[A-Z0-9+]+", signal) or who not in ("main", "control", "all"):
+            raise InputError(f"bad signal {signal!r} or target {who!r}")
+        self._ctl("kill", "--signal=" + signal, "--kill-who=" + who, unit)
+
+    def _job(self, verb: str, unit: str, no_block: bool) -> None:
+        validate_unit_name(unit)
+        res = self._ctl(verb, *(["--no-block"] if no_block else []), unit, ok=range(256))
+        if res.returncode == 0:
+            return
+        reason = res.stderr.strip().splitlines()[0] if res.stderr.strip() else f"exit {res.returncode}"
+        try:
+            st = self.show(unit)
+            state = f" (ActiveState={st.active_state}, Result={st.result}, ExecMainStatus={st.exec_main_status})"
+        except SystemdError:
+            state = ""
+        tail = self._tail_for(unit)
+        raise SystemdError(f"{verb} of {unit} failed{state}: {reason}"
+                           + (("\n" + _indent(tail)) if tail else ""),
+                           hint=f"see the full log: journalctl -u {unit}", details=tail)
+
+    def _tail_for(self, unit: str, lines: int = 20) -> str:
+        with contextlib.suppress(SystemdError):
+            self.sync_journal()
+            inv = self.show(unit).invocation_id
+            if inv:
+                return self.journal(unit, invocation=inv, lines=lines)
+            return self.journal(unit, lines=lines)
+        return ""
+
+    # ------------------------------------------------------------------ state
+
+    def show(self, unit: str) -> UnitState:
+        validate_unit_name(unit)
+        res = self._ctl("show", "--property=" + ",".join(_SHOW_PROPS), unit)
+        props: dict[str, str] = {}
+        for line in res.stdout.splitlines():
+            k, sep, v = line.partition("=")
+            if sep:
+                props[k] = v
+        return UnitState(
+            unit=unit, load_state=props.get("LoadState", ""), active_state=props.get("ActiveState", ""),
+            sub_state=props.get("SubState", ""), result=props.get("Result", ""),
+            exec_main_status=_int(props.get("ExecMainStatus", "0")),
+            exec_main_code=_int(props.get("ExecMainCode", "0")),
+            exec_main_pid=_int(props.get("ExecMainPID", "0")), main_pid=_int(props.get("MainPID", "0")),
+            n_restarts=_int(props.get("NRestarts", "0")), invocation_id=props.get("InvocationID", ""),
+            unit_file_state=props.get("UnitFileState", ""))
+
+    def is_active(self, unit: str) -> bool:
+        # is-active: 0 active; 3 inactive/failed/activating; 4 no such unit
+        return self._ctl("is-active", validate_unit_name(unit), ok=(0, 3, 4)).returncode == 0
+
+    def is_failed(self, unit: str) -> bool:
+        # is-failed: 0 failed; 1 anything else
+        return self._ctl("is-failed", validate_unit_name(unit), ok=(0, 1)).returncode == 0
+
+    # ------------------------------------------------------------------ install state
+
+    def enable(self, unit: str) -> None:
+        self._ctl("enable", validate_unit_name(unit))
+
+    def disable(self, unit: str) -> None:
+        self._ctl("disable", validate_unit_name(unit))
+
+    def is_enabled(self, unit: str) -> str:
+        """enabled, disabled, static, masked, not-found, ... (`systemctl is-enabled` output)."""
+        res = self._ctl("is-enabled", validate_unit_name(unit), ok=(0, 1, 4))
+        out = res.stdout.strip().splitlines()
+        if out:
+            return out[0]
+        return "not-found" if "No such file" in res.stderr or res.returncode == 4 else "unknown"
+
+    # ------------------------------------------------------------------ unit files
+
+    def unit_path(self, name: str) -> Path:
+        return self.unit_dir / validate_unit_name(name)
+
+    def install_file(self, name: str, content: bytes, mode: int = 0o644) -> Path:
+        """Write unit file `name` into the unit dir atomically: temp file, fsync, rename, fsync the directory.
+
+        Only the file itself is replaced; a `<name>.d/` drop-in directory next to it is never touched. Returns the
+        path. Needs `daemon_reload()` afterwards for systemd to see the change.
+        """
+        path = self.unit_path(name)
+        if path.is_dir() and not path.is_symlink():
+            raise InputError(f"{path} is a directory; refusing to replace it with the unit file")
+        if not isinstance(content, bytes):
+            raise TypeError("content must be bytes")
+        if not path.parent.is_dir():
+            raise OSFailure(f"cannot install {path}: the unit directory {self.unit_dir} does not exist",
+                            hint="check paths.unit_dir (or systemd.sandbox) in the config")
+        atomic_write(path, content, mode)
+        return path
+
+    def remove_file(self, name: str) -> bool:
+        """Remove unit file `name` (not its drop-in dir). True if something was removed."""
+        path = self.unit_path(name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except IsADirectoryError as exc:
+            raise InputError(f"{path} is a directory, not a unit file") from exc
+        except OSError as exc:
+            raise OSFailure(f"cannot remove {path}: {exc.strerror or exc}") from exc
+        return True
+
+    # ------------------------------------------------------------------ journal
+
+    def sync_journal(self) -> None:
+        """Ask journald to write out everything logged so far (so a just-failed unit's output is readable)."""
+        self._jctl("--sync", ok=range(256))
+
+    def journal_cursor(self) -> str:
+        """The cursor of the newest journal entry (pass it to `journal(since_cursor=)` to read what follows)."""
+        res = self._jctl("-n", "1", "-o", "json", "--output-fields=__CURSOR")
+        lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+        if not lines:
+            return ""
+        try:
+            return str(json.loads(lines[-1])["__CURSOR"])
+        except (ValueError, KeyError) as exc:
+            raise SystemdError(f"journalctl printed no cursor: {lines[-1][:200]}") from exc
+
+    def journal(self, unit: str, since_cursor: str | None = None, invocation: str | None = None,
+                lines: int = 50) -> str:
+        """The last `lines` journal lines of `unit`, only after `since_cursor` and/or of one invocation if given.
+
+        Includes both the unit's own output and the manager's messages about it (why it failed).
+        """
+        validate_unit_name(unit)
+        args = ["-o", "short-precise", "-n", str(int(lines))]
+        if since_cursor:
+            args.append("--after-cursor=" + since_cursor)
+        if invocation:
+            if not re.fullmatch(r"[0-9a-f]{32}", invocation):
+                raise InputError(f"invocation id {invocation!r} is not 32 hex digits")
+            # the unit's own output carries _SYSTEMD_INVOCATION_ID, the manager's messages about it INVOCATION_ID
+            args += [f"_SYSTEMD_INVOCATION_ID={invocation}", "+", f"INVOCATION_ID={invocation}"]
+        else:
+            args += ["-u", unit]
+        res = self._jctl(*args, ok=(0, 1))
+        text = res.stdout
+        return "\n".join(ln for ln in text.splitlines() if ln != "-- No entries --")
+
+
+def for_config(cfg: object) -> Systemd:
+    """The Systemd a loaded config asks for: its sandbox's systemd if `systemd.sandbox` is set, else its commands."""
+    scfg = cfg.systemd  # type: ignore[attr-defined]
+    unit_dir = cfg.paths.unit_dir  # type: ignore[attr-defined]
+    if scfg.sandbox:
+        from deploy_tool.sandbox import Sandbox
+
+        sb = Sandbox(scfg.sandbox)
+        return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)
+    return Systemd(scfg.systemctl, scfg.journalctl, unit_dir)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + ln for ln in text.splitlines())
