@@ -1,0 +1,445 @@
+"""Health probes for the two inference servers: wait until ready, then prove one real chat completion.
+
+Readiness differs between the servers (both facts measured on the real programs):
+
+* llama.cpp `llama-server` opens its port before the model is loaded; `GET /health` answers
+  503 `Loading model` until it is ready, then 200 `{"status":"ok"}`. `/v1/models` answers 200 even while
+  loading, so it is read only after `/health` says 200, to check the served name (`--alias`).
+* FastLLM `ftllm server` keeps its port closed (connection refused) until the model is loaded and warmed up;
+  then `GET /v1/models` answers 200. It has no `/health` (404).
+
+Both must list the configured model name in `/v1/models`; a server that serves another name is a failure
+("serves model X, expected Y"), since clients address the model by name.
+
+While waiting, an optional `unit_state()` callback is polled on every attempt: a unit (or process) that is
+failed, inactive, exited or restarting ends the wait at once with the journal tail. ftllm exits with
+status 0 on an unsupported model architecture: that is a failure too, whatever the exit status.
+
+The retry policy lives in one place (`_retrying`), built on tenacity with an injectable clock and sleep so
+tests drive it with a fake clock and never wait for real time. HTTP uses the standard library only, with a
+timeout on every request and no proxy (servers bind 127.0.0.1).
+
+Every failure is a `HealthError` whose `details["reason"]` names what went wrong (see `REASONS`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import tenacity
+
+from deploy_tool.errors import HealthError
+
+Kind = Literal["ftllm", "llamacpp"]
+KINDS: tuple[str, ...] = ("ftllm", "llamacpp")
+
+#: Every reason a HealthError from this module can carry in `details["reason"]`.
+REASONS: dict[str, str] = {
+    "timeout": "the server did not become ready (or did not answer) in time",
+    "connection-refused": "nothing listens on the port",
+    "unit-failed": "the unit or process failed while we waited",
+    "unit-exited": "the unit or process exited (even with status 0) while we waited",
+    "wrong-model": "the server serves another model name than the configured one",
+    "unauthorized": "the server wants an API key (or another one)",
+    "not-this-server": "the endpoint does not behave like the expected server kind",
+    "empty-content": "the completion's content is empty",
+    "stray-think": "the completion's content holds a stray </think> (reasoning leaked into content)",
+    "no-usage": "the completion has no usable `usage` token counts",
+    "bad-response": "the server answered something that is not the expected JSON",
+    # plus "http-<code>" for any other unexpected HTTP status, e.g. "http-404", "http-500"
+}
+
+STRAY_THINK = "</think>"
+DEAD_ACTIVE_STATES = frozenset({"failed", "inactive", "deactivating"})
+DEAD_SUB_STATES = frozenset({"failed", "exited", "dead", "auto-restart", "stop", "stop-sigterm",
+                             "stop-sigkill", "final-sigterm", "final-sigkill"})
+
+
+@dataclass(frozen=True)
+class UnitSnapshot:
+    """What the waiter needs to know about the unit (or process) that runs the server, at one moment.
+
+    Field names follow `systemctl show`: ActiveState, SubState, Result, ExecMainCode, ExecMainStatus.
+    """
+
+    active_state: str  # active, activating, deactivating, inactive, failed
+    sub_state: str = ""  # running, start, exited, dead, failed, auto-restart, ...
+    result: str = ""  # success, exit-code, signal, core-dump, timeout, ...
+    exec_main_status: int | None = None  # exit status, or signal number when exec_main_code is killed/dumped
+    exec_main_code: str = ""  # exited, killed, dumped
+    name: str = ""  # unit name (or a label for a bare process), used in messages
+
+    @property
+    def dead(self) -> bool:
+        """True when the server cannot become ready any more without being started again."""
+        return self.active_state in DEAD_ACTIVE_STATES or self.sub_state in DEAD_SUB_STATES
+
+    def describe(self) -> str:
+        bits = [f"{self.active_state}/{self.sub_state}" if self.sub_state else self.active_state]
+        if self.result:
+            bits.append(f"result={self.result}")
+        if self.exec_main_status is not None:
+            what = "signal" if self.exec_main_code in ("killed", "dumped") else "status"
+            bits.append(f"{what}={self.exec_main_status}")
+        return ", ".join(bits)
+
+
+@dataclass(frozen=True)
+class ReadyReport:
+    kind: str
+    base_url: str
+    model_name: str
+    seconds: float  # time from the start of the wait until ready (by the injected clock)
+    attempts: int
+    served_models: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SmokeReport:
+    base_url: str
+    model_name: str
+    content: str
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    finish_reason: str | None
+    seconds: float
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+def failure_reason(err: BaseException) -> str | None:
+    """The named reason of a HealthError raised by this module (None for anything else)."""
+    details = getattr(err, "details", None)
+    if isinstance(details, Mapping):
+        reason = details.get("reason")
+        return str(reason) if reason is not None else None
+    return None
+
+
+def _fail(reason: str, message: str, *, hint: str | None = None, **extra: object) -> HealthError:
+    details: dict[str, object] = {"reason": reason}
+    details.update({k: v for k, v in extra.items() if v is not None})
+    return HealthError(message, hint=hint, details=details)
+
+
+# --------------------------------------------------------------------------------------------- HTTP
+
+@dataclass(frozen=True)
+class _Response:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body.decode("utf-8", "replace"))
+
+    def text(self, limit: int = 200) -> str:
+        return self.body.decode("utf-8", "replace").strip()[:limit]
+
+
+class _Unreachable(Exception):
+    """No HTTP answer at all: `reason` is connection-refused or timeout (or another named network fault)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+# Servers bind 127.0.0.1: never route probes through an http_proxy from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _request(method: str, url: str, *, timeout: float, api_key: str | None = None,
+             body: Mapping[str, Any] | None = None) -> _Response:
+    headers = {"Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with _OPENER.open(req, timeout=max(timeout, 0.001)) as resp:
+            return _Response(resp.status, resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            payload = exc.read()
+        except OSError:
+            payload = b""
+        return _Response(exc.code, payload)
+    except urllib.error.URLError as exc:
+        raise _classify(exc.reason, url) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise _classify(exc, url) from exc
+
+
+def _classify(exc: object, url: str) -> _Unreachable:
+    if isinstance(exc, ConnectionRefusedError):
+        return _Unreachable("connection-refused", f"connection refused: {url}")
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return _Unreachable("timeout", f"no answer in time: {url}")
+    if isinstance(exc, ConnectionResetError | ConnectionAbortedError | BrokenPipeError):
+        return _Unreachable("connection-reset", f"connection reset: {url}")
+    return _Unreachable("connection-error", f"{url}: {exc}")
+
+
+def _served_names(payload: Any) -> tuple[str, ...]:
+    """Model names from an OpenAI-style /v1/models answer (ids plus llama.cpp's aliases)."""
+    names: list[str] = []
+    data = payload.get("data") if isinstance(payload, Mapping) else None
+    if isinstance(data, list):
+        for item in data:
+            if not isinstance(item, Mapping):
+                continue
+            if isinstance(item.get("id"), str):
+                names.append(item["id"])
+            aliases = item.get("aliases")
+            if isinstance(aliases, list):
+                names.extend(a for a in aliases if isinstance(a, str))
+    return tuple(dict.fromkeys(names))
+
+
+# --------------------------------------------------------------------------------------------- waiting
+
+class _NotReady(Exception):
+    """One attempt saw a server that is not ready yet (retried until the deadline)."""
+
+    def __init__(self, observed: str) -> None:
+        super().__init__(observed)
+        self.observed = observed
+
+
+class _Deadline(tenacity.stop.stop_base):
+    """Stop once the injected clock passes the deadline (tenacity's own stops read time.monotonic)."""
+
+    def __init__(self, clock: Callable[[], float], deadline: float) -> None:
+        self.clock = clock
+        self.deadline = deadline
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self.clock() >= self.deadline
+
+
+def _retrying(*, timeout: float, interval: float, clock: Callable[[], float],
+              sleep: Callable[[float], None]) -> tenacity.Retrying:
+    """The one retry policy: retry only `_NotReady`, every `interval`, never sleeping past the deadline."""
+    deadline = clock() + timeout
+
+    def wait(_: tenacity.RetryCallState) -> float:
+        return max(0.0, min(interval, deadline - clock()))
+
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(_NotReady),
+        stop=_Deadline(clock, deadline),
+        wait=wait,
+        sleep=sleep,
+        reraise=True,
+    )
+
+
+def _journal(journal_tail: Callable[[], str] | None, lines: int = 30) -> str | None:
+    if journal_tail is None:
+        return None
+    try:
+        text = journal_tail()
+    except Exception as exc:  # the journal is evidence, never the failure itself
+        return f"(journal unavailable: {exc})"
+    tail = (text or "").rstrip().splitlines()[-lines:]
+    return "\n".join(tail)
+
+
+def _with_journal(message: str, journal: str | None) -> str:
+    if not journal:
+        return message
+    return message + "\n  journal tail:\n    " + "\n    ".join(journal.splitlines())
+
+
+def wait_ready(
+    kind: Kind,
+    base_url: str,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    timeout: float,
+    interval: float = 0.25,
+    request_timeout: float = 2.0,
+    unit_state: Callable[[], UnitSnapshot | None] | None = None,
+    journal_tail: Callable[[], str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ReadyReport:
+    """Wait until the server at `base_url` is ready and serves `model_name`; raise HealthError otherwise.
+
+    `unit_state()` is polled on every attempt (every `interval` seconds): a dead unit ends the wait at
+    once. `journal_tail()` is called only on failure and its text is added to the error.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown backend kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if timeout < 0 or interval <= 0:
+        raise ValueError("timeout must be >= 0 and interval > 0")
+    base = base_url.rstrip("/")
+    start = clock()
+    deadline = start + timeout
+    attempts = 0
+    served: tuple[str, ...] = ()
+
+    def check_unit() -> None:
+        if unit_state is None:
+            return
+        snap = unit_state()
+        if snap is None or not snap.dead:
+            return
+        who = snap.name or "the server's unit"
+        exited = snap.active_state == "inactive" or snap.sub_state in ("exited", "dead")
+        clean = snap.exec_main_code in ("", "exited") and snap.exec_main_status == 0
+        reason = "unit-exited" if exited and snap.result in ("", "success") else "unit-failed"
+        note = " (an exit with status 0 before ready is still a failure: ftllm does this on an unsupported " \
+               "model)" if clean else ""
+        journal = _journal(journal_tail)
+        raise _fail(reason, _with_journal(f"{who} stopped before {kind} at {base} was ready: "
+                                          f"{snap.describe()}{note}", journal),
+                    hint="read the journal tail above; fix the cause, then start it again",
+                    unit=snap.name or None, state=snap.describe(), journal_tail=journal)
+
+    def attempt() -> tuple[str, ...]:
+        nonlocal attempts
+        attempts += 1
+        check_unit()
+        per_request = max(0.05, min(request_timeout, deadline - clock()))
+        try:
+            if kind == "llamacpp":
+                health = _request("GET", f"{base}/health", timeout=per_request, api_key=api_key)
+                if health.status == 503:
+                    raise _NotReady(f"/health 503 {health.text(80)}")
+                _reject_status(kind, base, "/health", health, ok=(200,))
+            models = _request("GET", f"{base}/v1/models", timeout=per_request, api_key=api_key)
+        except _Unreachable as exc:
+            check_unit()  # a refused connection from a dead server: say so now, not at the deadline
+            raise _NotReady(exc.detail) from exc
+        if models.status == 503 or models.status >= 500:
+            raise _NotReady(f"/v1/models {models.status} {models.text(80)}")
+        _reject_status(kind, base, "/v1/models", models, ok=(200,))
+        try:
+            names = _served_names(models.json())
+        except ValueError as exc:
+            raise _fail("bad-response", f"{kind} at {base}: /v1/models is not JSON: {models.text()}") from exc
+        if model_name not in names:
+            shown = ", ".join(repr(n) for n in names) or "nothing"
+            raise _fail("wrong-model", f"{kind} at {base} serves model {shown}, expected {model_name!r}",
+                        hint="make the server's model name (ftllm --model_name, llama-server --alias) "
+                             "match the configured model_name", served=list(names), expected=model_name)
+        return names
+
+    try:
+        for try_ in _retrying(timeout=timeout, interval=interval, clock=clock, sleep=sleep):
+            with try_:
+                served = attempt()
+    except _NotReady as exc:
+        # deadline passed: one last look at the unit gives the better message if it died meanwhile
+        check_unit()
+        journal = _journal(journal_tail)
+        raise _fail("timeout", _with_journal(
+            f"{kind} at {base} not ready after {timeout:g}s ({attempts} attempts; last: {exc.observed})",
+            journal), hint="raise the health timeout if the model is large, or read the server's log",
+            last=exc.observed, attempts=attempts, journal_tail=journal) from None
+    return ReadyReport(kind=kind, base_url=base, model_name=model_name, seconds=clock() - start,
+                       attempts=attempts, served_models=served)
+
+
+def _reject_status(kind: str, base: str, path: str, resp: _Response, *, ok: tuple[int, ...]) -> None:
+    if resp.status in ok:
+        return
+    if resp.status in (401, 403):
+        raise _fail("unauthorized", f"{kind} at {base}{path} answered {resp.status}: {resp.text()}",
+                    hint="set the API key the server was started with (ftllm --api_key, "
+                         "llama-server --api-key / LLAMA_API_KEY)", status=resp.status)
+    if resp.status == 404 and path == "/health":
+        raise _fail("not-this-server", f"{kind} at {base} has no /health (404): is this really llama-server? "
+                    "(ftllm has no /health)", hint="check the backend kind and port in the config",
+                    status=404)
+    raise _fail(f"http-{resp.status}", f"{kind} at {base}{path} answered HTTP {resp.status}: {resp.text()}",
+                status=resp.status)
+
+
+# --------------------------------------------------------------------------------------------- smoke test
+
+def smoke_completion(
+    base_url: str,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    timeout: float,
+    max_tokens: int = 8,
+    prompt: str = "Say hello.",
+    clock: Callable[[], float] = time.monotonic,
+) -> SmokeReport:
+    """Send one real chat completion (temperature 0) naming `model_name`, and check the answer is usable.
+
+    Fails (HealthError with a named reason) on: no connection, timeout, any HTTP error, an answer for
+    another model, empty content, a stray `</think>` in content, or missing `usage` token counts.
+    """
+    base = base_url.rstrip("/")
+    url = f"{base}/v1/chat/completions"
+    body = {"model": model_name, "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0, "max_tokens": max_tokens, "stream": False}
+    t0 = clock()
+    try:
+        resp = _request("POST", url, timeout=timeout, api_key=api_key, body=body)
+    except _Unreachable as exc:
+        raise _fail(exc.reason, f"chat completion failed: {exc.detail}",
+                    hint="is the server running and bound to this address?", url=url) from None
+    seconds = clock() - t0
+    if resp.status != 200:
+        text = resp.text()
+        if resp.status == 404 and "model" in text.lower() and ("exist" in text.lower() or
+                                                               "not found" in text.lower()):
+            raise _fail("wrong-model", f"{url}: server does not serve model {model_name!r} (404: {text})",
+                        hint="make the server's model name match the configured model_name", status=404)
+        if resp.status in (401, 403):
+            raise _fail("unauthorized", f"{url} answered {resp.status}: {text}",
+                        hint="set the API key the server was started with", status=resp.status)
+        raise _fail(f"http-{resp.status}", f"{url} answered HTTP {resp.status}: {text}", status=resp.status)
+    try:
+        payload = resp.json()
+        choice = payload["choices"][0]
+        message = choice["message"]
+        content = message.get("content")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise _fail("bad-response", f"{url}: not a chat completion: {resp.text()}") from exc
+    served = payload.get("model")
+    if isinstance(served, str) and served and served != model_name:
+        raise _fail("wrong-model", f"{url}: answered as model {served!r}, expected {model_name!r}",
+                    hint="make the server's model name (--model_name / --alias) match the configured one",
+                    served=served, expected=model_name)
+    if not isinstance(content, str) or not content.strip():
+        raise _fail("empty-content", f"{url}: the completion has empty content ({resp.text()})",
+                    hint="check the chat template and the model; the answer must not be empty")
+    if STRAY_THINK in content:
+        raise _fail("stray-think", f"{url}: the completion's content holds a stray {STRAY_THINK}: "
+                    f"{content[:120]!r}",
+                    hint="reasoning leaked into content: a custom --chat_template disables ftllm's "
+                         "reasoning split; send enable_thinking=false or drop the template",
+                    content=content[:500])
+    usage = payload.get("usage")
+    try:
+        prompt_tokens = int(usage["prompt_tokens"])
+        completion_tokens = int(usage["completion_tokens"])
+        total_tokens = int(usage.get("total_tokens", prompt_tokens + completion_tokens))
+    except (TypeError, KeyError, ValueError) as exc:
+        raise _fail("no-usage", f"{url}: the completion has no usable usage token counts: {usage!r}",
+                    hint="token counts come from usage, never from counting chunks") from exc
+    if completion_tokens <= 0:
+        raise _fail("no-usage", f"{url}: usage reports {completion_tokens} completion tokens for "
+                    f"non-empty content")
+    return SmokeReport(base_url=base, model_name=model_name, content=content, prompt_tokens=prompt_tokens,
+                       completion_tokens=completion_tokens, total_tokens=total_tokens,
+                       finish_reason=choice.get("finish_reason"), seconds=seconds, raw=payload)
