@@ -389,7 +389,8 @@ def arch_supported(info: FatbinInfo, cc: str = "7.5", policy: str = "exact") -> 
     policy "compatible": also accept a same-major lower-minor cubin or PTX the driver can JIT.
     """
     if policy not in POLICIES:
-        raise InputError(f"unknown architecture policy {policy!r}", hint="use 'exact' or 'compatible'")
+        raise InputError(f"unknown architecture policy {policy!r}: use 'exact' or 'compatible'",
+                         hint="'exact' (the default) requires a cubin for the device's own architecture")
     major, minor = _parse_cc(cc)
     want = f"sm_{major}{minor}"
     name = Path(info.path).name
@@ -450,7 +451,7 @@ def count_strings(path: str | os.PathLike[str], needle: bytes, *, chunk_size: in
             while i >= 0:
                 count += 1
                 i = buf.find(needle, i + 1)
-            carry = buf[len(buf) - keep:] if keep else b""
+            carry = buf[-keep:] if keep else b""
     return count
 
 
