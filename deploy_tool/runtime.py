@@ -528,9 +528,10 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
                 hint="the library changed since it was pinned; reinstall the bundle or re-pin on purpose"))
             status = FAIL
         rows.append(LibStatus(lib.name, lib.path, lib.pid, True, pin.path, status, sha, lib.deleted))
+    mapped = {row.path for row in rows if row.path}
     for key, pin in pins.items():
-        if key in used_pins:
-            continue
+        if key in used_pins or os.path.realpath(pin.path) in mapped:
+            continue  # another name (symlink) of a file already listed
         rows.append(LibStatus(os.path.basename(pin.path), None, None, True, pin.path, WARN))
         findings.append(Finding("library", WARN, os.path.basename(pin.path),
                                 f"pinned {pin.path} is not mapped by the process (not loaded yet, or not used)",
@@ -805,17 +806,22 @@ class RuntimeReport:
         return [f for f in self.findings if f.status == FAIL]
 
     def to_rows(self) -> list[dict[str, str]]:
-        """Table rows for `status`: one per loaded known library, then one for the capacity truth."""
-        rows = [{"what": "library", "name": r.name, "path": r.path or "(not mapped)",
+        """Table rows for `status`, all with the keys what, name, detail, pinned, status.
+
+        One row per known native library (detail: the loaded path, or "(not mapped)" for a pin the process
+        does not map; pinned: yes/no), then the capacity truth (name: the real token ceiling; detail: the
+        arithmetic), then CPU-fallback and inspection findings.
+        """
+        rows = [{"what": "library", "name": r.name, "detail": r.path or "(not mapped)",
                  "pinned": "yes" if r.pinned else "no", "status": r.status + (" (deleted)" if r.deleted else "")}
                 for r in self.libraries]
         if self.capacity is not None:
             ceiling = "?" if self.capacity.ceiling_tokens is None else _fmt_tokens(self.capacity.ceiling_tokens)
-            rows.append({"what": "capacity", "name": f"{ceiling} tokens", "path": self.capacity.message,
+            rows.append({"what": "capacity", "name": f"{ceiling} tokens", "detail": self.capacity.message,
                          "pinned": "-", "status": self.capacity.status})
         for f in self.findings:
             if f.check in ("cpu-fallback", "inspect"):
-                rows.append({"what": f.check, "name": f.subject, "path": f.message, "pinned": "-",
+                rows.append({"what": f.check, "name": f.subject, "detail": f.message, "pinned": "-",
                              "status": f.status})
         return rows
 

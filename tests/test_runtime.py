@@ -484,7 +484,7 @@ def test_inspect_runtime_rows_and_json(tmp_path):
     assert rep.status == WARN  # capacity only; the library is fine
     rows = rep.to_rows()
     lib_row = [r for r in rows if r["what"] == "library"][0]
-    assert lib_row == {"what": "library", "name": "libnccl.so.2", "path": str(lib), "pinned": "yes", "status": OK}
+    assert lib_row == {"what": "library", "name": "libnccl.so.2", "detail": str(lib), "pinned": "yes", "status": OK}
     cap_row = [r for r in rows if r["what"] == "capacity"][0]
     assert cap_row["name"] == "156,544 tokens" and cap_row["status"] == WARN
     data = json.loads(json.dumps(rep.to_json()))
