@@ -557,7 +557,7 @@ def check_loaded(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
 # CPU fallback
 # --------------------------------------------------------------------------------------------------------------
 
-_FT_LOAD_RE = re.compile(r"^\s*Load (libfastllm_tools[^\s]*\.so)\s*$", re.M)
+_FT_LOAD_RE = re.compile(r"(?:^|[\s:\]])Load (libfastllm_tools[\w.-]*\.so)\s*$", re.M)  # journal prefixes ok
 _LL_NO_GPU_RE = re.compile(r"no usable GPU found", re.I)
 _LL_OFFLOADED_RE = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _LL_BUFFER_RE = re.compile(r"(?:load_tensors|llama_kv_cache|llama_context|sched_reserve):\s+(\S+)\s+"

@@ -162,6 +162,17 @@ def test_descendants_without_children_files_scans_stat(tmp_path):
     assert sorted(descendants(10, proc=str(proc))) == [11, 12, 14]
 
 
+def test_descendant_vanishing_mid_walk_is_skipped(tmp_path):
+    """A child listed in task/*/children that is gone when its maps are read is skipped; the main maps still count."""
+    proc = tmp_path / "proc"
+    (proc / "10" / "task" / "10").mkdir(parents=True)
+    (proc / "10" / "task" / "10" / "children").write_text("11 ")
+    (proc / "10" / "stat").write_text("10 (ftllm) S 1 1 1 0\n")
+    (proc / "10" / "maps").write_text("7f00-7f10 r--p 00000000 fe:00 5 /opt/b/libnccl.so.2\n")
+    libs = loaded_libraries(10, proc=str(proc))  # pid 11 has no /proc entry any more
+    assert [(lib.path, lib.pid) for lib in libs] == [("/opt/b/libnccl.so.2", 10)]
+
+
 def test_exited_process_is_could_not_determine():
     """A process gone before inspection gives InspectError, and inspect_runtime an 'unknown' finding, no crash."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -341,6 +352,16 @@ def test_ftllm_cpu_library_on_cuda_profile_fails():
     log = "Load libnuma.so.1\nCPU Instruction Info: [AVX2: ON]\nLoad libfastllm_tools-cpu.so\nWarmup...\n"
     f = detect_cpu_fallback("ftllm", log, "cuda")
     assert f is not None and f.status == FAIL and "libfastllm_tools-cpu.so" in f.message
+
+
+def test_journal_prefixed_lines_are_read():
+    """Lines as journalctl prints them (timestamp, unit, pid prefix) are recognised by every check."""
+    prefix = "Nov 29 08:56:10 box ftllm[6567]: "
+    log = "".join(prefix + line + "\n" for line in
+                  ["Load libfastllm_tools-cpu.so", *FTLLM_REAL_FORMAT.splitlines()[2:]])
+    f = detect_cpu_fallback("ftllm", log, "cuda")
+    assert f is not None and f.status == FAIL
+    assert capacity_truth("ftllm", log, 262144).ceiling_tokens == 156544
 
 
 def test_ftllm_cuda_library_passes_and_cpu_profile_is_not_checked():
