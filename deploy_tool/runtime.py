@@ -713,7 +713,8 @@ def _ftllm_capacity(text: str, configured: int | None, policy: str) -> CapacityR
     if page_len <= 0:
         return CapacityReport((), None, UNKNOWN, f"could not determine the KV capacity: pageLen={page_len}",
                               configured)
-    prefill_tokens = int(prefill[0]) * page_len if prefill else None
+    prefill_pages = int(prefill[0]) if prefill else None
+    prefill_tokens = prefill_pages * page_len if prefill_pages is not None else None
     cards: list[CardCapacity] = []
     parts: list[str] = []
     short: list[str] = []
@@ -737,8 +738,8 @@ def _ftllm_capacity(text: str, configured: int | None, policy: str) -> CapacityR
                                 f"a long prompt would crash GPU {card}")
     ceiling_tokens = min(c.ceiling_tokens for c in cards if c.ceiling_tokens is not None)
     detail = "; ".join(short + parts)
-    if prefill_tokens is not None:
-        detail += (f"; one prompt is capped at {_fmt_tokens(int(prefill[0]))} pages = "
+    if prefill_pages is not None and prefill_tokens is not None:
+        detail += (f"; one prompt is capped at {_fmt_tokens(prefill_pages)} pages = "
                    f"{_fmt_tokens(prefill_tokens)} tokens")
     return _verdict(tuple(cards), ceiling_tokens, configured, policy, paper, detail, prefill_tokens)
 
@@ -758,10 +759,11 @@ def _llamacpp_capacity(text: str, configured: int | None, policy: str) -> Capaci
     seq = _last(_LL_N_CTX_SEQ_RE, text) or _last(_LL_SLOT_RE, text)
     n_ctx = _last(_LL_N_CTX_RE, text)
     kv = _last(_LL_KV_SIZE_RE, text)
-    if not seq and not n_ctx:
+    found = seq or n_ctx
+    if not found:
         return CapacityReport((), None, UNKNOWN, "could not determine the context size: no 'llama_context: "
                               "n_ctx' or 'n_ctx_slot' line in the llama-server log", configured)
-    per_seq = int((seq or n_ctx)[0])  # type: ignore[index]
+    per_seq = int(found[0])
     buffers: dict[str, float] = {}
     for dev, mib in _LL_KV_BUF_RE.findall(text):
         buffers[dev] = float(mib)

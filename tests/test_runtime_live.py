@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_tool.health import wait_ready
+from deploy_tool.health import Kind, wait_ready
 from deploy_tool.runtime import (
     FAIL,
     OK,
@@ -53,7 +53,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("models") / "tiny-f16.gguf", f16=True)
 
 
-def _serve(kind: str, model: Path, log_dir: Path, extra: list[str]) -> Iterator[backends.Server]:
+def _serve(kind: Kind, model: Path, log_dir: Path, extra: list[str]) -> Iterator[backends.Server]:
     with backends.running(kind, model, model_name="tiny", log_dir=log_dir, extra=extra) as srv:
         wait_ready(kind, srv.base_url, "tiny", timeout=90, interval=0.2, unit_state=srv.unit_state,
                    journal_tail=srv.log_text)
