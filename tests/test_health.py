@@ -428,15 +428,21 @@ def test_killed_server_ends_wait_within_a_second(kind: str, model: str, models_d
         write_model(models_dir / model, size="24m", f16=True)  # loads in ~0.8 s: time to kill it mid-load
     with backends.running(kind, models_dir / model, model_name="tiny", log_dir=tmp_path) as srv:
         killed_at: list[float] = []
+        waiting = threading.Event()
 
-        def kill_while_loading() -> None:
-            time.sleep(0.2)
+        def kill_once_waiting() -> None:
+            waiting.wait(30)
+            time.sleep(0.05)
             killed_at.append(time.monotonic())
             srv.send_signal(9)
 
-        threading.Thread(target=kill_while_loading, daemon=True).start()
+        def watched_state() -> UnitSnapshot:
+            waiting.set()  # the probe has started polling: kill the server under it
+            return srv.unit_state()
+
+        threading.Thread(target=kill_once_waiting, daemon=True).start()
         with pytest.raises(HealthError) as ei:
-            wait_ready(kind, srv.base_url, "tiny", timeout=60, interval=0.1, unit_state=srv.unit_state,
+            wait_ready(kind, srv.base_url, "tiny", timeout=60, interval=0.1, unit_state=watched_state,
                        journal_tail=srv.log_text)
         ended = time.monotonic()
     assert reason_of(ei) == "unit-failed"
@@ -454,3 +460,21 @@ def test_real_ftllm_exit_zero_on_unsupported_model(models_dir: Path, tmp_path: P
         assert srv.proc.returncode == 0
     assert reason_of(ei) == "unit-exited"
     assert "Unsupport graph model type bogusarch" in ei.value.message
+
+
+@pytest.mark.backends
+@pytest.mark.parametrize(("kind", "flag"), [("llamacpp", "--api-key"), ("ftllm", "--api_key")])
+def test_real_server_with_api_key(kind: str, flag: str, models_dir: Path, tmp_path: Path) -> None:
+    """With an API key the probes pass with the key and fail 'unauthorized' without it (ftllm guards /v1/models too)."""
+    with backends.running(kind, models_dir / "tiny-f16.gguf", model_name="tiny", log_dir=tmp_path,
+                          extra=[flag, "k3y"]) as srv:
+        wait_ready(kind, srv.base_url, "tiny", api_key="k3y", timeout=60, interval=0.05,
+                   unit_state=srv.unit_state, journal_tail=srv.log_text)
+        assert smoke_completion(srv.base_url, "tiny", api_key="k3y", timeout=30).completion_tokens > 0
+        with pytest.raises(HealthError) as ei:
+            smoke_completion(srv.base_url, "tiny", api_key="wrong", timeout=30)
+        assert reason_of(ei) == "unauthorized"
+        if kind == "ftllm":  # llama-server keeps /health and /v1/models public
+            with pytest.raises(HealthError) as ei:
+                wait_ready(kind, srv.base_url, "tiny", timeout=5, interval=0.05)
+            assert reason_of(ei) == "unauthorized"
