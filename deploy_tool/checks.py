@@ -1,13 +1,31 @@
-"""Every known pitfall of the two-card box, as a named check with a stable id, severity, evidence and fix."""
+"""Every known pitfall of the two-card box, as a named check with a stable id, severity, evidence and fix.
+
+Each check reads a Config (and, with `inspect_files`, the files it names: the NCCL library's fatbin, the
+llama-server binary's strings, the chat template, the model's config.json) and returns Findings. The
+evidence in the messages is what the field write-ups measured; `source` says which pitfall it comes from.
+Checks never run external programs and never import heavy modules until a check needs them.
+
+Files the config names that do not exist: on the machine a backend runs on (a `cpu` backend, or a `cuda`
+backend on a machine with an NVIDIA driver) a missing file is an error. On a machine without an NVIDIA GPU a
+`cuda` backend's files are expected to live on the box, so their absence is reported once per backend as
+info ("not on this machine") instead: checking the box's config on a laptop stays quiet, and the same
+config checked on the box itself fails loudly.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
-from deploy_tool.config import Config
+from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
 
 Severity = Literal["error", "warning", "info"]
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,744 @@ class Finding:
         return asdict(self)
 
 
-def run_checks(cfg: Config, *, inspect_files: bool = True) -> list[Finding]:
-    """Run every check; sorted by severity (errors first), then backend, then id."""
-    return []
+@dataclass(frozen=True)
+class CheckInfo:
+    """One entry of the catalog: what a check id means (for docs and `--json` consumers)."""
+
+    id: str
+    severity: Severity  # the usual severity; some checks downgrade (e.g. nccl.force) or upgrade
+    title: str
+    source: str
+
+
+# The catalog of stable ids. Ids never change meaning; new checks get new ids.
+CATALOG: tuple[CheckInfo, ...] = (
+    CheckInfo("ftllm-cuda-graph-dflash", "error", "DFlash with FASTLLM_CUDA_GRAPH not 0", "field notes, pitfall 2"),
+    CheckInfo("ftllm-nccl-arch", "error", "TP>1 speculative decoding with an NCCL lacking the GPUs' arch",
+              "field notes, pitfall 1"),
+    CheckInfo("ftllm-nccl-system", "warning", "TP>1 speculative decoding with the system NCCL",
+              "field notes, pitfall 1"),
+    CheckInfo("ftllm-nccl-unreadable", "error", "the NCCL library is not an ELF shared library",
+              "field notes, pitfall 1"),
+    CheckInfo("ftllm-bundle-missing", "error", "a backend uses the bundle's template or NCCL, which is not configured",
+              "config"),
+    CheckInfo("ftllm-draft-tokens-max", "error", "--speculative_num_draft_tokens 12 or more does not start",
+              "field notes, pitfall 8"),
+    CheckInfo("ftllm-draft-tokens-meaning", "info", "--speculative_num_draft_tokens N drafts N-1 tokens",
+              "field notes, pitfall 8"),
+    CheckInfo("ftllm-draft-missing", "error", "DFlash without a draft model", "field notes, backend A"),
+    CheckInfo("ftllm-fp8-kv-dflash", "error", "fp8 KV with DFlash2 above 196,608 tokens OOMs", "field notes, pitfall 3"),
+    CheckInfo("ftllm-cuda-embedding", "error", "--cuda_embedding at long context", "field notes, pitfalls 3 and 4"),
+    CheckInfo("ftllm-gpu-mem-ratio", "warning", "--gpu_mem_ratio other than 0.95", "field notes, pitfall 3"),
+    CheckInfo("ftllm-chat-template-thinking", "warning", "custom chat template while clients request thinking",
+              "field notes, pitfall 5"),
+    CheckInfo("ftllm-think-flag", "info", "--think only prepends <think>", "field notes, pitfall 6"),
+    CheckInfo("ftllm-kv-capacity", "error", "KV cache does not fit the cards", "field notes, pitfall 4"),
+    CheckInfo("model-config-unreadable", "warning", "the model's config.json cannot be used for capacity math",
+              "field notes, pitfall 4"),
+    CheckInfo("llamacpp-split-row", "error", "llama.cpp -sm row was removed upstream", "field notes, pitfall 9"),
+    CheckInfo("llamacpp-tensor-ctx", "error", "-sm tensor without an explicit -c", "field notes, pitfall 10"),
+    CheckInfo("llamacpp-tensor-allreduce", "error", "-sm tensor without GGML_CUDA_ALLREDUCE=internal",
+              "field notes, pitfall 11"),
+    CheckInfo("llamacpp-mtp-quantized-kv", "warning", "quantized main KV lowers MTP acceptance",
+              "field notes, pitfall 12"),
+    CheckInfo("llamacpp-tensor-mixed-kv", "error", "mixed -ctk/-ctv types assert under tensor split",
+              "field notes, pitfall 12"),
+    CheckInfo("llamacpp-q8-f16-context", "warning", "Q8_0 weights + f16 KV above 196,608 tokens OOMs",
+              "field notes, pitfall 12"),
+    CheckInfo("llamacpp-spec-depth", "info", "--spec-draft-n-max other than 3 under tensor split",
+              "field notes, pitfall 13"),
+    CheckInfo("template-patch-match", "error", "the chat-template patch does not match exactly once",
+              "field notes, pitfall 7"),
+    CheckInfo("template-sha256", "error", "the original chat template's SHA-256 differs", "field notes, pitfall 14"),
+    CheckInfo("template-no-patch", "info", "the chat template is bundled without the reasoning-effort patch",
+              "field notes, pitfall 7"),
+    CheckInfo("file-missing", "error", "a file the config names does not exist", "config"),
+    CheckInfo("file-not-on-this-machine", "info", "the box's files are not on this machine (not checked)", "config"),
+    CheckInfo("serve-public-no-api-key", "info", "bound to all interfaces without an API key", "config"),
+    CheckInfo("device-cuda-no-gpus", "error", "device cuda with host.gpus empty", "config"),
+    CheckInfo("device-cpu-cuda-flags", "warning", "device cpu with CUDA-only settings", "config"),
+)
+CHECK_IDS = frozenset(c.id for c in CATALOG)
+_SOURCE = {c.id: c.source for c in CATALOG}
+
+# ----------------------------------------------------------------------------------------- measured facts
+# Figures from the field write-ups (FIELD-NOTES.md); every message below quotes them.
+
+NCCL_SYSTEM_FACT = ("without a bundled NCCL, FastLLM loads the system libnccl (on the field box `ldd` showed "
+                    "Ubuntu's NCCL 2.22.3, which has no sm_75 code); speculative decoding over TP=2 then died "
+                    "with 'ncclAllReduce failed on device 0: unhandled cuda error' after throughput dropped to "
+                    "19.9 tok/s")
+DRAFT_FIGURES = "4: 90.2/85.0/52.3 tok/s, 8: 156.0/134.9/53.1 tok/s (code/math/prose); 12: the server does not start"
+FP8_DFLASH_MAX_TOKENS = 196_608
+LONG_CONTEXT_EMBEDDING_TOKENS = 156_000  # ~156K fit on GPU0 with --cuda_embedding (1.41 of 2.36 GB per card)
+GOOD_GPU_MEM_RATIO = 0.95
+FTLLM_DEFAULT_GPU_MEM_RATIO = 0.9  # ftllm 0.1.8.2's argparse default
+MTP_KV_FIGURES = ("f16 KV: 59.96 tok/s (acceptance 0.807), q8_0: 52.67 (0.655), q4_0: 57.16 (0.729); "
+                  "deep-filled: f16 53.73 (0.726), q8_0 51.20 (0.719), q4_0 45.01 (0.579)")
+SPEC_DEPTH_FIGURES = "2: 52.50, 3: 59.44 (best), 4: 57.72, 5: 51.41, 7: 44.36 tok/s"
+SPLIT_BUFFER_FIELD = "45 on b9870, 0 on builds after upstream PR #24216 (merged 2026-07-06)"
+QUANTIZED_LLAMA_KV = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
+
+# The write-up's Qwen3.8-27B: 16 full-attention layers of 64, 4 KV heads, head dim 256.
+FIELD_MODEL_KV = {"full_layers": 16, "layers": 64, "kv_heads": 4, "head_dim": 256}
+KV_BYTES_PER_ELEMENT = {"fp4": 0.5, "fp8": 1.0, "fp8_e4m3": 1.0, "float16": 2.0, "bfloat16": 2.0, "auto": 2.0}
+# Measured availForKV on the field box (2 x 22G, TP=2, 29 GB FP8 weights, --gpu_mem_ratio 0.95, DFlash2 draft on
+# GPU0): without --cuda_embedding GPU0 3.96 GB, GPU1 5.04 GB; with it 1.41 / 2.49 GB. The reserve for temporary
+# allocations is (1 - ratio) of the card (1.15 GB at 0.95, 2.31 GB at 0.90: availForKV 1.41 -> 0.26 GB).
+FIELD_AVAIL_GB = {"gpu0_dflash": 3.96, "gpu1": 5.04}
+FIELD_EMBEDDING_COST_GB = 3.96 - 1.41
+FIELD_CARD_GB = 23.07  # 22,000 MiB as FastLLM reports the 22G card: 5% = 1.15 GB, 10% = 2.31 GB
+FIELD_VRAM_MIB = 22528
+FIELD_WEIGHTS_GB = 29.0
+FIELD_TP = 2
+GB = 1e9
+GIB = float(1 << 30)
+
+
+# ----------------------------------------------------------------------------------------- context
+
+
+@dataclass
+class _Ctx:
+    cfg: Config
+    inspect_files: bool
+    on_box: bool  # this machine has an NVIDIA driver: cuda backends run here
+
+
+def _f(id_: str, severity: Severity, backend: str | None, message: str, fix: str, source: str | None = None) -> Finding:
+    assert id_ in CHECK_IDS, id_
+    return Finding(id_, severity, backend, message, fix, source or _SOURCE[id_])
+
+
+def nvidia_present() -> bool:
+    """Whether this machine has an NVIDIA driver loaded (so `cuda` backends would run here)."""
+    if os.path.exists("/dev/nvidiactl"):
+        return True
+    try:
+        return any(os.scandir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return False
+
+
+def _env(b: Backend) -> dict[str, str]:
+    return dict(b.env)
+
+
+def _has_arg(b: Backend, *names: str) -> bool:
+    return any(a in names or any(a.startswith(n + "=") for n in names) for a in b.extra_args)
+
+
+def _speculative(b: FtllmBackend) -> str | None:
+    sp = b.speculative
+    return sp.algorithm if sp is not None and sp.algorithm != "none" else None
+
+
+def _runs_here(ctx: _Ctx, b: Backend) -> bool:
+    return b.device == "cpu" or ctx.on_box
+
+
+def _fmt_int(n: float) -> str:
+    return f"{int(n):,}"
+
+
+# ----------------------------------------------------------------------------------------- ftllm checks
+
+
+def check_cuda_graph(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend) or b.device != "cuda" or _speculative(b) != "dflash":
+        return
+    val = _env(b).get("FASTLLM_CUDA_GRAPH")
+    if val == "0":
+        return
+    shown = "unset" if val is None else f"{val!r}"
+    yield _f("ftllm-cuda-graph-dflash", "error", b.name,
+             f"FASTLLM_CUDA_GRAPH is {shown} with --speculative_algorithm dflash: DFlash2 with CUDA Graph "
+             f"crashed with cudaErrorIllegalAddress on the first request, every time. FastLLM's docs say to set "
+             f"1 on sm_75; that only holds without speculative decoding (built-in MTP works with 0 or 1)",
+             f"set backends.{b.name}.env.FASTLLM_CUDA_GRAPH: \"0\"")
+
+
+def _nccl_paths(cfg: Config, b: FtllmBackend) -> tuple[str | None, str]:
+    """(library to inspect, how it is loaded) for an ftllm backend."""
+    if b.use_bundle_nccl and cfg.bundle.nccl is not None:
+        return cfg.bundle.nccl.library, "bundle.nccl.library (LD_PRELOAD)"
+    pre = _env(b).get("LD_PRELOAD", "")
+    for part in pre.replace(":", " ").split():
+        if "libnccl" in Path(part).name:
+            return part, f"backends.{b.name}.env.LD_PRELOAD"
+    return None, ""
+
+
+def check_nccl(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    cfg = ctx.cfg
+    if not isinstance(b, FtllmBackend):
+        return
+    if b.use_bundle_nccl and cfg.bundle.nccl is None:
+        yield _f("ftllm-bundle-missing", "error", b.name,
+                 f"backends.{b.name}.nccl is 'bundle' but bundle.nccl is not configured, so LD_PRELOAD would "
+                 f"name a library that no bundle contains",
+                 "add bundle.nccl.library (an NCCL built with your GPUs' architecture), or drop nccl: bundle")
+    if b.device != "cuda" or b.tp <= 1 or _speculative(b) is None:
+        return
+    lib, how = _nccl_paths(cfg, b)
+    cc = cfg.host.compute_capability
+    sm = "sm_" + cc.replace(".", "")
+    if lib is None:
+        yield _f("ftllm-nccl-system", "warning", b.name,
+                 f"TP={b.tp} with speculative decoding ({_speculative(b)}) and no bundled NCCL: {NCCL_SYSTEM_FACT}. "
+                 f"The error message never names the architecture",
+                 f"bundle an NCCL with {sm} code (bundle.nccl.library + backends.{b.name}.nccl: bundle); check one "
+                 f"with `cuobjdump --list-elf libnccl.so.2 | grep -oE 'sm_[0-9]+' | sort -u`")
+        return
+    if not ctx.inspect_files or not os.path.exists(lib):
+        return  # the file checks report a missing library
+    from deploy_tool import binaries  # lazy: only when a library is inspected
+    from deploy_tool.errors import DeployError
+
+    policy = cfg.bundle.nccl.arch_policy if (cfg.bundle.nccl is not None and how.startswith("bundle")) else "exact"
+    force = cfg.bundle.nccl is not None and cfg.bundle.nccl.force and how.startswith("bundle")
+    try:
+        info = binaries.read_fatbin(lib)
+        ok, why = binaries.arch_supported(info, cc, policy)
+    except DeployError as exc:
+        yield _f("ftllm-nccl-unreadable", "error", b.name,
+                 f"{how}: {exc.message}", "point it at a real libnccl.so.2 (an ELF64 shared library)")
+        return
+    if ok:
+        return
+    yield _f("ftllm-nccl-arch", "warning" if force else "error", b.name,
+             f"{how} = {lib}: {why} Under TP={b.tp} speculative decoding an NCCL without {sm} died in the field "
+             f"with 'ncclAllReduce failed on device 0: unhandled cuda error'"
+             + (" (bundle.nccl.force is set: bundled anyway)" if force else ""),
+             f"build NCCL with -gencode arch=compute_{cc.replace('.', '')},code={sm} (the field fix: a self-built "
+             f"NCCL 2.31.2) and point bundle.nccl.library at it")
+
+
+def check_draft_tokens(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend) or _speculative(b) is None:
+        return
+    sp = b.speculative
+    assert sp is not None
+    if sp.algorithm == "dflash" and not sp.draft_model:
+        yield _f("ftllm-draft-missing", "error", b.name,
+                 "--speculative_algorithm dflash without --speculative_draft_model_path: DFlash needs its draft "
+                 "model (the write-up used z-lab/Qwen3.8-27B-DFlash2, 5 layers, 3.6 GB)",
+                 f"set backends.{b.name}.speculative.draft_model")
+    n = sp.num_draft_tokens
+    if n >= 12:
+        yield _f("ftllm-draft-tokens-max", "error", b.name,
+                 f"--speculative_num_draft_tokens {n}: at 12 the server did not start ({DRAFT_FIGURES})",
+                 "use 8 (drafts 7 tokens: the measured best), at most 11")
+    yield _f("ftllm-draft-tokens-meaning", "info", b.name,
+             f"--speculative_num_draft_tokens {n} drafts {n - 1} token(s) per round (the block includes the "
+             f"anchor). Measured: {DRAFT_FIGURES}",
+             "nothing to do if that is what you meant; 8 was the best measured")
+
+
+def check_fp8_kv_dflash(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend) or b.device != "cuda" or _speculative(b) != "dflash":
+        return
+    if b.kv_cache_dtype in ("fp8", "fp8_e4m3") and b.tokens is not None and b.tokens > FP8_DFLASH_MAX_TOKENS:
+        yield _f("ftllm-fp8-kv-dflash", "error", b.name,
+                 f"--kv_cache_dtype {b.kv_cache_dtype} with DFlash2 at --tokens {_fmt_int(b.tokens)}: loading the "
+                 f"draft ran out of memory at dflash.layers.4.mlp.gateup_proj; {_fmt_int(FP8_DFLASH_MAX_TOKENS)} "
+                 f"tokens fit",
+                 f"use --kv_cache_dtype fp4 (production: 262,144 tokens), or --tokens "
+                 f"{_fmt_int(FP8_DFLASH_MAX_TOKENS).replace(',', '')} or fewer")
+
+
+def check_cuda_embedding(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend) or not (b.cuda_embedding or _has_arg(b, "--cuda_embedding")):
+        return
+    if b.device != "cuda":
+        return  # device-cpu-cuda-flags reports it
+    long_ctx = b.tokens is None or b.tokens > LONG_CONTEXT_EMBEDDING_TOKENS
+    tokens = "the default --tokens" if b.tokens is None else f"--tokens {_fmt_int(b.tokens)}"
+    yield _f("ftllm-cuda-embedding", "error" if long_ctx else "warning", b.name,
+             f"--cuda_embedding with {tokens}: it pins a 2.4 GB FP16 embedding (248,320 x 5,120) on GPU0, whose "
+             f"availForKV then fell from 3.96 to 1.41 GB; at 262,144 tokens a card needs 2.36 GB of KV pages, so "
+             f"only about 156K tokens really fit and a long prompt crashes GPU0 (short prompts never show it: "
+             f"pages are allocated on use)",
+             f"drop backends.{b.name}.cuda_embedding")
+
+
+def check_gpu_mem_ratio(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend) or b.device != "cuda":
+        return
+    r = b.gpu_mem_ratio
+    if r == GOOD_GPU_MEM_RATIO:
+        return
+    shown = f"unset (ftllm's default is {FTLLM_DEFAULT_GPU_MEM_RATIO:g})" if r is None else f"{r:g}"
+    eff = FTLLM_DEFAULT_GPU_MEM_RATIO if r is None else r
+    if eff > GOOD_GPU_MEM_RATIO:
+        why = ("0.97 crashed on long prompts: 'CUDA error when allocating 12 MB on device 0! gpuFree: 2 MB / "
+               "22000 MB' and 'cublas error in ChunkGatedDeltaRule batched matmul'")
+        sev: Severity = "error"
+    else:
+        reserve = (1 - eff) * FIELD_CARD_GB
+        why = (f"below 0.95 the reserve for temporary allocations grows ((1 - {eff:g}) x 23.07 GB = "
+               f"{reserve:.2f} GB; 1.15 GB at 0.95, 2.31 GB at 0.90, where availForKV dropped to 0.26 GB)")
+        sev = "warning"
+    yield _f("ftllm-gpu-mem-ratio", sev, b.name,
+             f"--gpu_mem_ratio {shown}: {why}; 0.95 is the known-good value",
+             f"set backends.{b.name}.gpu_mem_ratio: 0.95")
+
+
+def check_chat_template_thinking(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend):
+        return
+    custom = b.use_bundle_chat_template or _has_arg(b, "--chat_template")
+    if b.use_bundle_chat_template and ctx.cfg.bundle.chat_template is None:
+        yield _f("ftllm-bundle-missing", "error", b.name,
+                 f"backends.{b.name}.chat_template is 'bundle' but bundle.chat_template is not configured, so "
+                 f"--chat_template would name a file that no bundle contains",
+                 "add bundle.chat_template.source, or drop chat_template: bundle")
+    if custom and b.clients_request_thinking:
+        yield _f("ftllm-chat-template-thinking", "warning", b.name,
+                 "a custom --chat_template makes FastLLM set force_chat_template, which disables the Qwen reasoning "
+                 "split: a request with enable_thinking: true gets the whole reasoning plus a lone </think> in "
+                 "`content` and an empty `reasoning_content` (requests with enable_thinking: false are clean)",
+                 f"tell clients to parse </think> out of content (then set backends.{b.name}."
+                 f"clients_request_thinking: false to acknowledge), or drop the custom template")
+
+
+def check_think(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if isinstance(b, FtllmBackend) and (b.think or _has_arg(b, "--think")):
+        yield _f("ftllm-think-flag", "info", b.name,
+                 "--think true does not change the model: it only prepends '<think>\\n' to the returned text "
+                 "(default false)",
+                 "control reasoning per request with enable_thinking (and the template's reasoning effort)")
+
+
+# ----------------------------------------------------------------------------------------- capacity
+
+
+@dataclass(frozen=True)
+class KvShape:
+    full_layers: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    source: str  # "config.json at ..." or "the write-up's Qwen3.8-27B figures"
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.full_layers * 2 * self.kv_heads * self.head_dim
+
+
+def kv_shape_from_config(data: object) -> KvShape:
+    """Full-attention layers, KV heads and head dim from a Hugging Face config.json (raises ValueError)."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    c = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    assert isinstance(c, dict)
+
+    def num(key: str, default: int | None = None) -> int:
+        v = c.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{key} is {v!r}, not a positive integer")
+        return v
+
+    layers = num("num_hidden_layers")
+    types = c.get("layer_types")
+    if isinstance(types, list) and types:
+        full = sum(1 for t in types if t in ("full_attention", "attention"))
+    elif c.get("full_attention_interval") is not None:
+        full = layers // num("full_attention_interval")
+    else:
+        full = layers
+    heads = num("num_attention_heads")
+    kv_heads = num("num_key_value_heads", heads)
+    head_dim = c.get("head_dim")
+    if head_dim is None:
+        head_dim = num("hidden_size") // heads
+    elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"head_dim is {head_dim!r}, not a positive integer")
+    return KvShape(full, layers, kv_heads, head_dim, "config.json")
+
+
+def _model_config_path(b: Backend) -> Path | None:
+    if b.model_config:
+        return Path(b.model_config)
+    p = Path(b.model)
+    return p / "config.json" if p.suffix != ".gguf" else None
+
+
+def _weights_gb(model: str) -> float | None:
+    p = Path(model)
+    try:
+        if p.is_file():
+            return p.stat().st_size / GB
+        files = [f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf") and f.is_file()]
+    except OSError:
+        return None
+    return sum(f.stat().st_size for f in files) / GB if files else None
+
+
+def check_capacity(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend) or b.device != "cuda" or b.tokens is None:
+        return
+    shape = KvShape(**FIELD_MODEL_KV, source="the write-up's Qwen3.8-27B figures")
+    cpath = _model_config_path(b)
+    if ctx.inspect_files and cpath is not None and cpath.exists():
+        try:
+            shape = kv_shape_from_config(json.loads(cpath.read_text("utf-8")))
+            shape = KvShape(shape.full_layers, shape.layers, shape.kv_heads, shape.head_dim, f"{cpath}")
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            yield _f("model-config-unreadable", "warning", b.name,
+                     f"{cpath}: cannot read the KV shape ({exc}); using the write-up's Qwen3.8-27B figures",
+                     "point model_config at the model's config.json")
+    dtype = b.kv_cache_dtype or "auto"
+    bpe = KV_BYTES_PER_ELEMENT[dtype]
+    tp = max(1, b.tp)
+    per_token = shape.elements_per_token * bpe
+    total = per_token * b.tokens
+    per_card = total / tp
+    # availability on the tightest card, from the write-up's measurements, adjusted for this config
+    ratio = b.gpu_mem_ratio if b.gpu_mem_ratio is not None else FTLLM_DEFAULT_GPU_MEM_RATIO
+    dflash = _speculative(b) == "dflash"
+    base = FIELD_AVAIL_GB["gpu0_dflash"] if dflash else FIELD_AVAIL_GB["gpu1"]
+    terms = [f"{base:.2f} GB measured availForKV on {'GPU0 (the DFlash2 draft runs there)' if dflash else 'GPU1'}"]
+    avail = base
+    if ratio != GOOD_GPU_MEM_RATIO:
+        d = (GOOD_GPU_MEM_RATIO - ratio) * FIELD_CARD_GB
+        avail -= d
+        terms.append(f"{'-' if d >= 0 else '+'} {abs(d):.2f} GB reserve at ratio {ratio:g}")
+    if b.cuda_embedding:
+        avail -= FIELD_EMBEDDING_COST_GB
+        terms.append(f"- {FIELD_EMBEDDING_COST_GB:.2f} GB --cuda_embedding")
+    vram = ctx.cfg.host.vram_mib
+    if vram != FIELD_VRAM_MIB:
+        d = (vram - FIELD_VRAM_MIB) * (1 << 20) * ratio / GB
+        avail += d
+        terms.append(f"{'+' if d >= 0 else '-'} {abs(d):.2f} GB for {vram} MiB cards")
+    weights = _weights_gb(b.model) if ctx.inspect_files else None
+    w = weights if weights is not None else FIELD_WEIGHTS_GB
+    if tp != FIELD_TP or weights is not None:
+        d = w / tp - FIELD_WEIGHTS_GB / FIELD_TP
+        if abs(d) >= 0.01:
+            avail -= d
+            terms.append(f"{'-' if d >= 0 else '+'} {abs(d):.2f} GB weights ({w:.1f} GB / TP={tp})")
+    math = (f"KV per token = {shape.full_layers} full-attention layers (of {shape.layers}) x 2 (K and V) x "
+            f"{shape.kv_heads} KV heads x {shape.head_dim} dims = {_fmt_int(shape.elements_per_token)} elements "
+            f"x {bpe:g} byte ({dtype}) = {_fmt_int(per_token)} bytes (from {shape.source}); x "
+            f"{_fmt_int(b.tokens)} tokens = {total / GIB:.2f} GiB, {per_card / GIB:.2f} GiB ({per_card / GB:.2f} GB) "
+            f"per card under TP={tp}; available for KV on the tightest card: {' '.join(terms)} = {avail:.2f} GB")
+    if per_card / GB > avail:
+        yield _f("ftllm-kv-capacity", "error", b.name,
+                 f"the KV cache does not fit: {math}. The startup log would show the shortfall only as a crash on "
+                 f"a long prompt (pages are allocated on use)",
+                 "use --kv_cache_dtype fp4 (half of fp8), fewer --tokens, or drop --cuda_embedding")
+    else:
+        yield _f("ftllm-kv-capacity", "info", b.name,
+                 f"the KV cache fits: {math}. For comparison the field box's log showed localKVPerPage=1.18 MB "
+                 f"(2.36 GB per card at 262,144 tokens in fp4); one prompt is capped at 80% of the pages (about "
+                 f"209K tokens of 262,144)",
+                 "confirm with the 'availForKV' and 'KV Cache Token limit' lines of the startup log")
+
+
+# ----------------------------------------------------------------------------------------- llama.cpp checks
+
+
+def check_split_row(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, LlamacppBackend) or (b.split_mode != "row" and not _sm_row_in_args(b)):
+        return
+    from deploy_tool.render import expand
+
+    binary = expand(ctx.cfg, b.binary)
+    count: int | None = None
+    if ctx.inspect_files and os.path.isfile(binary):
+        from deploy_tool import binaries
+        from deploy_tool.errors import DeployError
+
+        try:
+            count = binaries.count_strings(binary, b"split_buffer")
+        except DeployError:
+            count = None
+    base = ("-sm row was deleted upstream (PR #24216, merged 2026-07-06); builds without it die at load with "
+            "'device CUDA0 does not support split buffers'")
+    if count is None:
+        yield _f("llamacpp-split-row", "error", b.name,
+                 f"{base}. `strings llama-server | grep -c split_buffer`: {SPLIT_BUFFER_FIELD}",
+                 f"use backends.{b.name}.split_mode: tensor (with ctx_size and GGML_CUDA_ALLREDUCE=internal)")
+    elif count == 0:
+        yield _f("llamacpp-split-row", "error", b.name,
+                 f"{base}. {binary} contains 0 'split_buffer' strings, so this build removed row split "
+                 f"({SPLIT_BUFFER_FIELD})",
+                 f"use backends.{b.name}.split_mode: tensor (with ctx_size and GGML_CUDA_ALLREDUCE=internal)")
+    else:
+        yield _f("llamacpp-split-row", "warning", b.name,
+                 f"{base}. {binary} still contains {count} 'split_buffer' strings ({SPLIT_BUFFER_FIELD}), so this "
+                 f"build has row split, but the next upgrade will not",
+                 f"move to backends.{b.name}.split_mode: tensor before upgrading llama.cpp")
+
+
+def _sm_row_in_args(b: LlamacppBackend) -> bool:
+    a = list(b.extra_args)
+    return any(x in ("-sm", "--split-mode") and i + 1 < len(a) and a[i + 1] == "row" for i, x in enumerate(a)) \
+        or "--split-mode=row" in a
+
+
+def check_tensor(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, LlamacppBackend) or b.split_mode != "tensor":
+        return
+    if b.ctx_size is None and not _has_arg(b, "-c", "--ctx-size") and "LLAMA_ARG_CTX_SIZE" not in _env(b):
+        yield _f("llamacpp-tensor-ctx", "error", b.name,
+                 "-sm tensor ignores --fit: without an explicit -c the server silently runs at the default "
+                 "context while you believe it is at 262K",
+                 f"set backends.{b.name}.ctx_size (the field box: 262144 with Q4_K weights, 196608 with Q8_0)")
+    if b.device == "cuda" and _env(b).get("GGML_CUDA_ALLREDUCE") != "internal":
+        val = _env(b).get("GGML_CUDA_ALLREDUCE")
+        yield _f("llamacpp-tensor-allreduce", "error", b.name,
+                 f"GGML_CUDA_ALLREDUCE is {'unset' if val is None else repr(val)} with -sm tensor: the default "
+                 f"(NCCL) died on the first real ncclAllReduce with 'unhandled cuda error'",
+                 f"set backends.{b.name}.env.GGML_CUDA_ALLREDUCE: internal")
+    k = b.cache_type_k or "f16"
+    v = b.cache_type_v or "f16"
+    if k != v:
+        yield _f("llamacpp-tensor-mixed-kv", "error", b.name,
+                 f"-ctk {k} -ctv {v}: mixed K/V cache types assert in tensor split (seen with -ctk f16 -ctv q8_0)",
+                 "use the same type for both (f16 when it fits: best MTP acceptance)")
+    if b.spec is not None and b.spec.draft_n_max != 3:
+        yield _f("llamacpp-spec-depth", "info", b.name,
+                 f"--spec-draft-n-max {b.spec.draft_n_max} under -sm tensor; measured: {SPEC_DEPTH_FIGURES}",
+                 f"set backends.{b.name}.spec.draft_n_max: 3 unless you measured better")
+
+
+def check_mtp_kv(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, LlamacppBackend) or b.spec is None or "mtp" not in b.spec.type:
+        return
+    q = [t for t in (b.cache_type_k, b.cache_type_v) if t in QUANTIZED_LLAMA_KV]
+    if q:
+        yield _f("llamacpp-mtp-quantized-kv", "warning", b.name,
+                 f"quantized main KV ({', '.join(sorted(set(q)))}) with MTP lowers draft acceptance: {MTP_KV_FIGURES}",
+                 "keep f16 main KV (leave cache_type_k/v unset) when it fits")
+
+
+def check_q8_f16_context(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, LlamacppBackend) or b.device != "cuda" or b.ctx_size is None:
+        return
+    if "q8_0" in Path(b.model).name.lower() and (b.cache_type_k or "f16") == "f16" \
+            and b.ctx_size > FP8_DFLASH_MAX_TOKENS:
+        yield _f("llamacpp-q8-f16-context", "warning", b.name,
+                 f"Q8_0 weights with f16 KV at -c {_fmt_int(b.ctx_size)}: on the field box 262,144 ran out of "
+                 f"memory and 196,608 fit",
+                 f"set backends.{b.name}.ctx_size: 196608, or use Q4_K weights")
+
+
+# ----------------------------------------------------------------------------------------- box-wide checks
+
+
+def check_device(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    cfg = ctx.cfg
+    if b.device == "cuda" and not cfg.host.gpus:
+        yield _f("device-cuda-no-gpus", "error", b.name,
+                 "device is cuda but host.gpus is empty, so CUDA_VISIBLE_DEVICES and the unit's DeviceAllow= "
+                 "would give the service no GPU",
+                 "list the GPU ids in host.gpus (e.g. [0, 1]), or set device: cpu")
+    if b.device != "cpu":
+        return
+    flags: list[str] = []
+    if isinstance(b, FtllmBackend):
+        if b.tp > 1:
+            flags.append(f"tp {b.tp}")
+        if b.cuda_embedding:
+            flags.append("cuda_embedding")
+        if b.gpu_mem_ratio is not None:
+            flags.append("gpu_mem_ratio")
+        if b.kv_cache_dtype == "fp4":
+            flags.append("kv_cache_dtype fp4 (Qwen3.5 CUDA only)")
+        if b.use_bundle_nccl:
+            flags.append("nccl: bundle")
+        if _speculative(b) == "dflash":
+            flags.append("speculative dflash")
+    else:
+        if b.split_mode in ("row", "tensor"):
+            flags.append(f"split_mode {b.split_mode}")
+    flags += [f"env {k}" for k, _ in b.env if k.startswith(("CUDA_", "FASTLLM_CUDA", "GGML_CUDA", "NCCL_"))]
+    if flags:
+        yield _f("device-cpu-cuda-flags", "warning", b.name,
+                 f"device is cpu but CUDA-only settings are present: {', '.join(flags)}; they do nothing on the "
+                 f"CPU or fail at startup",
+                 "remove them, or set device: cuda")
+
+
+def check_serve(ctx: _Ctx) -> Iterator[Finding]:
+    s = ctx.cfg.serve
+    if s.host not in ("127.0.0.1", "::1", "localhost") and not s.api_key_file:
+        yield _f("serve-public-no-api-key", "info", None,
+                 f"serve.host is {s.host} (reachable from the network) and serve.api_key_file is not set: anyone "
+                 f"who reaches port {s.port} can use the model",
+                 "set serve.api_key_file, or bind 127.0.0.1 behind a proxy")
+
+
+def check_template(ctx: _Ctx) -> Iterator[Finding]:
+    ct = ctx.cfg.bundle.chat_template
+    if ct is None:
+        return
+    if ct.patch is None:
+        yield _f("template-no-patch", "info", None,
+                 "the chat template is bundled unpatched: froggeric v22.3 defaults to reasoning effort 'medium', "
+                 "whose branch injects nothing, so hard questions (MuSR) ran into the 8,192-token limit; 'low' "
+                 "finishes",
+                 "add bundle.chat_template.patch (find \"is not none else 'medium' %}\", replace with 'low')")
+    if not ctx.inspect_files or not os.path.isfile(ct.source):
+        return
+    try:
+        data = Path(ct.source).read_bytes()
+    except OSError as exc:
+        yield _f("file-missing", "error", None, f"bundle.chat_template.source {ct.source}: cannot read it "
+                 f"({exc.strerror})", "make the file readable")
+        return
+    if ct.sha256:
+        got = hashlib.sha256(data).hexdigest()
+        if got != ct.sha256.lower():
+            yield _f("template-sha256", "error", None,
+                     f"{ct.source} has SHA-256 {got}, not the pinned {ct.sha256}: this is not the template the "
+                     f"patch was written for (the patch is only valid for v22.3"
+                     f"{', commit ' + ct.commit if ct.commit else ''}; upstream moved on to v22.5)",
+                     "fetch the pinned commit again, or update bundle.chat_template.sha256 after reviewing the patch")
+    if ct.patch is not None:
+        text = data.decode("utf-8", errors="replace")
+        n = text.count(ct.patch.find)
+        if n != 1:
+            yield _f("template-patch-match", "error", None,
+                     f"the patch's find text {ct.patch.find!r} occurs {n} times in {ct.source}; it must occur "
+                     f"exactly once (the substitution is only valid for froggeric v22.3, commit "
+                     f"492315ea6d7343bcfb32598d6a898c34e0d69ed8)",
+                     "use the pinned template version, or rewrite bundle.chat_template.patch.find to match once")
+
+
+# ----------------------------------------------------------------------------------------- files
+
+
+DOWNLOAD_DANGER = ("ftllm treats a -p path that does not exist as a model NAME: it searches a model hub for a "
+                   "similar one and downloads it (ftllm/util.py, HFDNormalDownloader), so a typo becomes a "
+                   "multi-GB download of some other model")
+
+
+def _named_files(cfg: Config, b: Backend) -> list[tuple[str, str, str]]:
+    """(what, path, kind) for the files a backend needs; kind 'dir', 'file' or 'any'."""
+    from deploy_tool.render import expand
+
+    out: list[tuple[str, str, str]] = []
+    if isinstance(b, FtllmBackend):
+        out.append((f"backends.{b.name}.model", b.model, "any"))
+        if b.speculative is not None and b.speculative.draft_model and _speculative(b):
+            out.append((f"backends.{b.name}.speculative.draft_model", b.speculative.draft_model, "dir"))
+        out.append((f"backends.{b.name}.executable", expand(cfg, b.executable), "file"))
+    else:
+        out.append((f"backends.{b.name}.model", b.model, "file"))
+        if b.mmproj:
+            out.append((f"backends.{b.name}.mmproj", b.mmproj, "file"))
+        out.append((f"backends.{b.name}.binary", expand(cfg, b.binary), "file"))
+    if b.model_config:
+        out.append((f"backends.{b.name}.model_config", b.model_config, "file"))
+    return out
+
+
+def _bundle_files(cfg: Config) -> list[tuple[str, str, list[Backend]]]:
+    out: list[tuple[str, str, list[Backend]]] = []
+    if cfg.bundle.chat_template is not None:
+        users = [b for b in cfg.backends.values() if isinstance(b, FtllmBackend) and b.use_bundle_chat_template]
+        out.append(("bundle.chat_template.source", cfg.bundle.chat_template.source, users))
+    if cfg.bundle.nccl is not None:
+        users = [b for b in cfg.backends.values() if isinstance(b, FtllmBackend) and b.use_bundle_nccl]
+        out.append(("bundle.nccl.library", cfg.bundle.nccl.library, users))
+    return out
+
+
+def _installed_only(cfg: Config, path: str) -> bool:
+    """A path under the install root that exists only after `install` (skipped until then)."""
+    cur = cfg.paths.current
+    return (path == cur or path.startswith(cur.rstrip("/") + "/")) and not os.path.exists(cur)
+
+
+def _missing_reason(path: str, kind: str) -> str | None:
+    p = Path(path)
+    try:
+        if not p.exists():
+            return "does not exist"
+        if kind == "file" and not p.is_file():
+            return "is not a file"
+        if kind == "dir" and not p.is_dir():
+            return "is not a directory"
+        if not os.access(p, os.R_OK):
+            return "is not readable"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    return None
+
+
+def check_files(ctx: _Ctx) -> Iterator[Finding]:
+    if not ctx.inspect_files:
+        return
+    cfg = ctx.cfg
+    remote: dict[str, list[str]] = {}
+    for name in sorted(cfg.backends):
+        b = cfg.backends[name]
+        for what, path, kind in _named_files(cfg, b):
+            if _installed_only(cfg, path):
+                continue
+            reason = _missing_reason(path, kind)
+            if reason is None:
+                continue
+            if not _runs_here(ctx, b):
+                if reason == "does not exist":
+                    remote.setdefault(name, []).append(path)
+                continue
+            danger = f". {DOWNLOAD_DANGER}" if what.endswith(".model") and isinstance(b, FtllmBackend) else ""
+            yield _f("file-missing", "error", name, f"{what}: {path} {reason}{danger}",
+                     f"fix {what}, or create the file" + (" (or run `check --no-files` elsewhere)" if not danger
+                                                          else " before starting the service"))
+    for what, path, users in _bundle_files(cfg):
+        reason = _missing_reason(path, "file")
+        if reason is None:
+            continue
+        if users and not any(_runs_here(ctx, u) for u in users):
+            if reason == "does not exist":
+                for u in users:
+                    remote.setdefault(u.name, []).append(path)
+            continue
+        yield _f("file-missing", "error", None, f"{what}: {path} {reason}; `deploytool pack` bundles it",
+                 f"fix {what}, or create the file")
+    for name, paths in sorted(remote.items()):
+        uniq = list(dict.fromkeys(paths))
+        yield _f("file-not-on-this-machine", "info", name,
+                 f"not checked here (no NVIDIA driver on this machine, so it is not the box that runs this cuda "
+                 f"backend): {', '.join(uniq)}. On the box a missing model is an error: {DOWNLOAD_DANGER}"
+                 if isinstance(cfg.backends[name], FtllmBackend) else
+                 f"not checked here (no NVIDIA driver on this machine, so it is not the box that runs this cuda "
+                 f"backend): {', '.join(uniq)}",
+                 "run `deploytool check` on the box itself")
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+BackendCheck = Callable[[_Ctx, Backend], Iterator[Finding]]
+BoxCheck = Callable[[_Ctx], Iterator[Finding]]
+
+BACKEND_CHECKS: tuple[BackendCheck, ...] = (
+    check_device, check_cuda_graph, check_nccl, check_draft_tokens, check_fp8_kv_dflash, check_cuda_embedding,
+    check_gpu_mem_ratio, check_chat_template_thinking, check_think, check_capacity, check_split_row, check_tensor,
+    check_mtp_kv, check_q8_f16_context,
+)
+BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files)
+
+
+def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:
+    """Run every check; sorted by severity (errors first), then backend, then id.
+
+    `on_box`: whether this machine runs the config's cuda backends (default: an NVIDIA driver is present);
+    it decides whether a missing file of a cuda backend is an error or "not on this machine".
+    """
+    ctx = _Ctx(cfg, inspect_files, nvidia_present() if on_box is None else on_box)
+    out: list[Finding] = []
+    for name in sorted(cfg.backends):
+        for chk in BACKEND_CHECKS:
+            out.extend(chk(ctx, cfg.backends[name]))
+    for box in BOX_CHECKS:
+        out.extend(box(ctx))
+    uniq = list(dict.fromkeys(out))
+    return sorted(uniq, key=lambda f: (SEVERITY_ORDER[f.severity], f.backend or "", f.id, f.message))
