@@ -21,6 +21,17 @@ its server (`Model context window: %d tokens per session (...)`), and llama.cpp'
 `llama_kv_cache: size = ... MiB (N cells, ...)`, `llama_context: n_ctx_seq = N`,
 `warning: no usable GPU found, --gpu-layers option will be ignored`).
 FastLLM's "GB" is 1024 MB: 2,048 pages x 1.18 MB = 2,416.64 MB = 2.36 GB, the write-up's figure.
+
+Use after a backend is ready (install, switch, `status --deep`):
+
+    report = inspect_runtime(main_pid, kind="ftllm", pins=pins, log_text=log_since_start,
+                             device_profile="cuda", configured_ctx=262144, capacity_policy="warn")
+    report.status      # "fail" -> fail the gate; "unknown" -> could not verify; "warn"/"ok" -> pass
+    report.to_rows()   # for `status`: libraries (path, pinned yes/no), capacity truth, fallback
+    report.to_json()   # for `status --json`
+
+`log_text` should cover exactly this start of the service (for llama-server, run it with `-lv 4` so its load
+lines are logged); where a line occurs more than once the last one wins.
 """
 
 from __future__ import annotations
