@@ -264,7 +264,7 @@ def _with_journal(message: str, journal: str | None) -> str:
 
 
 def wait_ready(
-    kind: Kind,
+    kind: Kind | str,
     base_url: str,
     model_name: str,
     *,

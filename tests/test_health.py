@@ -229,7 +229,8 @@ def test_failed_unit_ends_the_wait_at_once_with_journal(canned: Canned, clock: F
     assert len(clock.sleeps) == 2
     assert "llamacpp-tensor.service" in ei.value.message and "signal=9" in ei.value.message
     assert "ggml: out of memory" in ei.value.message and "line 5\n" not in ei.value.message  # tail only
-    assert ei.value.details["journal_tail"].endswith("ggml: out of memory")
+    details = ei.value.details
+    assert isinstance(details, dict) and details["journal_tail"].endswith("ggml: out of memory")
 
 
 def test_exit_status_zero_is_still_a_failure(clock: FakeClock) -> None:
@@ -298,7 +299,7 @@ def test_probes_ignore_http_proxy(canned: Canned, clock: FakeClock, monkeypatch:
 def test_bad_kind_is_rejected() -> None:
     """An unknown backend kind is a programming error, reported before any request."""
     with pytest.raises(ValueError, match="unknown backend kind"):
-        wait_ready("vllm", "http://127.0.0.1:1", "x", timeout=1)  # type: ignore[arg-type]
+        wait_ready("vllm", "http://127.0.0.1:1", "x", timeout=1)
 
 
 # --------------------------------------------------------------------------------------------- smoke checks
@@ -308,6 +309,7 @@ def test_smoke_request_shape_and_report(canned: Canned) -> None:
     canned.on("POST", "/v1/chat/completions", lambda s: (200, chat("hello world")))
     rep = smoke_completion(canned.url, "tiny", api_key="k", timeout=5)
     sent = canned.bodies[-1]
+    assert isinstance(sent, dict)
     assert sent["model"] == "tiny" and sent["temperature"] == 0 and 0 < sent["max_tokens"] <= 16
     assert canned.headers[-1]["authorization"] == "Bearer k"
     assert (rep.content, rep.prompt_tokens, rep.completion_tokens, rep.total_tokens) == ("hello world", 5, 3, 8)
