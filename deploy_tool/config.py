@@ -158,6 +158,9 @@ class BundleCfg:
     python: str = _doc("the Python that builds and runs the release venv", default="/usr/bin/python3")
     requirements: str | None = _doc("requirements input for `deploytool lock` (relative to the config)",
                                     default=None)
+    lock_mode: Literal["resolve", "exact"] = _doc("'resolve': `lock` resolves dependencies; 'exact': the "
+                                                  "requirements list the whole closure (pip download --no-deps)",
+                                                  default="resolve")
     lock: str = _doc("hash-pinned lock file (pip --require-hashes format)", default="requirements.lock")
     wheels_dir: str = _doc("local wheel directory the lock resolves against", default="wheels")
     tool_wheels_dir: str | None = _doc("deploytool's own wheel and its dependencies' wheels", default=None)
@@ -621,6 +624,16 @@ def example_text(name: str) -> str:
         raise ConfigError(f"unknown example {name!r} (examples: {', '.join(EXAMPLES)})",
                           hint=f"did you mean {close[0]!r}?" if close else None)
     return resources.files("deploy_tool.examples").joinpath(f"{name}.yaml").read_text("utf-8")
+
+
+def example_companions(name: str) -> dict[str, bytes]:
+    """Files that come with an example (requirements.in, a chat template), written beside the config by init."""
+    example_text(name)  # validates the name
+    d = resources.files("deploy_tool.examples").joinpath(name)
+    if not d.is_dir():
+        return {}
+    return {f.name: f.read_bytes() for f in sorted(d.iterdir(), key=lambda f: f.name)
+            if f.is_file() and not f.name.startswith(("_", "."))}
 
 
 def reference_rows() -> list[tuple[str, str, str, str]]:

@@ -116,13 +116,14 @@ def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: 
 
 
 def _register() -> None:
-    from deploy_tool.cli import basic
+    from deploy_tool.cli import basic, ops
 
-    for cmd in basic.COMMANDS:
+    for cmd in basic.COMMANDS + ops.COMMANDS:
         main.add_command(cmd)
     import importlib
 
-    for mod, attr in (("sandbox", "sandbox"), ("keys", "keygen"), ("bundle", "bundle")):
+    for mod, attr in (("sandbox", "sandbox"), ("keys", "keygen"), ("bundle", "bundle"), ("verify", "verify"),
+                      ("verify", "pin")):
         try:
             m = importlib.import_module(f"deploy_tool.cli.{mod}")
         except ImportError:

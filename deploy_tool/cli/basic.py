@@ -25,14 +25,22 @@ def init(ctx: Ctx, example: str, out: Path, force: bool) -> None:
     from deploy_tool.fsutil import atomic_write
 
     text = config.example_text(example)
-    if out.exists() and not force:
-        raise InputError(f"{out} already exists; not overwriting it", hint="pass --force, or --out another path")
+    files = {out: text.encode()}
+    for name, data in config.example_companions(example).items():
+        files[out.parent / name] = data
+    clash = [str(p) for p in files if p.exists()]
+    if clash and not force:
+        raise InputError(f"{', '.join(clash)} already exist(s); not overwriting",
+                         hint="pass --force, or --out another path")
     if ctx.dry_run:
-        ctx.emit({"would_write": str(out), "example": example}, f"would write {out} from example {example}")
+        ctx.emit({"would_write": [str(p) for p in files], "example": example},
+                 "\n".join(f"would write {p}" for p in files))
         return
-    atomic_write(out, text.encode(), 0o644)
-    ctx.emit({"wrote": str(out), "example": example},
-             f"wrote {out} from example {example}\nnext: deploytool --config {out} check")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for p, data in files.items():
+        atomic_write(p, data, 0o644)
+    ctx.emit({"wrote": [str(p) for p in files], "example": example},
+             "\n".join(f"wrote {p}" for p in files) + f"\nnext: deploytool --config {out} check")
 
 
 @click.command()

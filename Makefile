@@ -1,0 +1,43 @@
+# deploytool: the two commands a fresh machine needs are `make demo` and `make test`; both do all set-up.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.setup-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo golden bench lint typecheck rebuild-check clean help
+
+help:
+	@echo "make demo    install, switch and rollback on a sandboxed real systemd with real CPU backends"
+	@echo "make test    the whole test suite (sets everything up first)"
+	@echo "make golden  re-render units/ from the two-2080ti example on purpose"
+	@echo "make bench   run the benchmark scripts in bench/ and print their figures"
+	@echo "make lint    ruff + mypy exactly as CI runs them"
+
+$(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples/cpu-demo/requirements.in
+	bash scripts/setup.sh
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	bash scripts/demo.sh
+
+golden: setup
+	$(VPY) -m deploy_tool.golden
+
+bench: setup
+	@for b in bench/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
+
+lint: setup
+	$(VENV)/bin/ruff check deploy_tool tests bench
+	$(VENV)/bin/mypy deploy_tool
+
+rebuild-check: setup
+	bash scripts/rebuild-check.sh
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache demo-run

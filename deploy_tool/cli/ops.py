@@ -1,0 +1,183 @@
+"""lock, pack, install, switch, rollback, recover, status, history, rebuild."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from deploy_tool.cli import Ctx, pass_ctx
+
+
+def _log(ctx: Ctx):
+    def log(msg: str) -> None:
+        if not ctx.json:
+            click.echo(f"  {msg}", err=True)
+
+    return log
+
+
+def _progress(ctx: Ctx):
+    from deploy_tool import progress
+
+    return progress.make_progress(enabled=not ctx.json) if hasattr(progress, "make_progress") else None
+
+
+@click.command()
+@pass_ctx
+def lock(ctx: Ctx) -> None:
+    """Download the wheels of bundle.requirements and write the hash-pinned lock (needs the package index)."""
+    from deploy_tool import pack
+
+    cfg = ctx.load_config()
+    if ctx.dry_run:
+        ctx.emit({"would_lock": cfg.bundle.requirements}, f"would lock {cfg.bundle.requirements} into "
+                 f"{cfg.bundle.lock} with wheels in {cfg.bundle.wheels_dir}")
+        return
+    path, entries = pack.lock(cfg)
+    ctx.emit({"lock": str(path), "packages": [e.__dict__ for e in entries]},
+             f"wrote {path}: {len(entries)} packages, wheels in {cfg.bundle.wheels_dir}")
+
+
+@click.command()
+@click.option("--key", "key_path", type=click.Path(path_type=Path), default=None,
+              help="Ed25519 private key (default: keys/deploytool.key beside the config).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Where the bundle goes (default: artifacts/ beside the config).")
+@pass_ctx
+def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None) -> None:
+    """Build a signed, reproducible, offline bundle: wheels, venv archive, template, NCCL, units, config."""
+    from deploy_tool import pack as pack_mod
+    from deploy_tool.errors import InputError
+
+    cfg = ctx.load_config()
+    key = key_path or cfg.base_dir / "keys" / "deploytool.key"
+    out = out_dir or cfg.base_dir / "artifacts"
+    if not key.is_file():
+        raise InputError(f"signing key not found: {key}",
+                         hint=f"create one with `deploytool keygen --out {key.parent}`, or pass --key")
+    if ctx.dry_run:
+        ctx.emit({"would_pack_into": str(out)}, f"would pack {cfg.bundle.name} into {out} signed with {key}")
+        return
+    info = pack_mod.pack(cfg, out_dir=out, key_path=key, progress=_progress(ctx), log=_log(ctx))
+    data = info.to_json() if hasattr(info, "to_json") else dict(info.__dict__)
+    ctx.emit(data, f"bundle {data.get('bundle_id')}:\n  directory {data.get('directory')}\n"
+                   f"  archive   {data.get('archive')}")
+
+
+@click.command()
+@click.argument("bundle", required=False)
+@click.option("--keys", "keys_dir", default=None, help="Trusted public keys (default: paths.keys_dir).")
+@click.option("--rebuild", is_flag=True, help="Rebuild the venv from the wheels instead of unpacking the archive.")
+@click.option("--no-start", is_flag=True, help="Lay everything down but start nothing.")
+@click.option("--wait", type=float, default=0.0, help="Wait this long for another operation's lock.")
+@pass_ctx
+def install(ctx: Ctx, bundle: str | None, keys_dir: str | None, rebuild: bool, no_start: bool, wait: float) -> None:
+    """Set up this box from a bundle, offline, and start the default backend behind the health gate.
+
+    With no BUNDLE, the single bundle in artifacts/ is used (several is an error listing them).
+    Installing the same bundle again is a no-op that says so.
+    """
+    from deploy_tool import install as inst
+
+    cfg = ctx.load_config()
+    res = inst.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, dry_run=ctx.dry_run, start=not no_start,
+                       log=_log(ctx), progress=_progress(ctx), wait=wait)
+    if res.action == "planned":
+        ctx.emit(res.to_json(), "would:\n" + "\n".join(f"  {s['step']}" for s in res.steps))
+    else:
+        ctx.emit(res.to_json(), res.message + (f" ({res.seconds:.1f}s)" if res.action != "noop" else ""))
+
+
+@click.command()
+@click.argument("backend")
+@click.option("--wait", type=float, default=0.0, help="Wait this long for another switch's lock (else fail fast).")
+@click.option("--reason", default=None, help="Why (kept in history).")
+@pass_ctx
+def switch(ctx: Ctx, backend: str, wait: float, reason: str | None) -> None:
+    """Swap the backend behind the port, health-gated, rolling back automatically on failure.
+
+    \b
+    BACKEND is a name, an alias or an unambiguous prefix: `deploytool switch llamacpp`.
+    Exit 0 switched (or already active), 10 rolled back to the previous backend, 11 rollback failed too.
+    """
+    from deploy_tool.switch import Switcher
+
+    cfg = ctx.load_config()
+    res = Switcher(cfg, log=_log(ctx)).switch(backend, dry_run=ctx.dry_run, wait=wait, reason=reason)
+    if res.action == "planned":
+        ctx.emit(res.to_json(), "plan:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(res.plan, 1)))
+    else:
+        ctx.emit(res.to_json(), res.message)
+
+
+@click.command()
+@click.option("--wait", type=float, default=0.0, help="Wait this long for another operation's lock.")
+@pass_ctx
+def rollback(ctx: Ctx, wait: float) -> None:
+    """Switch back to the previous backend through the same health gate."""
+    from deploy_tool.switch import Switcher
+
+    cfg = ctx.load_config()
+    res = Switcher(cfg, log=_log(ctx)).rollback(dry_run=ctx.dry_run, wait=wait)
+    if res.action == "planned":
+        ctx.emit(res.to_json(), "plan:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(res.plan, 1)))
+    else:
+        ctx.emit(res.to_json(), res.message)
+
+
+@click.command()
+@pass_ctx
+def recover(ctx: Ctx) -> None:
+    """Finish an interrupted install, switch or rollback (a killed run) to a consistent end."""
+    from deploy_tool.switch import Switcher
+
+    cfg = ctx.load_config()
+    res = Switcher(cfg, log=_log(ctx)).recover()
+    ctx.emit(res.to_json(), res.message)
+
+
+@click.command()
+@click.option("--deep", is_flag=True, help="Also read what the running process loaded and its capacity log lines.")
+@pass_ctx
+def status(ctx: Ctx, deep: bool) -> None:
+    """Active backend, release, unit states, health, fingerprints, interrupted operation, last events."""
+    from deploy_tool import status as st_mod
+
+    cfg = ctx.load_config()
+    rep = st_mod.collect(cfg, deep=deep)
+    ctx.emit(rep, st_mod.format_status(rep))
+
+
+@click.command()
+@click.option("--limit", "-n", type=int, default=20, show_default=True, help="How many events (0: all).")
+@pass_ctx
+def history(ctx: Ctx, limit: int) -> None:
+    """Installs, switches, rollbacks, recoveries and pins, with their reasons."""
+    from deploy_tool import status as st_mod
+    from deploy_tool.state import Store
+
+    cfg = ctx.load_config()
+    events = Store(cfg.paths.state_dir).history(limit or None)
+    ctx.emit(events, st_mod.format_history(events))
+
+
+@click.command()
+@click.argument("bundle")
+@click.option("--offline", is_flag=True, required=True, help="Required: no package index is used.")
+@click.option("--keys", "keys_dir", default=None, help="Trusted public keys (default: paths.keys_dir).")
+@click.option("--python", "python", default=None, help="Python to build with (default: bundle.python).")
+@pass_ctx
+def rebuild(ctx: Ctx, bundle: str, offline: bool, keys_dir: str | None, python: str | None) -> None:
+    """CI: rebuild the venv from the bundle's wheels with no network; compare every native library hash."""
+    from deploy_tool import rebuild as rb
+
+    cfg = ctx.load_config()
+    rep = rb.rebuild(cfg, bundle, keys_dir=keys_dir, python=python, log=_log(ctx))
+    ctx.emit(rep, rb.format_report(rep))
+    if not rep["ok"]:
+        sys.exit(7)
+
+
+COMMANDS = [lock, pack, install, switch, rollback, recover, status, history, rebuild]

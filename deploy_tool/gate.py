@@ -1,0 +1,90 @@
+"""The health gate a backend must pass after every start: unit watched throughout, readiness, a real chat
+completion with the configured model name, and (where it can be read) what the process actually loaded."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deploy_tool import health
+from deploy_tool.config import Backend, Config
+from deploy_tool.errors import HealthError
+from deploy_tool.systemd import Systemd
+
+
+@dataclass
+class GateReport:
+    backend: str
+    ready_s: float = 0.0
+    smoke_s: float = 0.0
+    total_s: float = 0.0
+    content: str = ""
+    completion_tokens: int = 0
+    main_pid: int = 0
+    runtime: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def base_url(cfg: Config) -> str:
+    host = cfg.serve.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{cfg.serve.port}"
+
+
+def api_key(cfg: Config) -> str | None:
+    if not cfg.serve.api_key_file:
+        return None
+    from pathlib import Path
+
+    try:
+        return Path(cfg.serve.api_key_file).read_text("utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def snapshot(sd: Systemd, unit: str) -> health.UnitSnapshot:
+    st = sd.show(unit)
+    code = {1: "exited", 2: "killed", 3: "dumped"}.get(st.exec_main_code, "")
+    return health.UnitSnapshot(active_state=st.active_state, sub_state=st.sub_state, result=st.result,
+                               exec_main_status=st.exec_main_status if code else None, exec_main_code=code,
+                               name=unit)
+
+
+def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = None,
+             timeout: float | None = None, on_event: Callable[[str], None] = lambda s: None) -> GateReport:
+    """Wait for `b` (already started) to be ready and answer a real completion; raise HealthError otherwise."""
+    t0 = time.monotonic()
+    url = base_url(cfg)
+    key = api_key(cfg)
+
+    def journal() -> str:
+        try:
+            return sd.journal(b.unit, invocation=invocation, lines=30)
+        except Exception:  # the journal is evidence, not a precondition
+            return ""
+
+    rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key,  # type: ignore[arg-type]
+                            timeout=timeout if timeout is not None else cfg.health.start_timeout_s,
+                            interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit),
+                            journal_tail=journal)
+    on_event(f"{b.name}: ready after {rep.seconds:.1f}s")
+    try:
+        smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key, timeout=cfg.health.smoke_timeout_s,
+                                        max_tokens=cfg.health.smoke_max_tokens)
+    except HealthError as exc:
+        j = journal()
+        st = snapshot(sd, b.unit)
+        if st.dead:
+            exc.message += f"\n  unit {b.unit} is {st.describe()}"
+        if j and "journal tail" not in exc.message:
+            exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
+        raise
+    on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
+    st = sd.show(b.unit)
+    return GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, total_s=time.monotonic() - t0,
+                      content=smoke.content, completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)

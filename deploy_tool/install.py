@@ -1,0 +1,381 @@
+"""`deploytool install`: from a signed bundle to the known-good service, offline, all or nothing.
+
+Steps (each undone, in reverse, if a later one fails; intent is in state.json before anything changes):
+verify the bundle with a trusted key (into a private staging dir) -> lay the release down under
+releases/.staging-<id> and rename it to releases/<id> -> unpack the venv archive (or rebuild it from the wheels
+with --no-index --require-hashes) and relocate it -> check every native library hash against the manifest ->
+write env files and units atomically (drop-in dirs untouched) -> flip `current` -> pin fingerprints ->
+daemon-reload -> enable and start the default backend -> health gate -> commit state and history.
+A previous release keeps running untouched until the new one is ready to start; a fresh box that fails is left
+with no half-installed units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from deploy_tool import systemd as systemd_mod
+from deploy_tool.config import Config
+from deploy_tool.errors import BundleError, DeployError, InputError, InstallError
+from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
+from deploy_tool.state import Operation, State, Store, now_iso
+
+Log = Callable[[str], None]
+BUNDLE_SUFFIXES = (".tar", ".tar.zst")
+
+
+@dataclass
+class InstallResult:
+    ok: bool
+    action: str  # "installed" | "noop" | "planned"
+    release: str
+    release_dir: str
+    backend: str | None
+    seconds: float = 0.0
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def find_bundle(cfg: Config, given: str | None) -> Path:
+    """The bundle to install: the one given, else the single bundle in artifacts/ (next to the config)."""
+    if given:
+        p = Path(given)
+        if not p.exists():
+            raise InputError(f"bundle not found: {p}")
+        return p
+    places = [cfg.base_dir / "artifacts", Path.cwd() / "artifacts", cfg.base_dir]
+    seen: list[Path] = []
+    for d in places:
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            is_bundle = p.name.endswith(BUNDLE_SUFFIXES) or (p.is_dir() and (p / "MANIFEST").is_file())
+            if is_bundle and p.resolve() not in [s.resolve() for s in seen]:
+                seen.append(p)
+        if seen:
+            break
+    archives = [p for p in seen if p.is_file()]
+    cands = archives or seen
+    if not cands:
+        raise InputError("no bundle given and none found in " + ", ".join(str(d) for d in places[:2]),
+                         hint="build one with `deploytool pack`, or pass its path: deploytool install BUNDLE")
+    if len(cands) > 1:
+        raise InputError("several bundles found; name the one to install:\n  " + "\n  ".join(str(c) for c in cands),
+                         hint="deploytool install BUNDLE")
+    return cands[0]
+
+
+class _Undo:
+    """Undo actions run in reverse order on failure (pipx-style transaction)."""
+
+    def __init__(self, log: Log) -> None:
+        self.actions: list[tuple[str, Callable[[], None]]] = []
+        self.log = log
+
+    def add(self, what: str, fn: Callable[[], None]) -> None:
+        self.actions.append((what, fn))
+
+    def run(self) -> None:
+        for what, fn in reversed(self.actions):
+            try:
+                fn()
+            except Exception as exc:  # keep undoing the rest; report what could not be undone
+                self.log(f"undo '{what}' failed: {exc}")
+        self.actions.clear()
+
+
+def _backup_file(p: Path, undo: _Undo) -> None:
+    """Remember the current content of `p` (or its absence) so undo can restore it."""
+    if p.exists():
+        data = p.read_bytes()
+        mode = p.stat().st_mode & 0o7777
+        undo.add(f"restore {p}", lambda: atomic_write(p, data, mode))
+    else:
+        undo.add(f"remove {p}", lambda: p.unlink(missing_ok=True))
+
+
+def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None, rebuild: bool = False,
+            dry_run: bool = False, start: bool = True, log: Log = lambda s: None, progress=None,
+            sd: systemd_mod.Systemd | None = None, wait: float = 0.0) -> InstallResult:
+    from deploy_tool import bundle as bundle_mod
+
+    t0 = time.monotonic()
+    path = find_bundle(cfg, bundle_path)
+    keys = keys_dir or cfg.paths.keys_dir
+    releases = Path(cfg.paths.releases_dir)
+    store = Store(cfg.paths.state_dir)
+    if dry_run:
+        return InstallResult(True, "planned", "?", str(releases / "<id>"), cfg.default_backend, steps=[
+            {"step": s} for s in (f"verify {path} against keys in {keys}", f"unpack to {releases}/<id>",
+                                  "unpack venv, relocate, check native library hashes",
+                                  f"write units to {cfg.paths.unit_dir}, env files to {cfg.paths.env_dir}",
+                                  f"flip {cfg.paths.current}", "pin fingerprints", "daemon-reload",
+                                  f"enable and start {cfg.default_backend}", "health gate", "commit state")])
+    sd = sd or systemd_mod.for_config(cfg)
+    store.ensure()
+    with store.lock(wait=wait, what="install"):
+        st = store.load()
+        if st.operation is not None:
+            from deploy_tool.switch import Switcher
+
+            log(f"an interrupted {st.operation.kind} was found; finishing it first")
+            Switcher(cfg, log=log, sd=sd)._recover_locked(st)
+            st = store.load()
+        releases.mkdir(parents=True, exist_ok=True)
+        staging_root = Path(tempfile.mkdtemp(prefix=".verify-", dir=releases))
+        try:
+            log(f"verifying {path}")
+            vb = bundle_mod.verify_bundle(path, keys, staging=staging_root / "b")
+            man = vb.manifest
+            rid = man.bundle_id
+            final = releases / rid
+            if st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \
+                    and _units_match(cfg, vb.root):
+                active = st.active_backend
+                return InstallResult(True, "noop", rid, str(final), active, seconds=time.monotonic() - t0,
+                                     message=f"release {rid} is already installed; nothing to do")
+            op = Operation(kind="install", op_id=uuid.uuid4().hex[:12], started=now_iso(), step="verified",
+                           from_backend=st.active_backend, to_backend=cfg.default_backend, release=rid,
+                           previous_release=st.release, pid=os.getpid())
+            st = store.save(replace(st, operation=op))
+            undo = _Undo(log)
+            try:
+                res = _apply(cfg, sd, store, st, vb, final, rebuild=rebuild, start=start, undo=undo, log=log,
+                             progress=progress)
+            except BaseException as exc:
+                log("install failed; undoing")
+                undo.run()
+                with contextlib.suppress(DeployError):
+                    sd.daemon_reload()
+                prev = st.active_backend
+                if prev and prev in cfg.backends and st.release:
+                    with contextlib.suppress(DeployError):
+                        sd.start(cfg.backends[prev].unit)
+                store.save(replace(st, operation=None))
+                if isinstance(exc, DeployError):
+                    store.record("install", ok=False, release=rid, reason=exc.message.splitlines()[0])
+                    if not isinstance(exc, InstallError):
+                        raise InstallError(f"install of {rid} failed: {exc.message}",
+                                           hint=exc.hint or "nothing was left half-installed; fix the cause "
+                                           "and run deploytool install again") from exc
+                raise
+            res.seconds = time.monotonic() - t0
+            return res
+        finally:
+            shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def _units_match(cfg: Config, root: Path) -> bool:
+    for d, target in (("units", cfg.paths.unit_dir), ("env", cfg.paths.env_dir)):
+        for f in sorted((root / d).iterdir()) if (root / d).is_dir() else []:
+            t = Path(target) / f.name
+            if not t.is_file() or t.read_bytes() != f.read_bytes():
+                return False
+    return True
+
+
+def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: Any, final: Path, *, rebuild: bool,
+           start: bool, undo: _Undo, log: Log, progress) -> InstallResult:
+    from deploy_tool import archive, pack
+    from deploy_tool.manifest import hash_native_libs
+
+    steps: list[dict[str, Any]] = []
+
+    def step(name: str, **kw: Any) -> None:
+        steps.append({"step": name, "t": round(time.monotonic(), 3), **kw})
+        store.save(replace(store.load(), operation=replace(st.operation, step=name)))  # type: ignore[arg-type]
+        log(name + "".join(f" {k}={v}" for k, v in kw.items()))
+        from deploy_tool.switch import _fault
+
+        _fault(name)
+
+    man = vb.manifest
+    rid = man.bundle_id
+    releases = final.parent
+    fresh_release = not final.exists()
+    if fresh_release:
+        stage = releases / f".staging-{rid}"
+        shutil.rmtree(stage, ignore_errors=True)
+        try:
+            shutil.copytree(vb.root, stage, symlinks=False)
+        except OSError as exc:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise os_error(exc, f"cannot lay down release {rid} under {releases}") from None
+        undo.add(f"remove {stage}", lambda: shutil.rmtree(stage, ignore_errors=True))
+        venv_final = final / "venv"
+        if rebuild:
+            log("venv: rebuilding from the bundle's wheels (--no-index --require-hashes)")
+            pack.build_venv(cfg.bundle.python, stage / "requirements.lock", stage / "wheels", stage / "venv")
+            pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
+        else:
+            archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=progress)
+            pack.relocate_venv(stage / "venv", man.inputs.get("venv_placeholder", pack.VENV_PLACEHOLDER),
+                               str(venv_final))
+        step("venv-ready", mode="rebuild" if rebuild else "unpack")
+        got = hash_native_libs(stage / "venv", progress=progress)
+        want = dict(man.native_libs)
+        bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        if bad:
+            raise BundleError(f"{len(bad)} native libraries in the venv differ from the manifest: "
+                              + ", ".join(f"{k} (expected {str(want.get(k))[:12]}, got {str(got.get(k))[:12]})"
+                                          for k in bad[:5]), hint="the bundle or the rebuild is not reproducible")
+        step("native-libs-checked", count=len(got))
+        if (stage / "tool" / "wheels").is_dir():
+            _bootstrap_tool(cfg, stage, final, log)
+            step("tool-ready")
+        try:
+            os.rename(stage, final)
+        except OSError as exc:
+            raise os_error(exc, f"cannot move release into {final}") from None
+        undo.actions.pop()  # the staging dir no longer exists
+        undo.add(f"remove release {final}", lambda: shutil.rmtree(final, ignore_errors=True))
+        step("release-laid-down", dir=str(final))
+    # env files and units
+    env_dir, unit_dir = Path(cfg.paths.env_dir), Path(cfg.paths.unit_dir)
+    for d in (env_dir, unit_dir):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise os_error(exc, f"cannot create {d}") from None
+    for f in sorted((final / "env").iterdir()):
+        _backup_file(env_dir / f.name, undo)
+        atomic_write(env_dir / f.name, f.read_bytes(), 0o644)
+    if cfg.serve.api_key_file:
+        from deploy_tool.gate import api_key
+        from deploy_tool.render import render_secrets
+
+        key = api_key(cfg)
+        if not key:
+            raise InputError(f"serve.api_key_file {cfg.serve.api_key_file} is missing or empty")
+        sec = render_secrets(cfg, key)
+        _backup_file(env_dir / sec.name, undo)
+        atomic_write(env_dir / sec.name, sec.content.encode(), sec.mode)
+    for f in sorted((final / "units").iterdir()):
+        _backup_file(unit_dir / f.name, undo)
+        sd.install_file(f.name, f.read_bytes(), 0o644)
+    step("units-written", units=sorted(p.name for p in (final / "units").iterdir()))
+    # flip current
+    cur = Path(cfg.paths.current)
+    old_target = os.readlink(cur) if cur.is_symlink() else None
+    atomic_symlink(os.path.relpath(final, cur.parent), cur)
+    undo.add(f"point {cur} back", (lambda: atomic_symlink(old_target, cur)) if old_target
+             else (lambda: cur.unlink(missing_ok=True)))
+    step("current-flipped", to=str(final))
+    # pins
+    try:
+        from deploy_tool import fingerprint
+    except ImportError:
+        fingerprint = None  # type: ignore[assignment]
+    if fingerprint is not None:
+        pins_dir = Path(cfg.paths.state_dir) / "pins"
+        for name in sorted(cfg.backends):
+            _backup_file(pins_dir / f"{name}.json", undo)
+            fingerprint.pin(cfg, cfg.backends[name], f"install of release {rid}", release=rid, store=store,
+                            record=False)
+        step("pinned")
+    sd.daemon_reload()
+    step("daemon-reloaded")
+    target = cfg.backends[cfg.default_backend]
+    if start:
+        for o in cfg.other_backends(target.name):
+            if sd.show(o.unit).active_state in ("active", "activating"):
+                sd.stop(o.unit)
+                undo.add(f"restart {o.unit}", lambda o=o: sd.start(o.unit))
+        sd.reset_failed(target.unit)
+        undo.add(f"stop {target.unit}", lambda: sd.stop(target.unit))
+        sd.restart(target.unit)
+        inv = sd.show(target.unit).invocation_id or None
+        step("started", unit=target.unit)
+        from deploy_tool.gate import run_gate
+
+        gate = run_gate(cfg, sd, target, invocation=inv, on_event=log)
+        step("healthy", ready_s=round(gate.ready_s, 2))
+        sd.enable(target.unit)
+        for o in cfg.other_backends(target.name):
+            if sd.is_enabled(o.unit) == "enabled":
+                sd.disable(o.unit)
+    new = replace(store.load(), operation=None, release=rid, previous_release=st.release if st.release != rid
+                  else st.previous_release, active_backend=target.name if start else st.active_backend,
+                  previous_backend=st.active_backend if st.active_backend != target.name else st.previous_backend)
+    store.save(new)
+    undo.actions.clear()
+    store.record("install", ok=True, release=rid, backend=target.name if start else None,
+                 previous_release=st.release, mode="rebuild" if rebuild else "unpack")
+    return InstallResult(True, "installed", rid, str(final), target.name if start else None, steps=steps,
+                         message=f"release {rid} installed" + (f"; {target.name} is serving "
+                                                             f"{cfg.serve.model_name!r} on port {cfg.serve.port}"
+                                                             if start else ""))
+
+
+def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:
+    """deploytool's own venv inside the release, from the bundle's tool wheels, with no network."""
+    from deploy_tool import pack, proc
+
+    tool = stage / "tool" / "venv"
+    wheels = stage / "tool" / "wheels"
+    proc.run([cfg.bundle.python, "-m", "venv", str(tool)], env=pack.pip_env(), timeout=600)
+    names = sorted(str(p) for p in wheels.glob("*.whl"))
+    proc.run([str(tool / "bin" / "python"), "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
+              "--no-deps", "--no-compile", *names], env=pack.pip_env(), timeout=1200)
+    pack.relocate_venv(tool, str(tool), str(final / "tool" / "venv"))
+    bindir = stage / "tool" / "bin"
+    bindir.mkdir(exist_ok=True)
+    os.symlink("../venv/bin/deploytool", bindir / "deploytool")
+    log("tool: deploytool bootstrapped into the release")
+
+
+def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Systemd, log: Log) -> None:
+    """Undo an install that was killed midway: restore the previous release's units, current and pins."""
+    op = st.operation
+    assert op is not None and op.kind == "install"
+    rid = op.release
+    releases = Path(cfg.paths.releases_dir)
+    if rid:
+        shutil.rmtree(releases / f".staging-{rid}", ignore_errors=True)
+    prev = op.previous_release
+    cur = Path(cfg.paths.current)
+    if prev and (releases / prev).is_dir():
+        atomic_symlink(os.path.relpath(releases / prev, cur.parent), cur)
+        for d, target in (("env", Path(cfg.paths.env_dir)), ("units", Path(cfg.paths.unit_dir))):
+            for f in sorted((releases / prev / d).iterdir()):
+                atomic_write(target / f.name, f.read_bytes(), 0o644)
+        try:
+            from deploy_tool import fingerprint
+
+            for name in sorted(cfg.backends):
+                fingerprint.pin(cfg, cfg.backends[name], f"recover: back to release {prev}", release=prev,
+                                store=store, record=False)
+        except ImportError:
+            pass
+    else:  # a fresh box: leave no half-installed units
+        for name in sorted(cfg.backends):
+            b = cfg.backends[name]
+            with contextlib.suppress(DeployError):
+                sd.stop(b.unit)
+            sd.remove_file(b.unit)
+            (Path(cfg.paths.env_dir) / f"{name}.env").unlink(missing_ok=True)
+            (Path(cfg.paths.state_dir) / "pins" / f"{name}.json").unlink(missing_ok=True)
+        if cur.is_symlink():
+            cur.unlink()
+    if rid and rid != prev:
+        shutil.rmtree(releases / rid, ignore_errors=True)
+    with contextlib.suppress(DeployError):
+        sd.daemon_reload()
+    if op.from_backend and op.from_backend in cfg.backends and prev:
+        with contextlib.suppress(DeployError):
+            sd.start(cfg.backends[op.from_backend].unit)
+    store.save(replace(st, operation=None, release=prev, active_backend=op.from_backend if prev else None))
+    store.record("recover", ok=True, interrupted="install", step=op.step, release=rid, outcome="undone")
+    log(f"undid the interrupted install of {rid}")

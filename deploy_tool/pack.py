@@ -1,0 +1,308 @@
+"""What goes into a bundle, from the config: the lock, its wheels, a venv built from them offline, the patched
+chat template, the NCCL library, the rendered units and env files, and the resolved config.
+
+pip always runs with the machine's pip configuration switched off (PIP_CONFIG_FILE=/dev/null): an extra index
+or find-links of the packaging machine must never leak into a lock or an offline build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deploy_tool import proc
+from deploy_tool.config import Config
+from deploy_tool.errors import BundleError, CheckFailed, DeployError, InputError
+from deploy_tool.fsutil import atomic_write
+
+# Shebangs and pyvenv.cfg of the archived venv point at this prefix; install rewrites it to the real path.
+VENV_PLACEHOLDER = "/__deploytool_venv_prefix__"
+WHEEL_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl$")
+LOCK_LINE_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>\S+)\s+--hash=sha256:(?P<sha>[0-9a-f]{64})\s*$")
+
+
+def pip_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                "PIP_NO_INPUT": "1"})
+    env.update(extra or {})
+    return env
+
+
+def normalize_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    name: str
+    version: str
+    sha256: str
+
+
+def parse_wheel_name(fn: str) -> tuple[str, str]:
+    m = WHEEL_RE.match(fn)
+    if not m:
+        raise InputError(f"{fn}: not a wheel file name", hint="only wheels are bundled; no source distributions")
+    return normalize_name(m["name"]), m["version"]
+
+
+def read_lock(path: Path) -> list[LockEntry]:
+    """Parse a lock written by `deploytool lock` (one `name==version --hash=sha256:...` per requirement)."""
+    try:
+        text = path.read_text("utf-8")
+    except FileNotFoundError:
+        raise InputError(f"lock file not found: {path}", hint="run `deploytool lock` first") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read lock file {path}: {exc}") from None
+    joined = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for n, line in enumerate(joined.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = LOCK_LINE_RE.match(line)
+        if not m:
+            raise InputError(f"{path}: line {n} is not `name==version --hash=sha256:HEX`: {line[:80]!r}",
+                             hint="regenerate the lock with `deploytool lock`")
+        out.append(LockEntry(normalize_name(m["name"]), m["version"], m["sha"]))
+    if not out:
+        raise InputError(f"{path}: the lock lists no packages")
+    return out
+
+
+def write_lock(entries: list[LockEntry], path: Path, *, source_sha: str) -> None:
+    lines = [f"# deploytool lock: {len(entries)} packages, wheels only, install with --no-index --require-hashes",
+             f"# requirements input sha256: {source_sha}"]
+    for e in sorted(entries, key=lambda e: e.name):
+        lines.append(f"{e.name}=={e.version} \\\n    --hash=sha256:{e.sha256}")
+    atomic_write(path, ("\n".join(lines) + "\n").encode(), 0o644)
+
+
+def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntry]]:
+    """Download every wheel of the requirements into wheels_dir (wheels only) and write the hash-pinned lock."""
+    b = cfg.bundle
+    if not b.requirements:
+        raise InputError("bundle.requirements is not set", hint="point it at a requirements.in file")
+    req = Path(b.requirements)
+    if not req.is_file():
+        raise InputError(f"requirements input not found: {req}")
+    wheels = Path(b.wheels_dir)
+    wheels.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="deploytool-lock-") as tmp:
+        argv = [python or b.python, "-m", "pip", "download", "--only-binary=:all:", "-d", tmp, "-r", str(req)]
+        if b.lock_mode == "exact":
+            argv.append("--no-deps")
+        proc.run(argv, env=pip_env(), timeout=3600)
+        entries = []
+        for fn in sorted(os.listdir(tmp)):
+            name, version = parse_wheel_name(fn)
+            src = Path(tmp, fn)
+            sha = _sha(src)
+            shutil.move(str(src), wheels / fn)
+            entries.append(LockEntry(name, version, sha))
+    write_lock(entries, Path(b.lock), source_sha=_sha(req))
+    return Path(b.lock), entries
+
+
+def _sha(p: Path) -> str:
+    from deploy_tool.manifest import hash_file
+
+    return hash_file(p)
+
+
+def select_wheels(cfg: Config, entries: list[LockEntry], *, progress=None) -> dict[str, Path]:
+    """Map every lock entry to exactly one wheel in wheels_dir whose SHA-256 matches the lock."""
+    from deploy_tool.manifest import hash_files
+
+    wd = Path(cfg.bundle.wheels_dir)
+    if not wd.is_dir():
+        raise InputError(f"wheel directory not found: {wd}", hint="run `deploytool lock` first")
+    cands: dict[tuple[str, str], list[Path]] = {}
+    for p in sorted(wd.iterdir()):
+        if p.suffix == ".whl":
+            try:
+                cands.setdefault(parse_wheel_name(p.name), []).append(p)
+            except InputError:
+                continue
+    want = [p for e in entries for p in cands.get((e.name, e.version), [])]
+    hashes = hash_files(want, progress=progress, phase="wheels")
+    out: dict[str, Path] = {}
+    for e in entries:
+        hits = [p for p in cands.get((e.name, e.version), []) if hashes[p] == e.sha256]
+        if not hits:
+            found = cands.get((e.name, e.version))
+            raise BundleError(f"no wheel in {wd} for {e.name}=={e.version} with the locked sha256 {e.sha256[:12]}"
+                              + (f" (found {', '.join(p.name for p in found)} with other hashes)" if found else ""),
+                              hint="run `deploytool lock` again, or restore the wheel the lock names")
+        out[e.name] = hits[0]
+    return out
+
+
+def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path) -> None:
+    """A venv at `dest` from local wheels only: --no-index --require-hashes --no-deps (the lock is the closure)."""
+    proc.run([python, "-m", "venv", str(dest)], env=pip_env(), timeout=600)
+    proc.run([str(dest / "bin" / "python"), "-m", "pip", "install", "--no-index", "--find-links", str(wheels_dir),
+              "--require-hashes", "--no-deps", "--no-compile", "-r", str(lock_path)], env=pip_env(), timeout=3600)
+
+
+def relocate_venv(venv: Path, old: str, new: str) -> int:
+    """Rewrite the venv prefix in bin/ text files and pyvenv.cfg (shebangs, activate scripts); returns count."""
+    n = 0
+    targets = [venv / "pyvenv.cfg"] + sorted((venv / "bin").iterdir())
+    for p in targets:
+        if p.is_symlink() or not p.is_file():
+            continue
+        data = p.read_bytes()
+        if b"\0" in data[:4096] or old.encode() not in data:
+            continue
+        st = p.stat()
+        atomic_write(p, data.replace(old.encode(), new.encode()), st.st_mode & 0o7777)
+        n += 1
+    return n
+
+
+def patch_template(cfg: Config) -> tuple[bytes, bytes, dict[str, Any]] | None:
+    """(original, patched, record) for the configured chat template; the patch must match exactly once."""
+    ct = cfg.bundle.chat_template
+    if ct is None:
+        return None
+    src = Path(ct.source)
+    try:
+        original = src.read_bytes()
+    except OSError as exc:
+        raise InputError(f"chat template {src}: {exc.strerror}", hint="fix bundle.chat_template.source") from None
+    orig_sha = hashlib.sha256(original).hexdigest()
+    if ct.sha256 and ct.sha256 != orig_sha:
+        raise CheckFailed(f"chat template {src}: sha256 {orig_sha[:12]} is not the pinned {ct.sha256[:12]}",
+                          hint="the patch is only valid for the pinned version (v22.3); fetch that commit")
+    patched = original
+    if ct.patch is not None:
+        count = original.count(ct.patch.find.encode())
+        if count != 1:
+            raise CheckFailed(f"chat template {src}: the patch pattern {ct.patch.find!r} occurs {count} times "
+                              f"(it must occur exactly once)",
+                              hint="the template is not the version the patch was written for")
+        patched = original.replace(ct.patch.find.encode(), ct.patch.replace.encode())
+    record = {"source": src.name, "origin": ct.origin, "commit": ct.commit, "original_sha256": orig_sha,
+              "patched_sha256": hashlib.sha256(patched).hexdigest(),
+              "patch": dataclasses.asdict(ct.patch) if ct.patch else None}
+    return original, patched, record
+
+
+def inspect_nccl(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
+    n = cfg.bundle.nccl
+    if n is None:
+        return None
+    from deploy_tool.binaries import arch_supported, read_fatbin
+
+    lib = Path(n.library)
+    info = read_fatbin(lib)
+    ok, why = arch_supported(info, cfg.host.compute_capability, n.arch_policy)
+    if not ok and not n.force:
+        raise CheckFailed(f"NCCL {lib}: {why}", hint="bundle an NCCL built with the GPUs' arch, or set "
+                          "bundle.nccl.force: true to bundle it anyway (marked in the manifest)")
+    return lib, {"library": str(lib), "cubin_archs": list(info.cubin_archs), "ptx_archs": list(info.ptx_archs),
+                 "policy": n.arch_policy, "arch_ok": ok, "forced": (not ok) and n.force, "explanation": why}
+
+
+def resolved_config_json(cfg: Config) -> bytes:
+    d = dataclasses.asdict(cfg)
+    d["backends"] = {k: dataclasses.asdict(v) for k, v in sorted(cfg.backends.items())}
+    d.pop("source_path", None)
+    return (json.dumps(d, indent=1, sort_keys=True, default=lambda o: dict(o) if hasattr(o, "items") else str(o))
+            + "\n").encode()
+
+
+Progress = Callable[[str, int, int], None] | None
+
+
+def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Callable[[str], None] = lambda s: None):
+    """Build the signed bundle (directory + one archive) from the config; returns bundle.BundleInfo."""
+    from deploy_tool import archive, bundle, render
+    from deploy_tool.manifest import hash_file, hash_native_libs
+
+    lock_path = Path(cfg.bundle.lock)
+    entries = read_lock(lock_path)
+    log(f"lock: {len(entries)} packages in {lock_path}")
+    wheels = select_wheels(cfg, entries, progress=progress)
+    tmpl = patch_template(cfg)
+    nccl = inspect_nccl(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pack-", dir=out_dir) as tmp:
+        t = Path(tmp)
+        venv = t / "venv"
+        log(f"venv: building from {len(wheels)} wheels with no network")
+        wheel_dir = t / "wheels"
+        wheel_dir.mkdir()
+        for p in wheels.values():
+            os.link(p, wheel_dir / p.name) if _same_fs(p, wheel_dir) else shutil.copy2(p, wheel_dir / p.name)
+        try:
+            build_venv(cfg.bundle.python, lock_path, wheel_dir, venv)
+        except proc.CommandFailed as exc:
+            raise BundleError(f"building the venv from the locked wheels failed: {exc.message}",
+                              hint="is the lock complete (every dependency pinned)? is bundle.python right?") from None
+        relocate_venv(venv, str(venv), VENV_PLACEHOLDER)
+        native = hash_native_libs(venv, progress=progress)
+        log(f"venv: {len(native)} native libraries hashed")
+        venv_archive = t / "venv.tar.zst"
+        archive.archive_tree(venv, venv_archive, symlinks=True, progress=progress,
+                             exclude=lambda rel: "__pycache__" in rel.split("/"))
+        ents: list[Any] = [bundle.Entry(f"wheels/{p.name}", p, 0o644) for p in sorted(wheels.values())]
+        ents.append(bundle.Entry("requirements.lock", lock_path, 0o644))
+        ents.append(bundle.Entry("venv.tar.zst", venv_archive, 0o644))
+        inputs: dict[str, Any] = {
+            "config_sha256": cfg.source_sha256, "lock_sha256": hash_file(lock_path),
+            "python": cfg.bundle.python, "venv_placeholder": VENV_PLACEHOLDER,
+            "backends": sorted(cfg.backends), "default_backend": cfg.default_backend,
+        }
+        if tmpl is not None:
+            original, patched, rec = tmpl
+            ents.append(bundle.Entry("templates/chat_template.jinja", patched, 0o644))
+            ents.append(bundle.Entry("templates/chat_template.orig.jinja", original, 0o644))
+            inputs["chat_template"] = rec
+        if nccl is not None:
+            lib, rec = nccl
+            ents.append(bundle.Entry("nccl/libnccl.so.2", lib, 0o644))
+            inputs["nccl"] = rec
+        for f in render.render_all(cfg):
+            ents.append(bundle.Entry(("units/" if f.kind == "unit" else "env/") + f.name, f.content.encode(), 0o644))
+        ents.append(bundle.Entry("config.json", resolved_config_json(cfg), 0o644))
+        tool = tool_wheels(cfg)
+        for p in tool:
+            ents.append(bundle.Entry(f"tool/wheels/{p.name}", p, 0o644))
+        if tool:
+            inputs["tool_wheels"] = sorted(p.name for p in tool)
+        log("bundle: hashing, signing and archiving")
+        return bundle.write_bundle(ents, out_dir, name=cfg.bundle.name, inputs=inputs, native_libs=native,
+                                   key_path=key_path, archive=True, progress=progress)
+
+
+def tool_wheels(cfg: Config) -> list[Path]:
+    d = cfg.bundle.tool_wheels_dir
+    if not d:
+        return []
+    p = Path(d)
+    if not p.is_dir():
+        raise InputError(f"bundle.tool_wheels_dir {p} does not exist", hint="run `deploytool lock --tool` first")
+    return sorted(x for x in p.iterdir() if x.suffix == ".whl")
+
+
+def _same_fs(a: Path, d: Path) -> bool:
+    try:
+        return a.stat().st_dev == d.stat().st_dev
+    except OSError:
+        return False
+
+
+__all__ = ["DeployError", "LockEntry", "VENV_PLACEHOLDER", "build_venv", "lock", "pack", "patch_template",
+           "read_lock", "relocate_venv", "select_wheels"]

@@ -1,0 +1,149 @@
+"""`deploytool status` and `history`: what runs, how it is, and what happened, for people and for machines."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from deploy_tool.config import Config
+from deploy_tool.errors import DeployError
+
+
+def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
+    from deploy_tool import systemd as systemd_mod
+    from deploy_tool.gate import base_url
+    from deploy_tool.state import Store
+
+    store = Store(cfg.paths.state_dir)
+    st = store.load()
+    cur = Path(cfg.paths.current)
+    rep: dict[str, Any] = {
+        "config": cfg.source_path, "active_backend": st.active_backend, "previous_backend": st.previous_backend,
+        "release": st.release, "previous_release": st.previous_release,
+        "current": os.readlink(cur) if cur.is_symlink() else None,
+        "interrupted": st.operation.__dict__ if st.operation else None,
+        "endpoint": base_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
+        "events": store.history(5),
+    }
+    try:
+        sd = systemd_mod.for_config(cfg)
+        for name in sorted(cfg.backends):
+            b = cfg.backends[name]
+            try:
+                u = sd.show(b.unit)
+                rep["units"][name] = {"active": u.active_state, "sub": u.sub_state, "result": u.result,
+                                      "enabled": u.unit_file_state, "main_pid": u.main_pid,
+                                      "restarts": u.n_restarts}
+            except DeployError as exc:
+                rep["units"][name] = {"error": exc.message}
+    except DeployError as exc:
+        rep["systemd_error"] = exc.message
+    rep["health"] = _health(cfg, st.active_backend)
+    try:
+        from deploy_tool import fingerprint
+
+        for name in sorted(cfg.backends):
+            try:
+                v = fingerprint.verify(cfg, cfg.backends[name])
+                rep["fingerprints"][name] = {"ok": v.ok, "drift": [list(r) for r in v.rows if r[1] != r[2]]}
+            except DeployError as exc:
+                rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
+    except ImportError:
+        pass
+    if deep and st.active_backend and st.active_backend in rep["units"]:
+        rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
+    return rep
+
+
+def _health(cfg: Config, active: str | None) -> dict[str, Any]:
+    if not active or active not in cfg.backends:
+        return {"ok": False, "detail": "no active backend"}
+    from deploy_tool import health
+    from deploy_tool.gate import api_key, base_url
+
+    b = cfg.backends[active]
+    try:
+        r = health.wait_ready(b.kind, base_url(cfg), cfg.serve.model_name, api_key=api_key(cfg),  # type: ignore[arg-type]
+                              timeout=0, interval=0.1)
+        return {"ok": True, "detail": f"ready, serving {', '.join(r.served_models) or cfg.serve.model_name}"}
+    except DeployError as exc:
+        return {"ok": False, "detail": exc.message.splitlines()[0]}
+
+
+def _runtime(cfg: Config, name: str, pid: int) -> dict[str, Any]:
+    if not pid:
+        return {"status": "unknown", "detail": "no main process"}
+    try:
+        from deploy_tool import runtime
+        from deploy_tool.systemd import for_config
+
+        b = cfg.backends[name]
+        log = ""
+        with contextlib.suppress(DeployError):
+            log = for_config(cfg).journal(b.unit, lines=400)
+        ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
+        rep = runtime.inspect_runtime(pid, kind=b.kind, pins={}, log_text=log, device_profile=b.device,
+                                      configured_ctx=ctx)
+        return rep.to_json()
+    except Exception as exc:  # status must always print
+        return {"status": "unknown", "detail": f"could not determine: {exc}"}
+
+
+def format_status(rep: dict[str, Any]) -> str:
+    import click
+
+    def ok(flag: bool) -> str:
+        return click.style("ok", fg="green") if flag else click.style("FAIL", fg="red", bold=True)
+
+    lines = [f"config    {rep['config']}",
+             f"serving   {rep['model_name']!r} at {rep['endpoint']}  health: {ok(rep['health']['ok'])} "
+             f"({rep['health']['detail']})",
+             f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}",
+             f"release   {rep['release'] or '(none)'}   current -> {rep['current'] or '-'}"]
+    if rep.get("interrupted"):
+        op = rep["interrupted"]
+        lines.append(click.style(f"INTERRUPTED {op['kind']} {op.get('from_backend')} -> {op.get('to_backend')} at "
+                                 f"step {op['step']} (pid {op['pid']}): run `deploytool recover`", fg="yellow"))
+    if rep.get("systemd_error"):
+        lines.append(click.style(f"systemd: {rep['systemd_error']}", fg="red"))
+    lines.append("units")
+    for name, u in rep["units"].items():
+        if "error" in u:
+            lines.append(f"  {name:20} {u['error']}")
+            continue
+        fp = rep["fingerprints"].get(name)
+        fps = "" if fp is None else ("  fingerprints " + (ok(True) if fp.get("ok") else
+                                                          ok(False) + " " + (fp.get("error") or
+                                                                             ", ".join(d[0] for d in fp["drift"]))))
+        lines.append(f"  {name:20} {u['active']}/{u['sub']:10} {u['enabled']:9} pid {u['main_pid'] or '-':>7}"
+                     f"  restarts {u['restarts']}{fps}")
+    if rep.get("runtime"):
+        rt = rep["runtime"]
+        lines.append(f"runtime   {rt.get('status')}")
+        for row in rt.get("rows", [])[:20]:
+            lines.append(f"  {row.get('what', ''):10} {row.get('name', ''):28} {row.get('status', ''):8} "
+                         f"{row.get('detail', '')}")
+    if rep["events"]:
+        lines.append("last events")
+        lines += ["  " + ln for ln in format_history(rep["events"]).splitlines()]
+    return "\n".join(lines)
+
+
+def format_history(events: list[dict[str, Any]]) -> str:
+    if not events:
+        return "no events yet"
+    out = []
+    for e in events:
+        what = e.get("event", "?")
+        ok = e.get("ok")
+        mark = "ok  " if ok else ("FAIL" if ok is False else "    ")
+        move = ""
+        if e.get("from_backend") or e.get("to_backend"):
+            move = f" {e.get('from_backend') or '-'} -> {e.get('to_backend') or '-'}"
+        extra = e.get("outcome") or ""
+        rel = f" release {e['release']}" if e.get("release") else ""
+        reason = f": {e['reason']}" if e.get("reason") else ""
+        out.append(f"{e.get('time', '')[:19]} {mark} {what}{move} {extra}{rel}{reason}".rstrip())
+    return "\n".join(out)

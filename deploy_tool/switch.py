@@ -1,0 +1,306 @@
+"""Swap the backend behind the port with a health gate and automatic rollback; finish interrupted switches.
+
+The state machine (intent is written before every step, so a kill at any point is detected next time):
+
+    lock -> intent -> preflight (config checks + fingerprints, the current backend still serving)
+         -> stopping-current -> starting-target -> gate (unit watched, readiness, smoke completion)
+         -> committing (enable target, disable the others, state, history)
+    on failure after preflight: rolling-back (target's journal tail kept, target stopped, previous backend
+    started through the same gate) -> exit 10 (rolled back) or 11 (rollback failed).
+
+`recover()` finishes an interrupted operation: a switch killed while committing is completed if the target is
+healthy, anything else is rolled back to the backend that served before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from deploy_tool import systemd as systemd_mod
+from deploy_tool.config import Backend, Config
+from deploy_tool.errors import (
+    CheckFailed,
+    DeployError,
+    DriftError,
+    HealthError,
+    RollbackFailed,
+    RolledBack,
+    StateError,
+)
+from deploy_tool.gate import GateReport, run_gate
+from deploy_tool.state import Operation, State, Store, now_iso
+
+FAULT_ENV = "DEPLOYTOOL_FAULT"  # fault injection for crash tests: "kill:<step>" sends SIGKILL to ourselves
+STEPS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class SwitchResult:
+    ok: bool
+    action: str  # "switched" | "noop" | "rolled-back" | "planned" | "recovered"
+    from_backend: str | None
+    to_backend: str
+    seconds: float = 0.0
+    gate: dict[str, Any] | None = None
+    plan: list[str] = field(default_factory=list)
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _fault(step: str) -> None:
+    if os.environ.get(FAULT_ENV) == f"kill:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def port_owner_answers(host: str, port: int) -> bool:
+    """True if something accepts connections on the served port (after the current backend was stopped)."""
+    h = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    try:
+        with socket.create_connection((h, port), timeout=0.3):
+            return True
+    except OSError:
+        return False
+
+
+def plan(cfg: Config, st: State, target: Backend) -> list[str]:
+    cur = st.active_backend
+    steps = [f"lock {cfg.paths.state_dir}/lock", f"record intent: switch {cur or '(none)'} -> {target.name}",
+             f"preflight {target.name}: config checks, fingerprints (deploytool verify {target.name})"]
+    if cur:
+        steps.append(f"stop {cur}.service (it serves until here)")
+    steps += [f"start {target.unit}",
+              f"health gate: {target.kind} readiness on port {cfg.serve.port}, smoke completion as "
+              f"{cfg.serve.model_name!r}",
+              f"commit: enable {target.unit}, disable the others, write state and history"]
+    if cur:
+        steps.append(f"on failure: stop {target.unit}, start {cur}.service through the same gate, exit 10")
+    return steps
+
+
+class Switcher:
+    def __init__(self, cfg: Config, *, log: Log = lambda s: None, sd: systemd_mod.Systemd | None = None) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.sd = sd or systemd_mod.for_config(cfg)
+        self.store = Store(cfg.paths.state_dir)
+
+    # ------------------------------------------------------------------ helpers
+    def _step(self, st: State, step: str) -> State:
+        assert st.operation is not None
+        st = self.store.save(replace(st, operation=replace(st.operation, step=step)))
+        _fault(step)
+        return st
+
+    def _preflight(self, target: Backend) -> None:
+        from deploy_tool import checks
+
+        errs = [f for f in checks.run_checks(self.cfg) if f.severity == "error" and f.backend in (None, target.name)]
+        if errs:
+            raise CheckFailed(f"preflight of {target.name}: {errs[0].id}: {errs[0].message}",
+                              hint=errs[0].fix, details=[f.to_json() for f in errs])
+        try:
+            from deploy_tool import fingerprint
+        except ImportError:
+            return
+        rep = fingerprint.verify(self.cfg, target)
+        if not rep.ok:
+            rows = "; ".join(f"{r[0]}: expected {r[1]}, actual {r[2]}" for r in rep.rows[:5])
+            raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}",
+                             hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ...")
+
+    def _start_and_gate(self, b: Backend) -> GateReport:
+        self.sd.reset_failed(b.unit)
+        self.sd.start(b.unit)
+        inv = self.sd.show(b.unit).invocation_id
+        return run_gate(self.cfg, self.sd, b, invocation=inv or None, on_event=self.log)
+
+    # ------------------------------------------------------------------ switch
+    def switch(self, name: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
+               action: str = "switch") -> SwitchResult:
+        target = self.cfg.backend(name)
+        st0 = self.store.load()
+        if dry_run:
+            return SwitchResult(True, "planned", st0.active_backend, target.name, plan=plan(self.cfg, st0, target))
+        with self.store.lock(wait=wait, what=f"{action} to {target.name}"):
+            st = self.store.load()
+            if st.operation is not None:
+                self.log(f"an interrupted {st.operation.kind} (step {st.operation.step}) was found; finishing it first")
+                self._recover_locked(st)
+                st = self.store.load()
+            cur_name = st.active_backend
+            if cur_name == target.name and self.sd.show(target.unit).is_active:
+                return SwitchResult(True, "noop", cur_name, target.name,
+                                    message=f"{target.name} is already active; nothing to do")
+            cur = self.cfg.backends.get(cur_name) if cur_name else None
+            t0 = time.monotonic()
+            op = Operation(kind=action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
+                           from_backend=cur_name, to_backend=target.name, release=st.release, pid=os.getpid())
+            st = self.store.save(replace(st, operation=op))
+            _fault("intent")
+            try:
+                st = self._step(st, "preflight")
+                self._preflight(target)
+            except DeployError as exc:  # nothing was changed yet: the current backend keeps serving
+                self.store.save(replace(st, operation=None))
+                self.store.record(action, ok=False, from_backend=cur_name, to_backend=target.name,
+                                  outcome="refused", reason=exc.message, release=st.release)
+                raise
+            inv = None
+            try:
+                if cur is not None:
+                    st = self._step(st, "stopping-current")
+                    self.log(f"stopping {cur.unit}")
+                    self.sd.stop(cur.unit)
+                if port_owner_answers(self.cfg.serve.host, self.cfg.serve.port):
+                    raise HealthError(f"port {self.cfg.serve.port} is taken by another process after stopping "
+                                      f"{cur_name or 'the backends'}; {target.name} cannot bind it",
+                                      hint=f"find it with `ss -ltnp 'sport = :{self.cfg.serve.port}'` and stop it",
+                                      details={"reason": "port-taken"})
+                st = self._step(st, "starting-target")
+                self.log(f"starting {target.unit}")
+                self.sd.reset_failed(target.unit)
+                self.sd.start(target.unit)
+                inv = self.sd.show(target.unit).invocation_id or None
+                st = self._step(st, "gate")
+                gate = run_gate(self.cfg, self.sd, target, invocation=inv, on_event=self.log)
+                st = self._step(st, "committing")
+                self._commit(st, target)
+            except DeployError as exc:
+                return self._rollback(st, target, cur, exc, inv, action)
+            secs = time.monotonic() - t0
+            self.store.record(action, ok=True, from_backend=cur_name, to_backend=target.name, outcome="switched",
+                              seconds=round(secs, 3), release=st.release, reason=reason,
+                              ready_s=round(gate.ready_s, 3))
+            return SwitchResult(True, "switched", cur_name, target.name, seconds=secs, gate=gate.to_json(),
+                                message=f"{target.name} is serving {self.cfg.serve.model_name!r} on port "
+                                        f"{self.cfg.serve.port} ({secs:.1f}s)")
+
+    def _commit(self, st: State, target: Backend) -> None:
+        self.sd.enable(target.unit)
+        for o in self.cfg.other_backends(target.name):
+            if self.sd.is_enabled(o.unit) == "enabled":
+                self.sd.disable(o.unit)
+        prev = st.active_backend if st.active_backend != target.name else st.previous_backend
+        self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
+
+    def _rollback(self, st: State, target: Backend, cur: Backend | None, exc: DeployError, inv: str | None,
+                  action: str) -> SwitchResult:
+        reason = exc.message.splitlines()[0]
+        try:
+            journal = self.sd.journal(target.unit, invocation=inv, lines=30)
+        except DeployError:
+            journal = ""
+        self.log(f"{target.name} failed: {reason}; rolling back")
+        st = self._step(st, "rolling-back")
+        try:
+            self.sd.stop(target.unit)
+            self.sd.reset_failed(target.unit)
+        except DeployError:
+            pass
+        if cur is None:
+            self.store.save(replace(st, operation=None, active_backend=None))
+            self.store.record(action, ok=False, from_backend=None, to_backend=target.name, outcome="failed",
+                              reason=reason, journal_tail=journal[-4000:])
+            raise HealthError(f"{target.name} did not become healthy: {exc.message}", hint=exc.hint)
+        try:
+            self._start_and_gate(cur)
+        except DeployError as exc2:
+            self.store.save(replace(st, operation=None, active_backend=None))
+            self.store.record(action, ok=False, from_backend=cur.name, to_backend=target.name,
+                              outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],
+                              journal_tail=journal[-4000:])
+            raise RollbackFailed(f"{target.name} failed ({reason}) and the rollback to {cur.name} failed too: "
+                                 f"{exc2.message}", hint="the box has no working backend: read `deploytool status` "
+                                 f"and `journalctl -u {cur.unit}`") from None
+        self.store.save(replace(st, operation=None, active_backend=cur.name))
+        self.store.record(action, ok=False, from_backend=cur.name, to_backend=target.name, outcome="rolled-back",
+                          reason=reason, journal_tail=journal[-4000:], release=st.release)
+        tail = "\n  ".join(journal.splitlines()[-8:])
+        raise RolledBack(f"switch to {target.name} failed: {exc.message}\n{cur.name} was restored and is serving "
+                         f"again" + (f"\n  {target.name} journal tail:\n  {tail}" if tail else ""),
+                         hint=f"see `deploytool history` and `journalctl -u {target.unit}`",
+                         details={"reason": reason, "restored": cur.name})
+
+    # ------------------------------------------------------------------ recover
+    def recover(self, *, wait: float = 0.0) -> SwitchResult:
+        with self.store.lock(wait=wait, what="recover"):
+            st = self.store.load()
+            if st.operation is None:
+                return SwitchResult(True, "noop", st.active_backend, st.active_backend or "",
+                                    message="no interrupted operation; nothing to recover")
+            return self._recover_locked(st)
+
+    def _recover_locked(self, st: State) -> SwitchResult:
+        op = st.operation
+        assert op is not None
+        if op.kind == "install":
+            from deploy_tool import install
+
+            install.recover_install(self.cfg, self.store, st, sd=self.sd, log=self.log)
+            return SwitchResult(True, "recovered", None, op.to_backend or "", message="interrupted install undone")
+        target = self.cfg.backends.get(op.to_backend or "")
+        prev = self.cfg.backends.get(op.from_backend or "")
+        if target is None:
+            raise StateError(f"interrupted {op.kind} names an unknown backend {op.to_backend!r}",
+                             hint="fix the config or remove the operation from state.json")
+        if op.step in ("intent", "preflight"):  # nothing changed yet
+            self.store.save(replace(st, operation=None))
+            self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="nothing-changed")
+            return SwitchResult(True, "recovered", op.from_backend, target.name,
+                                message=f"interrupted {op.kind} had changed nothing")
+        if op.step == "committing" and self.sd.show(target.unit).is_active:
+            try:
+                run_gate(self.cfg, self.sd, target, on_event=self.log)
+                self._commit(st, target)
+                self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="committed",
+                                  to_backend=target.name)
+                return SwitchResult(True, "recovered", op.from_backend, target.name,
+                                    message=f"finished the interrupted {op.kind}: {target.name} is serving")
+            except DeployError:
+                pass
+        # roll back to what served before
+        try:
+            self.sd.stop(target.unit)
+            self.sd.reset_failed(target.unit)
+        except DeployError:
+            pass
+        if prev is None:
+            self.store.save(replace(st, operation=None, active_backend=None))
+            self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="stopped")
+            return SwitchResult(True, "recovered", None, target.name, message="stopped the half-started target")
+        try:
+            self._start_and_gate(prev)
+        except DeployError as exc:
+            self.store.save(replace(st, operation=None, active_backend=None))
+            self.store.record("recover", ok=False, interrupted=op.kind, step=op.step, outcome="rollback-failed",
+                              reason=exc.message.splitlines()[0])
+            raise RollbackFailed(f"recovering the interrupted {op.kind}: {prev.name} did not come back: "
+                                 f"{exc.message}") from None
+        self.store.save(replace(st, operation=None, active_backend=prev.name))
+        self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="rolled-back",
+                          to_backend=prev.name)
+        return SwitchResult(True, "recovered", op.from_backend, prev.name,
+                            message=f"rolled the interrupted {op.kind} back: {prev.name} is serving")
+
+    # ------------------------------------------------------------------ rollback
+    def rollback(self, *, dry_run: bool = False, wait: float = 0.0) -> SwitchResult:
+        st = self.store.load()
+        prev = st.previous_backend
+        if not prev:
+            others = [b.name for b in self.cfg.other_backends(st.active_backend or "")]
+            if st.active_backend and len(others) == 1:
+                prev = others[0]
+            else:
+                raise StateError("no previous backend to roll back to", hint="name one: deploytool switch BACKEND")
+        return self.switch(prev, dry_run=dry_run, wait=wait, reason="rollback", action="rollback")
