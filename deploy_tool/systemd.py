@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,16 +126,17 @@ class Systemd:
     # ------------------------------------------------------------------ raw calls
 
     def _ctl(self, *args: str, ok: Sequence[int] = (0,), timeout: float | None = None) -> proc.Result:
+        # Only job-waiting verbs pass a timeout (proc.run's timeout costs ~0.1 s a call); queries are bounded by
+        # systemctl's own D-Bus call timeout.
         try:
-            return proc.run([*self.systemctl, "--no-pager", "--no-ask-password", *args], ok=ok,
-                            timeout=timeout or self.timeout)
+            return proc.run([*self.systemctl, "--no-pager", "--no-ask-password", *args], ok=ok, timeout=timeout)
         except proc.CommandFailed as exc:
             raise SystemdError(f"systemctl {' '.join(args)} failed (exit {exc.result.returncode}): "
                                f"{(exc.result.stderr or exc.result.stdout).strip()[-500:]}") from exc
 
     def _jctl(self, *args: str, ok: Sequence[int] = (0,)) -> proc.Result:
         try:
-            return proc.run([*self.journalctl, "--no-pager", *args], ok=ok, timeout=60)
+            return proc.run([*self.journalctl, "--no-pager", *args], ok=ok)
         except proc.CommandFailed as exc:
             raise SystemdError(f"journalctl {' '.join(args)} failed (exit {exc.result.returncode}): "
                                f"{(exc.result.stderr or exc.result.stdout).strip()[-500:]}") from exc
@@ -161,7 +163,7 @@ class Systemd:
 
     def stop(self, unit: str, *, no_block: bool = False) -> None:
         validate_unit_name(unit)
-        res = self._ctl("stop", *(["--no-block"] if no_block else []), unit, ok=range(256))
+        res = self._ctl("stop", *(["--no-block"] if no_block else []), unit, ok=range(256), timeout=self.timeout)
         if res.returncode == 5 and "not loaded" in res.stderr:
             return  # nothing to stop
         if res.returncode != 0:
@@ -177,7 +179,7 @@ class Systemd:
 
     def _job(self, verb: str, unit: str, no_block: bool) -> None:
         validate_unit_name(unit)
-        res = self._ctl(verb, *(["--no-block"] if no_block else []), unit, ok=range(256))
+        res = self._ctl(verb, *(["--no-block"] if no_block else []), unit, ok=range(256), timeout=self.timeout)
         if res.returncode == 0:
             return
         reason = res.stderr.strip().splitlines()[0] if res.stderr.strip() else f"exit {res.returncode}"
@@ -192,12 +194,22 @@ class Systemd:
                            hint=f"see the full log: journalctl -u {unit}", details=tail)
 
     def _tail_for(self, unit: str, lines: int = 20) -> str:
+        """The journal of the unit's latest invocation, read until it stops growing (at most ~1 s).
+
+        journald reads a unit's stdout/stderr streams asynchronously, so right after a failed start the
+        unit's own last words may still be in flight; `journalctl --sync` does not wait for streams on 252.
+        """
         with contextlib.suppress(SystemdError):
             self.sync_journal()
             inv = self.show(unit).invocation_id
-            if inv:
-                return self.journal(unit, invocation=inv, lines=lines)
-            return self.journal(unit, lines=lines)
+            text = self.journal(unit, invocation=inv or None, lines=lines)
+            for _ in range(10):
+                time.sleep(0.1)
+                again = self.journal(unit, invocation=inv or None, lines=lines)
+                if again == text:
+                    break
+                text = again
+            return text
         return ""
 
     # ------------------------------------------------------------------ state

@@ -1,0 +1,208 @@
+"""pytest fixtures for the real systemd sandbox.
+
+    systemd_sandbox  (session)   one sandbox for the whole run: SandboxEnv(sandbox, systemd, unit_dir)
+    sandbox_env      (function)  the same SandboxEnv, cleaned after each test: units the test added are
+                                 stopped, disabled and removed (drop-ins and .wants links too), transient
+                                 units stopped, reset-failed, daemon-reload
+
+Sandboxes live under $DEPLOYTOOL_TEST_SANDBOXES (default /tmp/deploytool-test-sandboxes), one directory per
+test run holding `owner.json` (the pytest process's PID and start time). A run that was killed leaves its
+sandbox up; the next run finds it by its dead owner and takes it down, by PID and cgroup, never by name.
+The machine's /proc/1/cgroup is recorded at session start and compared at session end.
+
+conftest.py imports this module with `from tests.support.sandbox import *`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deploy_tool import proc
+from deploy_tool.errors import DeployError
+from deploy_tool.sandbox import Sandbox, sandbox_dirs_under
+from deploy_tool.systemd import Systemd
+
+__all__ = ["systemd_sandbox", "sandbox_env", "pytest_sessionstart", "pytest_sessionfinish"]
+
+SANDBOX_PARENT = Path(os.environ.get("DEPLOYTOOL_TEST_SANDBOXES", "/tmp/deploytool-test-sandboxes"))
+CGROUP_PREFIX = "deploytool-sandbox-"
+
+
+@dataclass
+class SandboxEnv:
+    sandbox: Sandbox
+    systemd: Systemd
+
+    @property
+    def unit_dir(self) -> Path:
+        return self.sandbox.unit_dir
+
+    def run(self, *cmd: str, ok: tuple[int, ...] = (0,)) -> proc.Result:
+        """Run a command inside the sandbox."""
+        return proc.run(self.sandbox.exec_argv(*cmd), ok=ok, timeout=60)
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def new_run_dir(tag: str = "run") -> Path:
+    """A fresh directory for this test process's sandboxes, stamped with its owner (this process)."""
+    root = SANDBOX_PARENT / f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True)
+    (root / "owner.json").write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
+    return root
+
+
+def sweep_orphans() -> list[str]:
+    """Take down sandboxes left by killed test runs (owner process gone) and delete their directories."""
+    swept = []
+    if not SANDBOX_PARENT.is_dir():
+        return swept
+    for root in sorted(SANDBOX_PARENT.iterdir()):
+        try:
+            owner = json.loads((root / "owner.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if _start_time(int(owner["pid"])) == owner.get("start"):
+            continue  # its test run is still going
+        for d in sandbox_dirs_under(root):
+            with contextlib.suppress(DeployError):
+                Sandbox(d).down()
+        shutil.rmtree(root, ignore_errors=True)
+        swept.append(str(root))
+    return swept
+
+
+def leftover_cgroups() -> list[str]:
+    """Every sandbox sub-cgroup on the machine (any run's), found by its name prefix."""
+    out = []
+    for top, dirs, _ in os.walk("/sys/fs/cgroup"):
+        for d in list(dirs):
+            if d.startswith(CGROUP_PREFIX):
+                out.append(os.path.join(top, d))
+                dirs.remove(d)
+        if top.count("/") >= 7:
+            dirs.clear()
+    return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(port: int, timeout: float = 10.0) -> bool:
+    """True once http://127.0.0.1:port/ answers (any status), False after `timeout`."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+# ----------------------------------------------------------------------------------- session-wide check
+
+_P1_CGROUP = pytest.StashKey[str]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_P1_CGROUP] = Path("/proc/1/cgroup").read_text()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_P1_CGROUP, None)
+    after = Path("/proc/1/cgroup").read_text()
+    if before is not None and before != after:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        msg = f"/proc/1/cgroup changed during the test run!\nbefore:\n{before}\nafter:\n{after}"
+        if tr is not None:
+            tr.write_line(msg, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# ----------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def systemd_sandbox() -> Iterator[SandboxEnv]:
+    """One real sandboxed systemd for the whole test run; taken down (and checked gone) at the end."""
+    p1_before = Path("/proc/1/cgroup").read_text()
+    sweep_orphans()
+    root = new_run_dir("session")
+    sb = Sandbox(root / "sandbox")
+    sb.up()
+    try:
+        env = SandboxEnv(sb, Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir))
+        yield env
+    finally:
+        sb.down()
+        shutil.rmtree(root, ignore_errors=True)
+    assert Path("/proc/1/cgroup").read_text() == p1_before, "the machine's /proc/1/cgroup changed"
+    assert not [c for c in leftover_cgroups() if sb.cgroup_name in c], "sandbox sub-cgroups left behind"
+
+
+_BASE_UNITS = ("systemd-journald.service",)
+
+
+def _active_services(env: SandboxEnv) -> set[str]:
+    res = env.run("systemctl", "list-units", "--plain", "--no-legend", "--no-pager", "--all",
+                  "--type=service,socket,timer,path", "--state=active,activating,deactivating,reloading,failed")
+    return {line.split()[0] for line in res.stdout.splitlines() if line.strip()}
+
+
+@pytest.fixture()
+def sandbox_env(systemd_sandbox: SandboxEnv) -> Iterator[SandboxEnv]:
+    """The session sandbox, left as clean as found after the test: its units stopped, removed, reloaded."""
+    env = systemd_sandbox
+    before_files = set(os.listdir(env.unit_dir))
+    before_units = _active_services(env)
+    yield env
+    sd = env.systemd
+    new_files = set(os.listdir(env.unit_dir)) - before_files
+    units = {n for n in new_files if not n.endswith((".d", ".wants", ".requires"))}
+    units |= _active_services(env) - before_units - set(_BASE_UNITS)
+    for unit in sorted(units):
+        with contextlib.suppress(DeployError):
+            sd.stop(unit)
+        with contextlib.suppress(DeployError):
+            if (env.unit_dir / unit).is_file():
+                sd.disable(unit)
+    for name in sorted(set(os.listdir(env.unit_dir)) - before_files):
+        p = env.unit_dir / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    sd.reset_failed()
+    sd.daemon_reload()
