@@ -43,9 +43,11 @@ __all__ = [
     "POLICIES",
     "arch_supported",
     "count_strings",
+    "count_strings_with_libraries",
     "find_build_number",
     "parse_llama_version",
     "read_fatbin",
+    "read_llama_build_symbols",
     "read_llama_version",
 ]
 
@@ -228,6 +230,8 @@ class _Section:
     type: int
     offset: int
     size: int
+    addr: int = 0
+    link: int = 0
 
 
 def _elf_sections(f: _File) -> list[_Section]:
@@ -272,12 +276,12 @@ def _elf_sections(f: _File) -> list[_Section]:
         raise InputError(f"{path} is a corrupt ELF file (section name table of type {str_type}, {str_size} bytes)")
     strtab = f.pread(str_off, str_size, "the section name table")
     out = []
-    for sh_name, sh_type, _fl, _addr, sh_offset, sh_size, *_ in raw:
+    for sh_name, sh_type, _fl, sh_addr, sh_offset, sh_size, sh_link, *_ in raw:
         if sh_name >= len(strtab) and sh_name != 0:
             raise InputError(f"{path} is a corrupt ELF file (section name offset {sh_name} outside the name table)")
         end = strtab.find(b"\0", sh_name)
         name = strtab[sh_name: end if end >= 0 else len(strtab)].decode("latin-1")
-        out.append(_Section(name, sh_type, sh_offset, sh_size))
+        out.append(_Section(name, sh_type, sh_offset, sh_size, sh_addr, sh_link))
     return out
 
 
@@ -455,6 +459,34 @@ def count_strings(path: str | os.PathLike[str], needle: bytes, *, chunk_size: in
     return count
 
 
+def count_strings_with_libraries(path: str | os.PathLike[str], needle: bytes) -> dict[str, int]:
+    """`count_strings` over an executable and every `lib*.so*` file beside it: {file path: count}.
+
+    llama.cpp's default shared-library build keeps almost nothing in `llama-server` itself (the skulk build's
+    executable has 0 `split_buffer`, its libllama.so 1), and backends such as libggml-cuda.so are opened at run
+    time rather than linked, so a pitfall-9 check must look at the whole directory, not the executable alone.
+    Hard links and symlinks to a file already counted are skipped.
+    """
+    p = Path(path)
+    files = [p]
+    if p.parent.is_dir():
+        files += sorted(q for q in p.parent.iterdir() if re.match(r"lib.*\.so(\.|$)", q.name) and q != p)
+    out: dict[str, int] = {}
+    seen: set[tuple[int, int]] = set()
+    for q in files:
+        try:
+            st = q.stat()
+        except OSError:
+            if q == p:
+                count_strings(q, needle)  # raises the clear InputError for the named file
+            continue  # a dangling library symlink is not the named file's problem
+        if (st.st_dev, st.st_ino) in seen or (q != p and not stat.S_ISREG(st.st_mode)):
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        out[str(q)] = count_strings(q, needle)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- llama.cpp version
 
 
@@ -496,6 +528,10 @@ def parse_llama_version(text: str) -> LlamaVersion:
     return LlamaVersion(version=None, build_number=None, commit=None, text=text.strip())
 
 
+class _VersionRunFailed(InputError):
+    """`llama-server --version` ran but failed before printing its build."""
+
+
 def read_llama_version(path: str | os.PathLike[str], *, timeout: float = 30) -> LlamaVersion:
     """Run `<path> --version` (it loads no model and needs no GPU) and parse what it prints."""
     p = Path(path)
@@ -507,15 +543,97 @@ def read_llama_version(path: str | os.PathLike[str], *, timeout: float = 30) -> 
     info = parse_llama_version(text)
     if res.returncode != 0 and info.build_number is None:
         tail = " | ".join(text.strip().splitlines()[-3:])
-        raise InputError(f"{p} --version failed (exit {res.returncode}): {tail or 'no output'}",
+        raise _VersionRunFailed(f"{p} --version failed (exit {res.returncode}): {tail or 'no output'}",
                          hint="a missing shared library (e.g. libcuda.so.1) stops it before it prints anything")
     return info
 
 
-def find_build_number(path: str | os.PathLike[str], *, timeout: float = 30) -> str | None:
-    """llama.cpp's build tag ('b10064') from `<path> --version`, or None if the binary does not know it.
+_SHT_SYMTAB, _SHT_RELA, _SHT_DYNSYM = 2, 4, 11
+_RELATIVE = {0x3E: 8, 0xB7: 1027}  # e_machine -> R_*_RELATIVE (x86-64, aarch64)
+_MAX_TABLE = 64 << 20
 
-    A build made from a shallow git clone reports "build 1" (git counted one commit): that is a placeholder,
-    not a build number, so it gives None; `read_llama_version(path).commit` still names the commit.
+
+def _vaddr_to_offset(sections: list[_Section], vaddr: int, n: int) -> int | None:
+    for s in sections:
+        if s.addr and s.type != _SHT_NOBITS and s.addr <= vaddr and vaddr + n <= s.addr + s.size:
+            return s.offset + (vaddr - s.addr)
+    return None
+
+
+def _build_symbols(path: Path) -> tuple[int | None, str | None]:
+    """LLAMA_BUILD_NUMBER and LLAMA_COMMIT as compiled into one ELF file, if it defines them."""
+    with _File(path) as f:
+        sections = _elf_sections(f)
+        (machine,) = struct.unpack("<H", f.pread(0x12, 2, "the ELF machine field"))
+        found: dict[str, int] = {}
+        for symtab in (s for s in sections if s.type in (_SHT_DYNSYM, _SHT_SYMTAB)):
+            if symtab.link >= len(sections) or symtab.size > _MAX_TABLE:
+                continue
+            strsec = sections[symtab.link]
+            if strsec.size > _MAX_TABLE:
+                continue
+            strtab = f.pread(strsec.offset, strsec.size, "a symbol name table")
+            table = f.pread(symtab.offset, symtab.size, "a symbol table")
+            for i in range(0, len(table) - 23, 24):
+                st_name, _info, _other, st_shndx, st_value, _size = struct.unpack_from("<IBBHQQ", table, i)
+                if st_shndx == 0 or st_shndx >= len(sections) or sections[st_shndx].type == _SHT_NOBITS:
+                    continue  # undefined, or a copy-relocated slot whose value lives in a library
+                name = strtab[st_name: strtab.find(b"\0", st_name)]
+                if name in (b"LLAMA_BUILD_NUMBER", b"LLAMA_COMMIT"):
+                    found.setdefault(name.decode(), st_value)
+        build = commit = None
+        if "LLAMA_BUILD_NUMBER" in found:
+            off = _vaddr_to_offset(sections, found["LLAMA_BUILD_NUMBER"], 4)
+            if off is not None:
+                (build,) = struct.unpack("<i", f.pread(off, 4, "LLAMA_BUILD_NUMBER"))
+        if "LLAMA_COMMIT" in found:
+            slot = found["LLAMA_COMMIT"]
+            off = _vaddr_to_offset(sections, slot, 8)
+            target = struct.unpack("<Q", f.pread(off, 8, "LLAMA_COMMIT"))[0] if off is not None else 0
+            if not target and machine in _RELATIVE:  # position-independent: the pointer is a RELATIVE relocation
+                for rela in (s for s in sections if s.type == _SHT_RELA and s.size <= _MAX_TABLE):
+                    rows = f.pread(rela.offset, rela.size, "a relocation table")
+                    for j in range(0, len(rows) - 23, 24):
+                        r_offset, r_info, r_addend = struct.unpack_from("<QQq", rows, j)
+                        if r_offset == slot and r_info & 0xFFFFFFFF == _RELATIVE[machine]:
+                            target = r_addend
+                            break
+            soff = _vaddr_to_offset(sections, target, 1) if target else None
+            if soff is not None:
+                raw = f.pread(soff, min(64, f.size - soff), "the commit string").split(b"\0", 1)[0]
+                text = raw.decode("ascii", "replace")
+                commit = text if re.fullmatch(r"[0-9a-zA-Z]{4,40}", text) and text != "unknown" else None
+    return build, commit
+
+
+def read_llama_build_symbols(path: str | os.PathLike[str]) -> LlamaVersion:
+    """The build number and commit compiled into llama.cpp, read from ELF symbols without running anything.
+
+    Looks in the executable itself (static builds), then in libllama-common / libcommon beside it (shared-library
+    builds keep `LLAMA_BUILD_NUMBER` and `LLAMA_COMMIT` there). Useful where `--version` cannot run, e.g. a CUDA
+    build on a host without the driver's libcuda.so.1.
     """
-    return read_llama_version(path, timeout=timeout).build
+    p = Path(path)
+    candidates = [p]
+    if p.parent.is_dir():
+        candidates += sorted(q for q in p.parent.iterdir()
+                             if re.match(r"lib(llama-)?common\.so", q.name) and q.is_file())
+    for c in candidates:
+        build, commit = _build_symbols(c)
+        if build is not None or commit is not None:
+            return LlamaVersion(version=None, build_number=build, commit=commit, text=f"symbols of {c}")
+    return LlamaVersion(version=None, build_number=None, commit=None, text="")
+
+
+def find_build_number(path: str | os.PathLike[str], *, timeout: float = 30) -> str | None:
+    """llama.cpp's build tag ('b10064') of a llama-server, or None if the binary does not know it.
+
+    Asks `<path> --version`; when the binary cannot run here (exit 127 for a missing library, say), reads the
+    same numbers from its ELF symbols instead. A build made from a shallow git clone reports "build 1" (git
+    counted one commit): a placeholder, so None; `read_llama_version(path).commit` still names the commit.
+    """
+    try:
+        info = read_llama_version(path, timeout=timeout)
+    except _VersionRunFailed:
+        info = read_llama_build_symbols(path)
+    return info.build

@@ -25,9 +25,11 @@ from deploy_tool.binaries import (
     FatbinInfo,
     arch_supported,
     count_strings,
+    count_strings_with_libraries,
     find_build_number,
     parse_llama_version,
     read_fatbin,
+    read_llama_build_symbols,
     read_llama_version,
 )
 from deploy_tool.errors import InputError
@@ -461,3 +463,83 @@ def test_llama_version_of_broken_binary(tmp_path: Path) -> None:
     plain.write_text("hello\n")
     with pytest.raises(InputError, match="is not executable"):
         find_build_number(plain)
+
+
+# ------------------------------------------------------------------------------------------------ build symbols
+
+
+def _readelf_file_offset(binary: Path, symbol: str) -> int:
+    """File offset of a defined symbol's value, found with binutils' readelf (independent of the module)."""
+    syms = subprocess.run(["readelf", "-W", "--dyn-syms", str(binary)], capture_output=True, text=True,
+                          check=True).stdout
+    m = re.search(rf"^\s*\d+:\s+([0-9a-f]+)\s+\d+\s+OBJECT\s+GLOBAL\s+\S+\s+\d+\s+{symbol}$", syms, re.M)
+    assert m, syms
+    vaddr = int(m.group(1), 16)
+    secs = subprocess.run(["readelf", "-W", "-S", str(binary)], capture_output=True, text=True, check=True).stdout
+    for line in secs.splitlines():
+        f = re.match(r"\s*\[\s*\d+\]\s+(\S+)\s+(\S+)\s+([0-9a-f]+)\s+([0-9a-f]+)\s+([0-9a-f]+)", line)
+        if f and f.group(2) != "NOBITS":
+            addr, off, size = (int(f.group(i), 16) for i in (3, 4, 5))
+            if addr and addr <= vaddr < addr + size:
+                return off + vaddr - addr
+    raise AssertionError(f"{symbol} not in a section of {binary}")
+
+
+@pytest.fixture
+def llama_copy(llama_bin: Path, tmp_path: Path) -> Path:
+    """The real llama-server copied beside symlinks to its real libraries, patched to say build 10064."""
+    for lib in llama_bin.parent.iterdir():
+        if lib.name != "llama-server":
+            (tmp_path / lib.name).symlink_to(lib)
+    exe = tmp_path / "llama-server"
+    data = bytearray(llama_bin.read_bytes())
+    off = _readelf_file_offset(llama_bin, "LLAMA_BUILD_NUMBER")
+    assert struct.unpack_from("<i", data, off) == (1,)
+    struct.pack_into("<i", data, off, 10064)
+    exe.write_bytes(bytes(data))
+    exe.chmod(0o755)
+    return exe
+
+
+def test_build_symbols_agree_with_version_output(llama_bin: Path) -> None:
+    """Reading LLAMA_BUILD_NUMBER/LLAMA_COMMIT from ELF symbols gives what the real --version prints."""
+    sym, run = read_llama_build_symbols(llama_bin), read_llama_version(llama_bin)
+    assert (sym.build_number, sym.commit) == (run.build_number, run.commit)
+    assert sym.commit
+    common = llama_bin.parent / "libllama-common.so.0"  # the shared library defines them too
+    assert read_llama_build_symbols(common).commit == run.commit
+
+
+def test_patched_build_number_read_both_ways(llama_copy: Path) -> None:
+    """With the real binary's build number set to 10064, --version and the symbol reader both say b10064."""
+    assert read_llama_version(llama_copy).build == "b10064"
+    assert read_llama_build_symbols(llama_copy).build == "b10064"
+    assert find_build_number(llama_copy) == "b10064"
+
+
+def test_unrunnable_server_falls_back_to_symbols(llama_copy: Path) -> None:
+    """A llama-server missing one of its libraries cannot print --version; find_build_number reads symbols instead."""
+    (llama_copy.parent / "libllama-server-impl.so").unlink()
+    with pytest.raises(InputError, match=r"exit 127.*libllama-server-impl\.so"):
+        read_llama_version(llama_copy)
+    assert find_build_number(llama_copy) == "b10064"
+
+
+def test_build_symbols_absent(built: dict[str, Path]) -> None:
+    """An ELF that is not llama.cpp has no build symbols: all fields None, no error."""
+    v = read_llama_build_symbols(built["host"])
+    assert (v.build_number, v.commit, v.build) == (None, None, None)
+
+
+def test_split_buffer_across_install(llama_bin: Path, llama_copy: Path) -> None:
+    """Counting over the executable plus its lib*.so files finds libllama's 1 hit per copy; aliases count once."""
+    counts = {Path(k).name: v for k, v in count_strings_with_libraries(llama_bin, b"split_buffer").items()}
+    assert counts["llama-server"] == 0
+    assert {k: v for k, v in counts.items() if v} == {"libllama.so": 1, "libllama.so.0": 1, "libllama.so.0.1.0": 1}
+    d = llama_copy.parent
+    (d / "libalias.so").symlink_to(d / "libllama.so.0")  # same file as libllama.so.0: skipped
+    (d / "libgone.so").symlink_to(d / "no-such-file")  # dangling: skipped
+    copy = {Path(k).name: v for k, v in count_strings_with_libraries(llama_copy, b"split_buffer").items()}
+    assert "libgone.so" not in copy
+    assert ("libalias.so" in copy) != ("libllama.so.0" in copy)
+    assert sum(copy.values()) == 3
