@@ -488,14 +488,18 @@ def check_split_row(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
 
     binary = expand(ctx.cfg, b.binary)
     count: int | None = None
+    where = binary
     if ctx.inspect_files and os.path.isfile(binary):
         from deploy_tool import binaries
         from deploy_tool.errors import DeployError
 
         try:
-            count = binaries.count_strings(binary, b"split_buffer")
+            counts = {f: binaries.count_strings(f, b"split_buffer") for f in llama_files(binary)}
         except DeployError:
-            count = None
+            counts = {}
+        if counts:
+            count = sum(counts.values())
+            where = binary if len(counts) == 1 else f"{binary} and the {len(counts) - 1} libraries beside it"
     base = ("-sm row was deleted upstream (PR #24216, merged 2026-07-06); builds without it die at load with "
             "'device CUDA0 does not support split buffers'")
     if count is None:
@@ -504,14 +508,30 @@ def check_split_row(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
                  f"use backends.{b.name}.split_mode: tensor (with ctx_size and GGML_CUDA_ALLREDUCE=internal)")
     elif count == 0:
         yield _f("llamacpp-split-row", "error", b.name,
-                 f"{base}. {binary} contains 0 'split_buffer' strings, so this build removed row split "
+                 f"{base}. {where} contain(s) 0 'split_buffer' strings, so this build removed row split "
                  f"({SPLIT_BUFFER_FIELD})",
                  f"use backends.{b.name}.split_mode: tensor (with ctx_size and GGML_CUDA_ALLREDUCE=internal)")
     else:
         yield _f("llamacpp-split-row", "warning", b.name,
-                 f"{base}. {binary} still contains {count} 'split_buffer' strings ({SPLIT_BUFFER_FIELD}), so this "
+                 f"{base}. {where} still contain(s) {count} 'split_buffer' strings ({SPLIT_BUFFER_FIELD}), so this "
                  f"build has row split, but the next upgrade will not",
                  f"move to backends.{b.name}.split_mode: tensor before upgrading llama.cpp")
+
+
+def llama_files(binary: str) -> list[str]:
+    """The llama-server binary plus the llama/ggml shared libraries beside it (or in ../lib): a shared build
+    keeps the split-buffer code in libllama/libggml-cuda, not in the executable."""
+    b = Path(binary)
+    out = {os.path.realpath(b): str(b)}
+    for d in (b.parent, b.parent.parent / "lib"):
+        try:
+            libs = sorted(d.glob("lib*.so*"))
+        except OSError:
+            continue
+        for f in libs:
+            if f.name.startswith(("libllama", "libggml")) and f.is_file():
+                out.setdefault(os.path.realpath(f), str(f))
+    return list(out.values())
 
 
 def _sm_row_in_args(b: LlamacppBackend) -> bool:
