@@ -262,7 +262,7 @@ class Sandbox:
                         p = Path(top, d)
                         found[str(p)] = p
                         dirs.remove(d)
-                if depth >= 4:
+                if depth >= 6:
                     dirs.clear()
         return sorted(found.values())
 

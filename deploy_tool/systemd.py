@@ -311,7 +311,8 @@ class Systemd:
                 lines: int = 50) -> str:
         """The last `lines` journal lines of `unit`, only after `since_cursor` and/or of one invocation if given.
 
-        Includes both the unit's own output and the manager's messages about it (why it failed).
+        Includes both the unit's own output and the manager's messages about it (why it failed). With
+        `invocation`, entries are selected by that invocation id alone (the unit name is only validated).
         """
         validate_unit_name(unit)
         args = ["-o", "short-precise", "-n", str(int(lines))]

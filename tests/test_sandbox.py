@@ -252,3 +252,53 @@ def test_cli_up_down_cycle(run_dir: Path) -> None:
     assert r.returncode == 3 and ": down" in r.stdout
     r = _cli("sandbox", "exec", d, "--", "true")
     assert r.returncode == 15 and "not up" in r.stderr
+
+
+def test_half_torn_down_dir_is_stale_until_down(run_dir: Path) -> None:
+    """A sandbox dir whose sub-cgroup is left (a teardown cut short) is stale: up refuses; down removes it."""
+    sb = Sandbox(run_dir / "sb")
+    sb.up()
+    sb.down()
+    leftover = Path("/sys/fs/cgroup/pids") / sb.cgroup_name
+    if not Path("/sys/fs/cgroup/pids").is_dir():  # pure cgroup2 host
+        leftover = Path("/sys/fs/cgroup") / sb.cgroup_name
+    leftover.mkdir()
+    try:
+        st = sb.status()
+        assert st.state == "stale" and "half torn down" in st.detail and str(leftover) in st.leftover_cgroups
+        with pytest.raises(SandboxError, match="stale"):
+            sb.up()
+        rep = sb.down()
+        assert str(leftover) in rep.removed_cgroups and not leftover.exists()
+        assert sb.status().state == "down"
+    finally:
+        if leftover.exists():
+            leftover.rmdir()
+
+
+def test_fixture_restore_removes_what_a_test_left(sandbox_env: SandboxEnv) -> None:
+    """The per-test cleanup stops, disables and deletes a test's units and drop-ins, and clears failed units."""
+    from tests.support.sandbox import free_port, port_closed, restore, snapshot, wait_http
+
+    sd = sandbox_env.systemd
+    snap = snapshot(sandbox_env)
+    port = free_port()
+    sd.install_file("t-left.service", (f"[Service]\nExecStart=/usr/bin/python3 -m http.server --bind 127.0.0.1 "
+                                       f"{port}\n[Install]\nWantedBy=multi-user.target\n").encode())
+    sd.install_file("t-fail.service", b"[Service]\nExecStart=/bin/false\n")
+    (sandbox_env.unit_dir / "t-left.service.d").mkdir()
+    (sandbox_env.unit_dir / "t-left.service.d" / "x.conf").write_text("[Service]\nEnvironment=A=1\n")
+    sd.daemon_reload()
+    sd.enable("t-left.service")
+    sd.start("t-left.service")
+    sd.start("t-fail.service")
+    assert wait_http(port)
+    deadline = time.monotonic() + 5
+    while not sd.is_failed("t-fail.service") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sd.is_failed("t-fail.service")
+    restore(sandbox_env, snap)
+    assert snapshot(sandbox_env) == snap
+    assert port_closed(port)
+    assert sd.show("t-left.service").load_state == "not-found"
+    assert sd.show("t-fail.service").load_state == "not-found"

@@ -96,7 +96,7 @@ def leftover_cgroups() -> list[str]:
             if d.startswith(CGROUP_PREFIX):
                 out.append(os.path.join(top, d))
                 dirs.remove(d)
-        if top.count("/") >= 7:
+        if top.count("/") >= 9:
             dirs.clear()
     return out
 
@@ -181,24 +181,30 @@ def _active_services(env: SandboxEnv) -> set[str]:
     return {line.split()[0] for line in res.stdout.splitlines() if line.strip()}
 
 
-@pytest.fixture()
-def sandbox_env(systemd_sandbox: SandboxEnv) -> Iterator[SandboxEnv]:
-    """The session sandbox, left as clean as found after the test: its units stopped, removed, reloaded."""
-    env = systemd_sandbox
-    before_files = set(os.listdir(env.unit_dir))
-    before_units = _active_services(env)
-    yield env
+@dataclass(frozen=True)
+class Snapshot:
+    files: frozenset[str]
+    units: frozenset[str]
+
+
+def snapshot(env: SandboxEnv) -> Snapshot:
+    """What the sandbox holds now: unit-dir entries and active/failed units."""
+    return Snapshot(frozenset(os.listdir(env.unit_dir)), frozenset(_active_services(env)))
+
+
+def restore(env: SandboxEnv, snap: Snapshot) -> None:
+    """Bring the sandbox back to `snap`: stop and disable newer units, delete newer files, reset-failed, reload."""
     sd = env.systemd
-    new_files = set(os.listdir(env.unit_dir)) - before_files
+    new_files = set(os.listdir(env.unit_dir)) - snap.files
     units = {n for n in new_files if not n.endswith((".d", ".wants", ".requires"))}
-    units |= _active_services(env) - before_units - set(_BASE_UNITS)
+    units |= _active_services(env) - snap.units - set(_BASE_UNITS)
     for unit in sorted(units):
         with contextlib.suppress(DeployError):
             sd.stop(unit)
         with contextlib.suppress(DeployError):
             if (env.unit_dir / unit).is_file():
                 sd.disable(unit)
-    for name in sorted(set(os.listdir(env.unit_dir)) - before_files):
+    for name in sorted(set(os.listdir(env.unit_dir)) - snap.files):
         p = env.unit_dir / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -206,3 +212,11 @@ def sandbox_env(systemd_sandbox: SandboxEnv) -> Iterator[SandboxEnv]:
             p.unlink()
     sd.reset_failed()
     sd.daemon_reload()
+
+
+@pytest.fixture()
+def sandbox_env(systemd_sandbox: SandboxEnv) -> Iterator[SandboxEnv]:
+    """The session sandbox, left as clean as found after the test: its units stopped, removed, reloaded."""
+    snap = snapshot(systemd_sandbox)
+    yield systemd_sandbox
+    restore(systemd_sandbox, snap)
