@@ -467,9 +467,13 @@ def _backend_from_raw(name: str, raw: Any) -> Backend:
     if kind not in ("ftllm", "llamacpp"):
         raise ConfigError(f"{path}.kind: {_fmt(kind)} is not valid (expected one of 'ftllm', 'llamacpp')")
     r = _load_dataclass(_FtllmRaw if kind == "ftllm" else _LlamacppRaw, raw, path)
-    for k in r.env:
+    for k, v in r.env.items():
         if not ENV_NAME_RE.match(k):
-            raise ConfigError(f"{path}.env: {k!r} is not a valid environment variable name")
+            raise ConfigError(f"{path}.env: {k!r} is not a valid environment variable name",
+                              hint="use letters, digits and '_', not starting with a digit")
+        if "\n" in v or "\r" in v:
+            raise ConfigError(f"{path}.env.{k}: the value contains a line break, which an EnvironmentFile "
+                              f"cannot hold", hint="put such data in a file and pass its path")
     threads = r.threads if r.threads is not None else (1 if r.device == "cpu" else None)
     common = dict(name=name, kind=kind, aliases=r.aliases, device=r.device, model=r.model, threads=threads,
                   env=tuple(sorted(r.env.items())), extra_args=r.extra_args, description=r.description,
