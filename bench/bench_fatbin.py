@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,7 +36,7 @@ def _cuobjdump(tool: Path, lib: Path, ptx: bool) -> set[str]:
     return archs
 
 
-def bench(lib: Path, tool: Path, runs: int, ptx: bool) -> dict[str, object]:
+def bench(lib: Path, tool: Path, runs: int, ptx: bool) -> dict[str, Any]:
     info = read_fatbin(lib)
     oracle = _cuobjdump(tool, lib, ptx)
     ours = set(info.cubin_archs) | (set(info.ptx_archs) if ptx else set())

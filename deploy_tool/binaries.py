@@ -168,7 +168,7 @@ def _sorted_archs(entries: tuple[FatbinEntry, ...]) -> tuple[str, ...]:
 class _File:
     """A regular file opened for positioned reads, with errors turned into InputError naming the path."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, what: str = "an ELF shared library") -> None:
         self.path = path
         try:
             st = os.stat(path)
@@ -178,10 +178,10 @@ class _File:
         except OSError as exc:
             raise InputError(f"cannot read {path}: {exc.strerror}") from None
         if stat.S_ISDIR(st.st_mode):
-            raise InputError(f"{path} is a directory, not an ELF shared library",
-                             hint="name the library file itself, e.g. .../lib/libnccl.so.2")
+            raise InputError(f"{path} is a directory, not {what}",
+                             hint="name the file itself, e.g. .../lib/libnccl.so.2")
         if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{path} is not a regular file, so it cannot be an ELF shared library")
+            raise InputError(f"{path} is not a regular file, so it cannot be {what}")
         try:
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except PermissionError:
@@ -444,7 +444,7 @@ def count_strings(path: str | os.PathLike[str], needle: bytes, *, chunk_size: in
         raise ValueError("chunk_size must be positive")
     keep = len(needle) - 1
     count = 0
-    with _File(Path(path)) as f:
+    with _File(Path(path), "a binary") as f:
         carry = b""
         offset = 0
         while offset < f.size:
@@ -535,7 +535,7 @@ class _VersionRunFailed(InputError):
 def read_llama_version(path: str | os.PathLike[str], *, timeout: float = 30) -> LlamaVersion:
     """Run `<path> --version` (it loads no model and needs no GPU) and parse what it prints."""
     p = Path(path)
-    _File(p).close()  # same clear errors for missing/directory/unreadable as the other readers
+    _File(p, "a llama-server binary").close()  # same clear errors for missing/directory/unreadable as the other readers
     if not os.access(p, os.X_OK):
         raise InputError(f"{p} is not executable", hint="point at the llama-server binary itself")
     res = proc.run([str(p), "--version"], ok=range(256), timeout=timeout)
