@@ -1,0 +1,700 @@
+"""Reproducible tar(.zst) archives and a safe extractor for archives nobody should trust.
+
+Writer: entries sorted by name, mtime fixed (SOURCE_DATE_EPOCH or 0), uid/gid 0, empty owner names, modes
+normalized (0755 with any exec bit, else 0644; directories 0755; symlinks 0777), GNU tar headers (no pax
+atime/ctime records), files streamed in 1 MiB reads, compressed with zstd level 3 through the `zstandard`
+library on every core. Its output does not depend on the worker count, so two writes of the same tree give the
+same bytes on any machine with the same zstandard version. Symlinks are stored as symlinks when their target is
+relative and stays inside the tree (a venv's bin/python -> python3); anything else is refused.
+
+Extractor: reads plain tar or tar.zst (zstd frames checked complete before anything is written) with its own
+strict header parser, into a fresh private staging directory only. It rejects, with a named reason: absolute
+paths, `..`, symlinks (or, where symlinks are allowed, ones that escape the root or are traversed by later
+entries), hardlinks, device nodes, fifos, pax/sparse/unknown entry types, duplicate entries, bad checksums,
+truncation, trailing garbage, and totals above a limit. On any error the staging directory is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from deploy_tool.errors import InputError, MissingTool, OSFailure
+from deploy_tool.manifest import CHUNK, _chunk_buffer, check_relpath, reject, source_date_epoch
+from deploy_tool.progress import ByteCounter, ProgressFn
+
+BLOCK = 512
+RECORD = 20 * BLOCK
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+ZSTD_LEVEL = 3
+MAX_LONGNAME = 64 * 1024
+MAX_TRAILING_ZEROS = 1 << 20
+DEFAULT_MAX_TOTAL = 64 << 30
+DEFAULT_MAX_ENTRIES = 1_000_000
+SINK_BATCH = 4 << 20
+
+
+def _zstandard():
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise MissingTool("the Python package `zstandard` is not installed",
+                          hint="pip install zstandard (a deploytool dependency)") from exc
+    return zstandard
+
+
+def normal_mode(st_mode: int) -> int:
+    """0755 if any exec bit is set, else 0644."""
+    return 0o755 if st_mode & 0o111 else 0o644
+
+
+# ---------------------------------------------------------------------------------------------- writer
+
+@dataclass(frozen=True)
+class Member:
+    """One archive entry. `source` is a file path or the bytes themselves (kind "file")."""
+
+    name: str
+    kind: str = "file"  # "file" | "dir" | "symlink"
+    source: Path | bytes | None = None
+    mode: int = 0o644
+    target: str = ""  # symlink target (relative)
+
+
+def check_symlink_target(name: str, target: str) -> None:
+    """A symlink may only point inside the tree: relative, with `..` only as leading parts and not above root."""
+    if not target or target.startswith("/"):
+        raise reject("symlink-escape", f"symlink {name} -> {target!r}: only relative targets are allowed",
+                     path=name)
+    if "\x00" in target:
+        raise reject("bad-path", f"symlink {name} has a NUL in its target", path=name)
+    parts = [p for p in target.split("/") if p not in ("", ".")]
+    ups = 0
+    while ups < len(parts) and parts[ups] == "..":
+        ups += 1
+    if ".." in parts[ups:]:
+        raise reject("symlink-escape", f"symlink {name} -> {target}: '..' after a name is not allowed",
+                     path=name)
+    depth = len(PurePosixPath(name).parts) - 1
+    if ups > depth:
+        raise reject("symlink-escape", f"symlink {name} -> {target} points outside the tree", path=name)
+
+
+def members_from_tree(root: str | os.PathLike[str], *, symlinks: bool = True,
+                      exclude: Callable[[str], bool] | None = None) -> list[Member]:
+    """Every directory, regular file and (if allowed) in-tree relative symlink under root, sorted by name.
+
+    Anything else (sockets, fifos, devices, absolute or escaping symlinks) is an InputError naming the path.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise InputError(f"{root} is not a directory")
+    out: list[Member] = []
+
+    def walk(d: Path, rel: str) -> None:
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as exc:
+            raise InputError(f"cannot list {d}: {exc.strerror}") from exc
+        for e in entries:
+            name = f"{rel}{e.name}"
+            if exclude is not None and exclude(name):
+                continue
+            try:
+                check_relpath(name)
+            except Exception as exc:
+                raise InputError(f"cannot archive {d / e.name}: unusual file name") from exc
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                if not symlinks:
+                    raise InputError(f"{d / e.name} is a symlink; symlinks are not allowed here")
+                target = os.readlink(e.path)
+                try:
+                    check_symlink_target(name, target)
+                except Exception as exc:
+                    raise InputError(f"{d / e.name} -> {target}: only relative symlinks that stay inside "
+                                     f"{root} can be archived",
+                                     hint="recreate it as a relative link, or build the venv with --copies"
+                                     ) from exc
+                out.append(Member(name, "symlink", target=target, mode=0o777))
+            elif stat.S_ISDIR(st.st_mode):
+                out.append(Member(name, "dir", mode=0o755))
+                walk(Path(e.path), name + "/")
+            elif stat.S_ISREG(st.st_mode):
+                out.append(Member(name, "file", Path(e.path), normal_mode(st.st_mode)))
+            else:
+                raise InputError(f"{d / e.name} is not a regular file, directory or symlink; cannot archive it")
+
+    walk(root, "")
+    return out
+
+
+def _tarinfo(m: Member, size: int, mtime: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(m.name)
+    ti.mtime = mtime
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    if m.kind == "file":
+        ti.type = tarfile.REGTYPE
+        ti.size = size
+        ti.mode = normal_mode(m.mode)
+    elif m.kind == "dir":
+        ti.type = tarfile.DIRTYPE
+        ti.mode = 0o755
+    elif m.kind == "symlink":
+        ti.type = tarfile.SYMTYPE
+        ti.linkname = m.target
+        ti.mode = 0o777
+    else:
+        raise ValueError(f"unknown member kind {m.kind!r}")
+    return ti
+
+
+class _Sink:
+    """Where tar bytes go: a file, optionally through a multithreaded zstd compressor."""
+
+    def __init__(self, f: BinaryIO, compression: str, threads: int) -> None:
+        self.f = f
+        self.written = 0
+        self._buf = bytearray()
+        self._zw = None
+        if compression == "zstd":
+            zstandard = _zstandard()
+            # threads >= 1 always: zstd's multithreaded format is the same for any worker count, but differs
+            # from its single-threaded one, so a fixed mode keeps archives identical across machines.
+            cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=max(1, threads), write_checksum=True)
+            self._zw = cctx.stream_writer(f, closefd=False)
+        elif compression != "none":
+            raise ValueError(f"unknown compression {compression!r}")
+
+    def write(self, data: bytes | memoryview) -> None:
+        # Batch small pieces (headers, small files): each call into the compressor has a fixed cost.
+        self.written += len(data)
+        self._buf += data
+        if len(self._buf) >= SINK_BATCH:
+            self._drain()
+
+    def _drain(self) -> None:
+        if self._buf:
+            if self._zw is not None:
+                self._zw.write(self._buf)
+            else:
+                self.f.write(self._buf)
+            self._buf.clear()
+
+    def close(self) -> None:
+        self._drain()
+        if self._zw is not None:
+            self._zw.flush(_zstandard().FLUSH_FRAME)
+            self._zw.close()
+
+
+def _pad(n: int) -> bytes:
+    return b"\0" * (-n % BLOCK)
+
+
+def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *, compression: str = "zstd",
+                  mtime: int | None = None, threads: int | None = None, sort: bool = True,
+                  progress: ProgressFn | None = None) -> Path:
+    """Write a reproducible tar (compression "none") or tar.zst; atomically (temp file + rename)."""
+    out = Path(out_path)
+    items = list(members)
+    if sort:
+        items.sort(key=lambda m: m.name)
+    names: set[str] = set()
+    for m in items:
+        check_relpath(m.name, what="archive member name")
+        if m.name in names:
+            raise InputError(f"archive member {m.name} is listed twice")
+        names.add(m.name)
+        if m.kind == "symlink":
+            check_symlink_target(m.name, m.target)
+    mtime = source_date_epoch() if mtime is None else mtime
+    threads = threads or max(1, os.cpu_count() or 1)
+    sizes = {}
+    for m in items:
+        if m.kind == "file":
+            if isinstance(m.source, bytes | bytearray):
+                sizes[m.name] = len(m.source)
+            elif m.source is not None:
+                try:
+                    sizes[m.name] = os.stat(m.source).st_size
+                except OSError as exc:
+                    raise InputError(f"cannot read {m.source}: {exc.strerror}") from exc
+            else:
+                raise ValueError(f"file member {m.name} has no source")
+    counter = ByteCounter(progress, "archiving", sum(sizes.values()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with open(fd, "wb") as f:
+            sink = _Sink(f, compression, threads)
+            for m in items:
+                size = sizes.get(m.name, 0)
+                sink.write(_tarinfo(m, size, mtime).tobuf(tarfile.GNU_FORMAT, "utf-8", "strict"))
+                if m.kind != "file":
+                    continue
+                if isinstance(m.source, bytes | bytearray):
+                    sink.write(m.source)
+                    counter.add(len(m.source))
+                else:
+                    _copy_file_into(m, size, sink, counter)
+                sink.write(_pad(size))
+            sink.write(b"\0" * (2 * BLOCK))
+            sink.write(b"\0" * (-sink.written % RECORD))
+            sink.close()
+            f.flush()
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise OSFailure(f"cannot write archive {out}: {exc}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return out
+
+
+def _copy_file_into(m: Member, size: int, sink: _Sink, counter: ByteCounter) -> None:
+    buf, view = _chunk_buffer()
+    done = 0
+    try:
+        fd = os.open(m.source, os.O_RDONLY | os.O_CLOEXEC)  # type: ignore[arg-type]
+    except OSError as exc:
+        raise InputError(f"cannot read {m.source}: {exc.strerror}") from exc
+    try:
+        while done < size:
+            n = os.readv(fd, [view[: min(CHUNK, size - done)]])
+            if not n:
+                break
+            sink.write(view[:n])
+            done += n
+            counter.add(n)
+        grew = os.read(fd, 1)
+    finally:
+        os.close(fd)
+    if done != size or grew:
+        raise InputError(f"{m.source} changed size while it was being archived",
+                         hint="stop whatever is writing to it and run again")
+
+
+def archive_tree(root: str | os.PathLike[str], out_path: str | os.PathLike[str], *, symlinks: bool = True,
+                 compression: str = "zstd", mtime: int | None = None,
+                 exclude: Callable[[str], bool] | None = None, progress: ProgressFn | None = None) -> Path:
+    """Archive a directory tree (e.g. a venv) reproducibly; the archive holds paths relative to root."""
+    return write_archive(members_from_tree(root, symlinks=symlinks, exclude=exclude), out_path,
+                         compression=compression, mtime=mtime, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def check_zstd_frames(f: BinaryIO) -> None:
+    """Walk zstd frame and block headers to the end of the file; raise archive-truncated if it stops short."""
+    f.seek(0, os.SEEK_END)
+    end = f.tell()
+    pos = 0
+    frames = 0
+
+    def need(n: int) -> bytes:
+        nonlocal pos
+        if pos + n > end:
+            raise reject("archive-truncated", "archive is truncated: its zstd stream ends inside a frame",
+                         hint="copy the archive again; compare its size with the original")
+        f.seek(pos)
+        data = f.read(n)
+        if len(data) != n:
+            raise reject("archive-truncated", "archive is truncated (short read)")
+        pos += n
+        return data
+
+    while pos < end:
+        magic = int.from_bytes(need(4), "little")
+        if 0x184D2A50 <= magic <= 0x184D2A5F:  # skippable frame
+            size = int.from_bytes(need(4), "little")
+            need(0)
+            pos += size
+            if pos > end:
+                raise reject("archive-truncated", "archive is truncated inside a skippable zstd frame")
+            continue
+        if magic != 0xFD2FB528:
+            if frames == 0:
+                raise reject("unsupported-compression", "archive is neither tar nor tar.zst")
+            raise reject("trailing-data", "archive has data after its last zstd frame")
+        fhd = need(1)[0]
+        if fhd & 0x08:
+            raise reject("archive-malformed", "zstd frame header has its reserved bit set")
+        fcs_flag, single, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
+        skip = (0 if single else 1) + (0, 1, 2, 4)[dict_flag] + ((1 if single else 0), 2, 4, 8)[fcs_flag]
+        need(skip)
+        while True:
+            b = need(3)
+            h = b[0] | (b[1] << 8) | (b[2] << 16)
+            last, btype, bsize = h & 1, (h >> 1) & 3, h >> 3
+            if btype == 3:
+                raise reject("archive-malformed", "zstd stream has a reserved block type")
+            content = 1 if btype == 1 else bsize
+            if pos + content > end:
+                raise reject("archive-truncated", "archive is truncated: its zstd stream ends inside a block",
+                             hint="copy the archive again; compare its size with the original")
+            pos += content
+            if last:
+                break
+        if checksum:
+            need(4)
+        frames += 1
+
+
+@contextlib.contextmanager
+def open_tar_stream(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """The uncompressed tar byte stream of a .tar or .tar.zst file (zstd completeness checked first)."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise InputError(f"cannot read archive {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path} is not a regular file")
+        head = f.read(BLOCK)
+        if head[:4] == ZSTD_MAGIC:
+            check_zstd_frames(f)
+            f.seek(0)
+            zstandard = _zstandard()
+            reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK, read_across_frames=True,
+                                                              closefd=False)
+            try:
+                yield _ZstdErrors(reader, zstandard.ZstdError)  # type: ignore[misc]
+            finally:
+                reader.close()
+        elif len(head) == BLOCK and head[257:262] == b"ustar":
+            f.seek(0)
+            yield f
+        elif head[:2] == b"\x1f\x8b":
+            raise reject("unsupported-compression", f"{path} is gzip-compressed; only tar and tar.zst are read")
+        elif len(head) < BLOCK:
+            raise reject("archive-truncated", f"{path} is too short to be an archive ({len(head)} bytes)")
+        else:
+            raise reject("unsupported-compression", f"{path} is neither a tar nor a tar.zst archive")
+    finally:
+        f.close()
+
+
+class _ZstdErrors(io.RawIOBase):
+    """Turns zstd decoding errors (corrupt data, bad checksum) into a named rejection."""
+
+    def __init__(self, reader: BinaryIO, error: type[Exception]) -> None:
+        self._r = reader
+        self._err = error
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._r.read(n)
+        except self._err as exc:
+            raise reject("archive-malformed", f"archive's zstd data is corrupt: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class TarEntry:
+    name: str
+    kind: str  # file, dir, symlink, hardlink, chardev, blockdev, fifo
+    size: int
+    mode: int
+    target: str
+
+
+_KINDS = {b"0": "file", b"\0": "file", b"5": "dir", b"2": "symlink", b"1": "hardlink", b"3": "chardev",
+          b"4": "blockdev", b"6": "fifo"}
+
+
+def _num(field: bytes, what: str) -> int:
+    if field and field[0] & 0x80:  # GNU base-256
+        if field[0] != 0x80:
+            raise reject("archive-malformed", f"tar header {what} is negative or too large")
+        return int.from_bytes(field[1:], "big")
+    s = field.split(b"\0", 1)[0].strip(b" ")
+    if not s:
+        return 0
+    try:
+        return int(s, 8)
+    except ValueError as exc:
+        raise reject("archive-malformed", f"tar header {what} is not octal: {s[:20]!r}") from exc
+
+
+def _text(field: bytes) -> bytes:
+    return field.split(b"\0", 1)[0]
+
+
+class TarReader:
+    """Strict streaming reader of ustar/GNU tar: yields entries; read each file's data with `chunks()`."""
+
+    def __init__(self, stream: BinaryIO, *, what: str = "archive") -> None:
+        self.s = stream
+        self.what = what
+        self._remaining = 0  # unread data + padding of the current entry
+        self._data_left = 0
+        self.offset = 0
+
+    def _read(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            b = self.s.read(n - len(out))
+            if not b:
+                break
+            out += b
+        self.offset += len(out)
+        return bytes(out)
+
+    def _exact(self, n: int) -> bytes:
+        b = self._read(n)
+        if len(b) != n:
+            raise reject("archive-truncated", f"{self.what} is truncated at byte {self.offset}",
+                         hint="copy the archive again; compare its size with the original")
+        return b
+
+    def _skip_rest(self) -> None:
+        while self._remaining:
+            n = min(self._remaining, CHUNK)
+            self._exact(n)
+            self._remaining -= n
+        self._data_left = 0
+
+    def chunks(self) -> Iterator[bytes]:
+        """The current file entry's data, in pieces of at most 1 MiB."""
+        while self._data_left:
+            n = min(self._data_left, CHUNK)
+            b = self._exact(n)
+            self._data_left -= n
+            self._remaining -= n
+            yield b
+        pad = self._remaining
+        if pad:
+            self._exact(pad)
+            self._remaining = 0
+
+    def __iter__(self) -> Iterator[TarEntry]:
+        longname: bytes | None = None
+        longlink: bytes | None = None
+        while True:
+            self._skip_rest()
+            hdr = self._exact(BLOCK)
+            if hdr == b"\0" * BLOCK:
+                if longname is not None or longlink is not None:
+                    raise reject("archive-malformed", "tar long-name record is not followed by an entry")
+                if self._exact(BLOCK) != b"\0" * BLOCK:
+                    raise reject("archive-malformed", "tar end-of-archive marker is followed by data")
+                self._check_trailing()
+                return
+            self._checksum(hdr)
+            magic = hdr[257:265]
+            if magic not in (b"ustar\x0000", b"ustar  \0"):
+                raise reject("archive-malformed", f"tar entry at byte {self.offset - BLOCK} is not ustar/GNU")
+            typ = hdr[156:157]
+            size = _num(hdr[124:136], "size")
+            if typ in (b"L", b"K"):
+                if size > MAX_LONGNAME:
+                    raise reject("archive-malformed", "tar long name is too long")
+                self._data_left, self._remaining = size, size + (-size % BLOCK)
+                data = b"".join(self.chunks()).split(b"\0", 1)[0]
+                if typ == b"L":
+                    longname = data
+                else:
+                    longlink = data
+                continue
+            raw_name = longname if longname is not None else _text(hdr[0:100])
+            if longname is None and magic == b"ustar\x0000" and hdr[345] != 0:
+                raw_name = _text(hdr[345:500]) + b"/" + raw_name
+            raw_link = longlink if longlink is not None else _text(hdr[157:257])
+            longname = longlink = None
+            try:
+                name = raw_name.decode("utf-8")
+                target = raw_link.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise reject("bad-path", f"tar entry name is not UTF-8: {raw_name[:80]!r}") from exc
+            kind = _KINDS.get(typ)
+            if kind is None:
+                what = {b"x": "a pax header", b"g": "a pax global header", b"S": "a sparse file",
+                        b"7": "a contiguous file", b"V": "a volume label", b"M": "a multi-volume part"}
+                raise reject("unsupported-entry",
+                             f"tar entry {name!r} is {what.get(typ, f'of unknown type {typ!r}')}", path=name)
+            if kind == "dir" and name.endswith("/"):
+                name = name.rstrip("/")
+            if kind not in ("file", "hardlink") and size:
+                # Data behind a non-file entry would be skipped silently by other tools; refuse it.
+                raise reject("archive-malformed", f"tar entry {name!r} ({kind}) carries data", path=name)
+            mode = _num(hdr[100:108], "mode") & 0o7777
+            self._data_left = size if kind == "file" else 0
+            self._remaining = (size + (-size % BLOCK)) if kind in ("file", "hardlink") else 0
+            yield TarEntry(name, kind, size, mode, target)
+
+    def _checksum(self, hdr: bytes) -> None:
+        want = _num(hdr[148:156], "checksum")
+        blanked = hdr[:148] + b" " * 8 + hdr[156:]
+        unsigned = sum(blanked)
+        signed = sum(b - 256 if b > 127 else b for b in blanked)
+        if want not in (unsigned, signed):
+            raise reject("archive-malformed", f"tar header checksum mismatch at byte {self.offset - BLOCK}")
+
+    def _check_trailing(self) -> None:
+        seen = 0
+        while True:
+            b = self.s.read(CHUNK)
+            if not b:
+                return
+            if b.count(0) != len(b):
+                raise reject("trailing-data", f"{self.what} has data after its end-of-archive marker")
+            seen += len(b)
+            if seen > MAX_TRAILING_ZEROS:
+                raise reject("trailing-data", f"{self.what} has more than 1 MiB of padding after its end")
+
+
+# ---------------------------------------------------------------------------------------------- extractor
+
+class SafeExtractor:
+    """Writes checked entries into a private staging dir it creates; never follows or writes through links."""
+
+    def __init__(self, dest: str | os.PathLike[str], *, symlinks: bool, max_total: int = DEFAULT_MAX_TOTAL,
+                 max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        self.dest = Path(dest)
+        self.symlinks = symlinks
+        self.max_total = max_total
+        self.max_entries = max_entries
+        self.total = 0
+        self.count = 0
+        self.files: set[str] = set()
+        self.dirs: set[str] = set()
+        self.links: set[str] = set()
+        try:
+            self.dest.mkdir(mode=0o700)
+        except FileExistsError as exc:
+            raise InputError(f"staging directory {self.dest} already exists",
+                             hint="pass a path that does not exist yet") from exc
+        except OSError as exc:
+            raise OSFailure(f"cannot create staging directory {self.dest}: {exc.strerror}") from exc
+        os.chmod(self.dest, 0o700)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dest, ignore_errors=True)
+
+    def check(self, e: TarEntry) -> None:
+        """Every structural rule, before anything is written for this entry."""
+        check_relpath(e.name, what="archive entry")
+        if e.kind == "hardlink":
+            raise reject("hardlink", f"archive entry {e.name} is a hardlink (to {e.target})", path=e.name)
+        if e.kind in ("chardev", "blockdev"):
+            raise reject("device-node", f"archive entry {e.name} is a device node", path=e.name)
+        if e.kind == "fifo":
+            raise reject("fifo", f"archive entry {e.name} is a fifo", path=e.name)
+        if e.kind == "symlink":
+            if not self.symlinks:
+                raise reject("symlink", f"archive entry {e.name} is a symlink (to {e.target})", path=e.name)
+            check_symlink_target(e.name, e.target)
+        if e.name in self.files or e.name in self.links or (e.name in self.dirs and e.kind != "dir"):
+            raise reject("duplicate-entry", f"archive lists {e.name} more than once", path=e.name)
+        for parent in PurePosixPath(e.name).parents:
+            p = str(parent)
+            if p == ".":
+                continue
+            if p in self.links:
+                raise reject("path-through-symlink", f"archive entry {e.name} lies under symlink {p}",
+                             path=e.name)
+            if p in self.files:
+                raise reject("path-conflict", f"archive entry {e.name} lies under file {p}", path=e.name)
+        self.count += 1
+        if self.count > self.max_entries:
+            raise reject("archive-too-large", f"archive has more than {self.max_entries} entries")
+        if e.kind == "file":
+            self.total += e.size
+            if self.total > self.max_total:
+                raise reject("archive-too-large",
+                             f"archive unpacks to more than {self.max_total} bytes (limit)", path=e.name)
+
+    def _parents(self, name: str) -> None:
+        for parent in reversed(PurePosixPath(name).parents):
+            p = str(parent)
+            if p == "." or p in self.dirs:
+                continue
+            os.mkdir(self.dest / p, 0o755)
+            self.dirs.add(p)
+
+    def write(self, e: TarEntry, chunks: Iterable[bytes], *, mode: int | None = None) -> str:
+        """Create the entry (after `check`); for files return the SHA-256 of what was written."""
+        self._parents(e.name)
+        path = self.dest / e.name
+        if e.kind == "dir":
+            if e.name not in self.dirs:
+                os.mkdir(path, 0o755)
+                self.dirs.add(e.name)
+            return ""
+        if e.kind == "symlink":
+            os.symlink(e.target, path)
+            self.links.add(e.name)
+            return ""
+        h = hashlib.sha256()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.files.add(e.name)
+        written = 0
+        try:
+            for b in chunks:
+                h.update(b)
+                written += len(b)
+                view = memoryview(b)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fchmod(fd, normal_mode(e.mode) if mode is None else mode)
+        finally:
+            os.close(fd)
+        if written != e.size:  # pragma: no cover - TarReader raises first
+            raise reject("archive-truncated", f"archive entry {e.name} is short", path=e.name)
+        return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Extracted:
+    root: Path
+    files: int
+    total_size: int
+
+
+def extract_archive(archive: str | os.PathLike[str], dest: str | os.PathLike[str], *, symlinks: bool = True,
+                    max_total: int = DEFAULT_MAX_TOTAL, max_entries: int = DEFAULT_MAX_ENTRIES,
+                    progress: ProgressFn | None = None) -> Extracted:
+    """Safely unpack a tar/tar.zst into `dest` (created, private, must not exist); removed again on any error."""
+    ex = SafeExtractor(dest, symlinks=symlinks, max_total=max_total, max_entries=max_entries)
+    try:
+        total = os.stat(archive).st_size
+        counter = ByteCounter(progress, "extracting", total)
+        with open_tar_stream(archive) as stream:
+            reader = TarReader(stream, what=str(archive))
+            for e in reader:
+                ex.check(e)
+                ex.write(e, reader.chunks() if e.kind == "file" else ())
+                if progress is not None:
+                    counter.done = 0
+                    counter.add(min(reader.offset, total))
+        return Extracted(ex.dest, len(ex.files), ex.total)
+    except BaseException:
+        ex.remove()
+        raise
+
+
+def list_archive(archive: str | os.PathLike[str]) -> list[TarEntry]:
+    """Entries of an archive (strictly parsed, data skipped)."""
+    with open_tar_stream(archive) as stream:
+        return list(TarReader(stream, what=str(archive)))
+
+
+def archive_members(names: Sequence[tuple[str, Path | bytes, int]]) -> list[Member]:
+    """Members for (name, source, mode) triples of regular files."""
+    return [Member(n, "file", src, mode) for n, src, mode in names]

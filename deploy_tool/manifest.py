@@ -1,0 +1,602 @@
+"""Hashing, the bundle MANIFEST and its detached Ed25519 signature.
+
+MANIFEST is canonical JSON (sorted keys, fixed indentation, ASCII only, one trailing newline): the same content
+always gives the same bytes, and the parser accepts only those bytes. It holds a format version, a
+content-derived bundle id, the creation time (SOURCE_DATE_EPOCH), free-form `inputs` (config hash, lock hash,
+template origin, NCCL architectures, forced flags...), every file's path/size/mode/SHA-256 sorted by path, and
+the SHA-256 of every native library inside the venv.
+
+MANIFEST.sig is one canonical JSON line: {"algorithm": "ed25519", "key_id": ..., "signature": base64}. The
+key id is the first 16 hex digits of the SHA-256 of the raw 32-byte public key. Trusted public keys are PEM
+files `*.pub` in a keys directory (default /etc/deploytool/keys).
+
+Every rejection is a BundleError whose `reason` attribute is a stable slug (see REASONS), so tests and callers
+can tell a flipped byte from an untrusted key without parsing messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import stat
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+from deploy_tool.errors import BundleError, InputError, OSFailure
+from deploy_tool.progress import ByteCounter, ProgressFn
+
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = frozenset({1})
+MANIFEST_NAME = "MANIFEST"
+SIGNATURE_NAME = "MANIFEST.sig"
+RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
+DEFAULT_KEYS_DIR = Path("/etc/deploytool/keys")
+BUNDLE_ID_LEN = 16
+KEY_ID_LEN = 16
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_SIGNATURE_BYTES = 4096
+CHUNK = 1 << 20
+FILE_MODES = frozenset({0o644, 0o755})
+
+# Stable rejection reasons (BundleError.reason). Callers and tests match on these, never on messages.
+REASONS = frozenset({
+    "manifest-missing", "manifest-malformed", "manifest-not-canonical", "manifest-too-large",
+    "unknown-key", "missing-key", "wrong-type", "format-version-unsupported", "bundle-id-mismatch",
+    "absolute-path", "dotdot-path", "bad-path", "reserved-path", "duplicate-path", "path-conflict",
+    "bad-mode", "bad-hash",
+    "signature-missing", "signature-malformed", "signature-invalid", "untrusted-key", "no-trusted-keys",
+    "trusted-key-invalid",
+    "hash-mismatch", "size-mismatch", "mode-mismatch", "extra-file", "missing-file",
+    "symlink", "symlink-escape", "path-through-symlink", "hardlink", "device-node", "fifo", "special-file",
+    "duplicate-entry", "entry-too-large", "archive-truncated", "archive-malformed", "archive-too-large",
+    "trailing-data", "unsupported-entry", "unsupported-compression", "manifest-not-first",
+})
+
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_HEXID = re.compile(rf"[0-9a-f]{{{BUNDLE_ID_LEN}}}\Z")
+_MODE = re.compile(r"0[0-7]{3}\Z")
+_CREATED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\Z")
+
+
+def reject(reason: str, message: str, *, hint: str | None = None, path: str | None = None) -> BundleError:
+    """A BundleError carrying a stable `reason` slug (also in details, so --json shows it)."""
+    assert reason in REASONS, reason
+    details: dict[str, str] = {"reason": reason}
+    if path is not None:
+        details["path"] = path
+    err = BundleError(message, hint=hint, details=details)
+    err.reason = reason  # type: ignore[attr-defined]
+    err.path = path  # type: ignore[attr-defined]
+    return err
+
+
+# ---------------------------------------------------------------------------------------------- hashing
+
+_tls = threading.local()
+
+
+def _chunk_buffer() -> tuple[bytearray, memoryview]:
+    """One reusable 1 MiB read buffer per thread (allocating it per file costs more than hashing small files)."""
+    pair = getattr(_tls, "pair", None)
+    if pair is None:
+        buf = bytearray(CHUNK)
+        pair = _tls.pair = (buf, memoryview(buf))
+    return pair
+
+
+def hash_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True,
+              on_bytes: Callable[[int], None] | None = None) -> str:
+    """SHA-256 hex digest of a file, streamed in 1 MiB reads (memory stays flat in the file size)."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}",
+                         hint="check that the file exists and is readable") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"not a regular file: {path}")
+        h = hashlib.sha256()
+        if st.st_size < CHUNK:  # small file: one read, no buffer juggling
+            data = os.read(fd, CHUNK)
+            h.update(data)
+            if on_bytes is not None:
+                on_bytes(len(data))
+            if len(data) < CHUNK:
+                return h.hexdigest()
+        buf, view = _chunk_buffer()
+        while True:
+            n = os.readv(fd, [buf])
+            if not n:
+                break
+            h.update(view[:n])
+            if on_bytes is not None:
+                on_bytes(n)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def hash_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+K = TypeVar("K")
+
+
+def _default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def hash_files(paths: Iterable[K], workers: int | None = None, progress: ProgressFn | None = None,
+               *, follow_symlinks: bool = True, phase: str = "hashing") -> dict[K, str]:
+    """SHA-256 of many files in parallel threads (hashlib and file reads release the GIL); keys as given."""
+    items = list(paths)
+    if not items:
+        return {}
+    sizes: dict[int, int] = {}
+    total = 0
+    for i, p in enumerate(items):
+        try:
+            sz = os.stat(p, follow_symlinks=follow_symlinks).st_size  # type: ignore[arg-type]
+        except OSError:
+            sz = 0  # hash_file reports the real error
+        sizes[i] = sz
+        total += sz
+    counter = ByteCounter(progress, phase, total)
+    on_bytes = counter.add if progress is not None else None
+    # Largest first: the long files start early and small ones fill the gaps.
+    order = sorted(range(len(items)), key=lambda i: -sizes[i])
+    workers = workers or _default_workers()
+    if workers == 1 or len(items) == 1:
+        return {items[i]: hash_file(items[i], follow_symlinks=follow_symlinks,  # type: ignore[arg-type]
+                                    on_bytes=on_bytes) for i in order}
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="hash") as pool:
+        futs = {i: pool.submit(hash_file, items[i], follow_symlinks=follow_symlinks,  # type: ignore[arg-type]
+                               on_bytes=on_bytes) for i in order}
+        return {items[i]: futs[i].result() for i in range(len(items))}
+
+
+def is_native_lib(name: str) -> bool:
+    """True for shared objects: `x.so`, `x.so.1`, `x.cpython-311-x86_64-linux-gnu.so`."""
+    return name.endswith(".so") or ".so." in name
+
+
+def hash_native_libs(venv_dir: str | os.PathLike[str], *, workers: int | None = None,
+                     progress: ProgressFn | None = None) -> dict[str, str]:
+    """{venv-relative path: sha256} of every regular *.so* file under a venv (symlinks to them are skipped)."""
+    root = Path(venv_dir)
+    found: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for fn in filenames:
+            if not is_native_lib(fn):
+                continue
+            p = Path(dirpath, fn)
+            if p.is_symlink() or not p.is_file():
+                continue
+            found[p.relative_to(root).as_posix()] = p
+    hashes = hash_files(list(found.values()), workers=workers, progress=progress, phase="native libs")
+    return {rel: hashes[p] for rel, p in sorted(found.items())}
+
+
+# ---------------------------------------------------------------------------------------------- paths
+
+def check_relpath(path: object, *, what: str = "path") -> str:
+    """Validate a bundle-relative POSIX path (no absolute, no `..`, no empty or `.` parts); return it."""
+    if not isinstance(path, str):
+        raise reject("wrong-type", f"{what} must be a string, got {type(path).__name__}")
+    if path.startswith("/"):
+        raise reject("absolute-path", f"{what} is absolute: {path!r}", path=path)
+    parts = path.split("/")
+    if ".." in parts:
+        raise reject("dotdot-path", f"{what} contains '..': {path!r}", path=path)
+    if (not path or "" in parts or "." in parts or "\\" in path or "\x00" in path
+            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in path)):
+        raise reject("bad-path", f"{what} is not a clean relative path: {path!r}", path=path)
+    if len(path.encode("utf-8", "surrogateescape")) > 4096:
+        raise reject("bad-path", f"{what} is too long: {path[:80]!r}...", path=path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+
+@dataclass(frozen=True, order=True)
+class FileEntry:
+    path: str
+    size: int
+    mode: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "mode": f"{self.mode:04o}", "sha256": self.sha256}
+
+
+def created_from_env(env: Mapping[str, str] | None = None) -> str:
+    """ISO UTC time from SOURCE_DATE_EPOCH (default 0: 1970-01-01T00:00:00Z)."""
+    return iso_utc(source_date_epoch(env))
+
+
+def source_date_epoch(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    raw = env.get("SOURCE_DATE_EPOCH", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise InputError(f"SOURCE_DATE_EPOCH must be a non-negative integer of seconds, got {raw!r}",
+                         hint="unset it or set e.g. SOURCE_DATE_EPOCH=$(git log -1 --format=%ct)")
+    value = int(raw)
+    if value > 253402300799:  # 9999-12-31T23:59:59Z
+        raise InputError(f"SOURCE_DATE_EPOCH is out of range: {raw}")
+    return value
+
+
+def iso_utc(epoch: int) -> str:
+    return _dt.datetime.fromtimestamp(epoch, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _canonical(obj: Any, *, indent: int | None = 1) -> bytes:
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=True, allow_nan=False, indent=indent,
+                      separators=(",", ": ") if indent is not None else (",", ":"))
+    return (text + "\n").encode("ascii")
+
+
+def compute_bundle_id(files: Sequence[FileEntry], inputs: Mapping[str, Any], native_libs: Mapping[str, str],
+                      format_version: int = FORMAT_VERSION) -> str:
+    """First 16 hex digits of SHA-256 over the canonical JSON of everything but the creation time."""
+    body = {"format_version": format_version, "files": [f.to_json() for f in sorted(files)],
+            "inputs": inputs, "native_libs": dict(native_libs)}
+    return hashlib.sha256(_canonical(body, indent=None)).hexdigest()[:BUNDLE_ID_LEN]
+
+
+_TOP_KEYS = frozenset({"format_version", "bundle_id", "created", "inputs", "files", "native_libs"})
+_FILE_KEYS = frozenset({"path", "size", "mode", "sha256"})
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    bundle_id: str
+    created: str
+    inputs: Mapping[str, Any]
+    files: tuple[FileEntry, ...]
+    native_libs: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, files: Iterable[FileEntry], *, inputs: Mapping[str, Any] | None = None,
+              native_libs: Mapping[str, str] | None = None, created: str | None = None) -> Manifest:
+        """A manifest for these files: sorted, validated, id derived from content, time from SOURCE_DATE_EPOCH."""
+        entries = tuple(sorted(files))
+        inputs = json.loads(_canonical(dict(inputs or {})))  # deep copy; fails early on non-JSON values
+        libs = dict(sorted((native_libs or {}).items()))
+        _check_entries(entries)
+        _check_native_libs(libs)
+        m = cls(FORMAT_VERSION, compute_bundle_id(entries, inputs, libs), created or created_from_env(),
+                inputs, entries, libs)
+        return m
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": self.format_version, "bundle_id": self.bundle_id, "created": self.created,
+                "inputs": self.inputs, "files": [f.to_json() for f in self.files],
+                "native_libs": dict(self.native_libs)}
+
+    def to_bytes(self) -> bytes:
+        return _canonical(self.to_json())
+
+    def file(self, path: str) -> FileEntry | None:
+        return self.by_path().get(path)
+
+    def by_path(self) -> dict[str, FileEntry]:
+        return {f.path: f for f in self.files}
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        """Strict parse: canonical bytes only; unknown keys, wrong types, bad paths, bad ids are rejected."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise reject("manifest-too-large", f"MANIFEST is {len(data)} bytes (limit {MAX_MANIFEST_BYTES})")
+        try:
+            text = data.decode("ascii")
+            obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise reject("manifest-malformed", f"MANIFEST is not valid canonical JSON: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise reject("manifest-malformed", "MANIFEST is not a JSON object")
+        # The version decides how to read the rest, so it is checked before anything else.
+        if "format_version" not in obj:
+            raise reject("missing-key", "MANIFEST has no format_version")
+        version = obj["format_version"]
+        if type(version) is not int:
+            raise reject("wrong-type", f"MANIFEST format_version must be an integer, got {version!r}")
+        if version not in SUPPORTED_FORMAT_VERSIONS:
+            raise reject("format-version-unsupported",
+                         f"MANIFEST format_version {version} is not supported (this deploytool reads "
+                         f"{', '.join(map(str, sorted(SUPPORTED_FORMAT_VERSIONS)))})",
+                         hint="use a deploytool release that reads this bundle format")
+        _keys(obj, _TOP_KEYS, "MANIFEST")
+        bundle_id = _typed(obj, "bundle_id", str, "MANIFEST")
+        if not _HEXID.match(bundle_id):
+            raise reject("wrong-type", f"MANIFEST bundle_id must be {BUNDLE_ID_LEN} hex digits: {bundle_id!r}")
+        created = _typed(obj, "created", str, "MANIFEST")
+        if not _CREATED.match(created):
+            raise reject("wrong-type", f"MANIFEST created must be YYYY-MM-DDTHH:MM:SSZ, got {created!r}")
+        inputs = _typed(obj, "inputs", dict, "MANIFEST")
+        raw_files = _typed(obj, "files", list, "MANIFEST")
+        raw_libs = _typed(obj, "native_libs", dict, "MANIFEST")
+        files = []
+        for i, rf in enumerate(raw_files):
+            where = f"MANIFEST files[{i}]"
+            if not isinstance(rf, dict):
+                raise reject("wrong-type", f"{where} must be an object")
+            _keys(rf, _FILE_KEYS, where)
+            path = check_relpath(_typed(rf, "path", str, where), what=f"{where}.path")
+            size = _typed(rf, "size", int, where)
+            if size < 0:
+                raise reject("wrong-type", f"{where}.size is negative: {size}", path=path)
+            mode_s = _typed(rf, "mode", str, where)
+            if not _MODE.match(mode_s):
+                raise reject("bad-mode", f"{where}.mode must be an octal string like '0644': {mode_s!r}",
+                             path=path)
+            sha = _typed(rf, "sha256", str, where)
+            if not _HEX64.match(sha):
+                raise reject("bad-hash", f"{where}.sha256 is not 64 lowercase hex digits", path=path)
+            files.append(FileEntry(path, size, int(mode_s, 8), sha))
+        entries = tuple(files)
+        _check_entries(entries, sorted_required=True)
+        libs = dict(raw_libs)
+        _check_native_libs(libs)
+        m = cls(version, bundle_id, created, inputs, entries, libs)
+        expected_id = compute_bundle_id(entries, inputs, libs, version)
+        if expected_id != bundle_id:
+            raise reject("bundle-id-mismatch",
+                         f"MANIFEST bundle_id {bundle_id} does not match its content ({expected_id})")
+        if m.to_bytes() != data:
+            raise reject("manifest-not-canonical",
+                         "MANIFEST is not in canonical form (key order, spacing or escaping differs)")
+        return m
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _keys(obj: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise reject("unknown-key", f"{where} has unknown key(s): {', '.join(unknown)}")
+    missing = sorted(allowed - set(obj))
+    if missing:
+        raise reject("missing-key", f"{where} lacks key(s): {', '.join(missing)}")
+
+
+T = TypeVar("T")
+
+
+def _typed(obj: Mapping[str, Any], key: str, typ: type[T], where: str) -> T:
+    value = obj[key]
+    ok = type(value) is int if typ is int else isinstance(value, typ)  # bool is not an int here
+    if not ok:
+        raise reject("wrong-type", f"{where}.{key} must be {typ.__name__}, got {type(value).__name__}")
+    return value  # type: ignore[return-value]
+
+
+def _check_entries(entries: Sequence[FileEntry], *, sorted_required: bool = False) -> None:
+    seen: set[str] = set()
+    prev: str | None = None
+    for e in entries:
+        check_relpath(e.path)
+        if e.path in RESERVED_NAMES:
+            raise reject("reserved-path", f"{e.path} is reserved for the bundle's own manifest", path=e.path)
+        if e.path in seen:
+            raise reject("duplicate-path", f"MANIFEST lists {e.path} twice", path=e.path)
+        if sorted_required and prev is not None and e.path < prev:
+            raise reject("manifest-not-canonical", f"MANIFEST files are not sorted at {e.path}", path=e.path)
+        if e.mode not in FILE_MODES:
+            raise reject("bad-mode", f"{e.path}: mode {e.mode:04o} is not 0644 or 0755", path=e.path)
+        if type(e.size) is not int or e.size < 0:
+            raise reject("wrong-type", f"{e.path}: size must be a non-negative integer", path=e.path)
+        if not isinstance(e.sha256, str) or not _HEX64.match(e.sha256):
+            raise reject("bad-hash", f"{e.path}: sha256 is not 64 lowercase hex digits", path=e.path)
+        seen.add(e.path)
+        prev = e.path
+    # A path cannot be both a file and the directory of another file.
+    for e in entries:
+        for parent in PurePosixPath(e.path).parents:
+            if str(parent) in seen:
+                raise reject("path-conflict", f"{parent} is a file and also the directory of {e.path}",
+                             path=e.path)
+
+
+def _check_native_libs(libs: Mapping[str, Any]) -> None:
+    for k, v in libs.items():
+        check_relpath(k, what="native_libs path")
+        if not isinstance(v, str) or not _HEX64.match(v):
+            raise reject("bad-hash", f"native_libs[{k!r}] is not a 64-hex SHA-256", path=k)
+
+
+# ---------------------------------------------------------------------------------------------- signatures
+
+def _crypto():
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    return ed25519, serialization, InvalidSignature
+
+
+def key_id_of(public_key: Any) -> str:
+    """First 16 hex digits of SHA-256 over the raw 32-byte Ed25519 public key."""
+    _, serialization, _ = _crypto()
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:KEY_ID_LEN]
+
+
+def _write_atomic(path: Path, data: bytes, mode: int, *, force: bool) -> None:
+    """Write to a temp file beside `path`, fsync, then link (no overwrite) or rename (force) into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.close(fd)
+        fd = -1
+        if force:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError as exc:
+                raise InputError(f"{path} already exists", hint="pass --force to overwrite it") from exc
+            os.unlink(tmp)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os.PathLike[str], *,
+                     force: bool = False) -> str:
+    """Write a new Ed25519 key pair (private PEM 0600, public PEM 0644), atomically; return the key id."""
+    ed25519, serialization, _ = _crypto()
+    priv_p, pub_p = Path(private_path), Path(public_path)
+    if not force:
+        for p in (priv_p, pub_p):
+            if p.exists() or p.is_symlink():
+                raise InputError(f"{p} already exists", hint="pass --force to overwrite it")
+    key = ed25519.Ed25519PrivateKey.generate()
+    priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+    try:
+        _write_atomic(priv_p, priv, 0o600, force=force)
+        _write_atomic(pub_p, pub, 0o644, force=force)
+    except OSError as exc:
+        raise OSFailure(f"cannot write key pair: {exc}") from exc
+    return key_id_of(key.public_key())
+
+
+def _load_private(path: Path) -> Any:
+    ed25519, serialization, _ = _crypto()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read signing key {path}: {exc.strerror}",
+                         hint="create one with `deploytool keygen --out DIR`") from exc
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise InputError(f"{path} is not an Ed25519 private key", hint="create one with `deploytool keygen`")
+    return key
+
+
+def sign(manifest_bytes: bytes, private_key_path: str | os.PathLike[str]) -> bytes:
+    """The detached MANIFEST.sig content: canonical JSON with algorithm, key id and base64 signature."""
+    key = _load_private(Path(private_key_path))
+    sig = key.sign(manifest_bytes)
+    body = {"algorithm": "ed25519", "key_id": key_id_of(key.public_key()),
+            "signature": base64.b64encode(sig).decode("ascii")}
+    return _canonical(body, indent=None)
+
+
+def public_key_id(private_key_path: str | os.PathLike[str]) -> str:
+    return key_id_of(_load_private(Path(private_key_path)).public_key())
+
+
+def parse_signature(sig_bytes: bytes) -> tuple[str, bytes]:
+    """(key_id, raw 64-byte signature) from MANIFEST.sig, strictly."""
+    if len(sig_bytes) > MAX_SIGNATURE_BYTES:
+        raise reject("signature-malformed", f"MANIFEST.sig is {len(sig_bytes)} bytes, too large")
+    try:
+        obj = json.loads(sig_bytes.decode("ascii"), object_pairs_hook=_no_duplicate_keys,
+                         parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise reject("signature-malformed", f"MANIFEST.sig is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict) or set(obj) != {"algorithm", "key_id", "signature"}:
+        raise reject("signature-malformed", "MANIFEST.sig must hold exactly algorithm, key_id and signature")
+    if obj["algorithm"] != "ed25519":
+        raise reject("signature-malformed", f"MANIFEST.sig algorithm {obj['algorithm']!r} is not ed25519")
+    kid = obj["key_id"]
+    if not isinstance(kid, str) or not re.fullmatch(rf"[0-9a-f]{{{KEY_ID_LEN}}}", kid):
+        raise reject("signature-malformed", "MANIFEST.sig key_id is not 16 hex digits")
+    try:
+        raw = base64.b64decode(obj["signature"], validate=True) if isinstance(obj["signature"], str) else b""
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 64:
+        raise reject("signature-malformed", "MANIFEST.sig signature is not a base64 64-byte Ed25519 signature")
+    return kid, raw
+
+
+def load_trusted_keys(keys_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """{key_id: public key} for every *.pub PEM file in keys_dir."""
+    ed25519, serialization, _ = _crypto()
+    d = Path(keys_dir)
+    if not d.is_dir():
+        raise reject("no-trusted-keys", f"trusted keys directory {d} does not exist",
+                     hint="copy the signer's .pub file there, or pass --keys DIR")
+    keys: dict[str, Any] = {}
+    for p in sorted(d.glob("*.pub")):
+        try:
+            key = serialization.load_pem_public_key(p.read_bytes())
+        except (OSError, ValueError, TypeError) as exc:
+            raise reject("trusted-key-invalid", f"trusted key {p} is not a PEM public key: {exc}",
+                         hint="remove or replace that file") from exc
+        if not isinstance(key, ed25519.Ed25519PublicKey):
+            raise reject("trusted-key-invalid", f"trusted key {p} is not an Ed25519 key",
+                         hint="remove or replace that file")
+        keys[key_id_of(key)] = key
+    if not keys:
+        raise reject("no-trusted-keys", f"no trusted public keys (*.pub) in {d}",
+                     hint="copy the signer's .pub file there, or pass --keys DIR")
+    return keys
+
+
+def verify_signature(manifest_bytes: bytes, sig_bytes: bytes, keys_dir: str | os.PathLike[str]) -> str:
+    """Check MANIFEST.sig over exactly these MANIFEST bytes against the trusted keys; return the key id."""
+    _, _, InvalidSignature = _crypto()
+    kid, raw = parse_signature(sig_bytes)
+    keys = load_trusted_keys(keys_dir)
+    key = keys.get(kid)
+    if key is None:
+        raise reject("untrusted-key", f"bundle is signed by key {kid}, which is not among the trusted keys "
+                     f"in {keys_dir} ({', '.join(sorted(keys))})",
+                     hint="if you trust the signer, copy their .pub file into the keys directory")
+    try:
+        key.verify(raw, manifest_bytes)
+    except InvalidSignature as exc:
+        raise reject("signature-invalid", f"MANIFEST signature does not verify with trusted key {kid}: "
+                     "the MANIFEST or its signature was altered") from exc
+    return kid
