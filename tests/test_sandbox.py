@@ -302,3 +302,13 @@ def test_fixture_restore_removes_what_a_test_left(sandbox_env: SandboxEnv) -> No
     assert port_closed(port)
     assert sd.show("t-left.service").load_state == "not-found"
     assert sd.show("t-fail.service").load_state == "not-found"
+
+
+def test_up_that_times_out_cleans_up_after_itself(run_dir: Path) -> None:
+    """An up that does not reach `running` in time fails with a SandboxError and leaves nothing behind."""
+    sb = Sandbox(run_dir / "sb", up_timeout=0.01)
+    with pytest.raises(SandboxError, match="did not reach running") as ei:
+        sb.up()
+    assert "console.log" in (ei.value.hint or "")
+    assert not [c for c in leftover_cgroups() if sb.cgroup_name in c]
+    assert sb.status().state == "down"

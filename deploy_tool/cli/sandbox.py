@@ -12,7 +12,10 @@ from deploy_tool.cli import Ctx, pass_ctx
 
 @click.group()
 def sandbox() -> None:
-    """A real systemd (this machine's) as PID 1 of private namespaces, to rehearse installs and switches.
+    """A real systemd in private namespaces, to rehearse installs and switches.
+
+    This machine's own systemd runs as PID 1 of private pid/mount/uts/ipc/cgroup namespaces, in its own
+    sub-cgroups; the host's /etc/systemd/system is never touched.
 
     \b
     Needs root, unshare and nsenter. Services inside share the host's network: one bound to 127.0.0.1
@@ -27,7 +30,10 @@ def sandbox() -> None:
 @click.argument("dir", type=click.Path(path_type=Path))
 @pass_ctx
 def up(ctx: Ctx, dir: Path) -> None:
-    """Start the sandbox in DIR (created if missing; must be new, empty or a sandbox)."""
+    """Start the sandbox in DIR.
+
+    DIR is created if missing; it must be new, empty or a sandbox. Already up: nothing to do.
+    """
     from deploy_tool.sandbox import Sandbox
 
     st = Sandbox(dir).up()
@@ -42,7 +48,10 @@ def up(ctx: Ctx, dir: Path) -> None:
 @click.argument("dir", type=click.Path(path_type=Path))
 @pass_ctx
 def down(ctx: Ctx, dir: Path) -> None:
-    """Stop the sandbox in DIR and remove its cgroups (safe to repeat; cleans up after a killed run)."""
+    """Stop the sandbox in DIR and remove its cgroups.
+
+    Safe to repeat; also cleans up after a killed run.
+    """
     from deploy_tool.sandbox import Sandbox
 
     rep = Sandbox(dir).down()
@@ -61,7 +70,10 @@ def down(ctx: Ctx, dir: Path) -> None:
 @click.option("--json", "json_out", is_flag=True, help="Print JSON.")
 @pass_ctx
 def status(ctx: Ctx, dir: Path, json_out: bool) -> None:
-    """Say whether the sandbox in DIR is up, down or stale (exit 0 when up, 3 otherwise)."""
+    """Say whether the sandbox in DIR is up, down or stale.
+
+    Exit code 0 when up, 3 otherwise.
+    """
     from deploy_tool.sandbox import Sandbox
 
     st = Sandbox(dir).status()
@@ -85,9 +97,9 @@ def status(ctx: Ctx, dir: Path, json_out: bool) -> None:
 @click.argument("dir", type=click.Path(path_type=Path))
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_(dir: Path, cmd: tuple[str, ...]) -> None:
-    """Run CMD inside the sandbox in DIR, e.g.: deploytool sandbox exec DIR -- systemctl status
+    """Run CMD inside the sandbox in DIR.
 
-    The exit code is CMD's.
+    For example: deploytool sandbox exec DIR -- systemctl status. The exit code is CMD's.
     """
     from deploy_tool import proc
     from deploy_tool.sandbox import Sandbox

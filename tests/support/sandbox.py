@@ -161,7 +161,11 @@ def systemd_sandbox() -> Iterator[SandboxEnv]:
     sweep_orphans()
     root = new_run_dir("session")
     sb = Sandbox(root / "sandbox")
-    sb.up()
+    try:
+        sb.up()  # on failure it has already taken down what it started
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     try:
         env = SandboxEnv(sb, Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir))
         yield env
