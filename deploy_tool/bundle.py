@@ -80,6 +80,12 @@ class BundleInfo:
     manifest_bytes: bytes
     key_id: str
 
+    def to_json(self) -> dict[str, Any]:
+        return {"bundle_id": self.bundle_id, "directory": str(self.directory),
+                "archive": str(self.archive) if self.archive else None, "key_id": self.key_id,
+                "created": self.manifest.created, "files": len(self.manifest.files),
+                "total_size": self.manifest.total_size}
+
 
 @dataclass
 class VerifiedBundle:

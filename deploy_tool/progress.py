@@ -36,6 +36,7 @@ class ProgressBar:
         self._phase: str | None = None
         self._start = time.monotonic()
         self._drawn = False
+        self._finished: str | None = None
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         with self._lock:
@@ -47,6 +48,8 @@ class ProgressBar:
                 self._start = now
                 self._last = 0.0
             finished = total > 0 and done >= total
+            if finished and self._finished == phase:
+                return
             if not finished and now - self._last < self.interval:
                 return
             self._last = now
@@ -55,9 +58,12 @@ class ProgressBar:
             rate = done / max(now - self._start, 1e-6)
             line = (f"\r{phase:<12} [{'#' * fill}{'.' * (self.width - fill)}] {frac * 100:5.1f}% "
                     f"{_human(done)}/{_human(total)} {_human(rate)}/s")
+            if finished:  # the phase is done: end its line, so no close() is needed
+                line += "\n"
+                self._finished = phase
             self.stream.write(line)
             self.stream.flush()
-            self._drawn = True
+            self._drawn = not finished
 
     def close(self) -> None:
         with self._lock:
@@ -78,6 +84,11 @@ def progress_for(*, json_mode: bool = False, stream: TextIO | None = None) -> Pr
     except (AttributeError, ValueError):
         return None
     return ProgressBar(stream)
+
+
+def make_progress(*, enabled: bool = True, stream: TextIO | None = None) -> ProgressBar | None:
+    """Like progress_for: a bar when `enabled` and stderr is a terminal, else None."""
+    return progress_for(json_mode=not enabled, stream=stream)
 
 
 class ByteCounter:

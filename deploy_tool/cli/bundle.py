@@ -1,0 +1,46 @@
+"""`deploytool bundle verify`: check a bundle's signature, manifest and every file before trusting it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from deploy_tool.cli import Ctx
+
+
+@click.group()
+def bundle() -> None:
+    """Inspect and verify signed bundles."""
+
+
+@bundle.command()
+@click.argument("bundle_path", metavar="BUNDLE", type=click.Path(path_type=Path))
+@click.option("--keys", "keys_dir", type=click.Path(path_type=Path), default=None,
+              help="Trusted public keys, *.pub (default: paths.keys_dir of --config, else /etc/deploytool/keys).")
+@click.option("--json", "json_out", is_flag=True, help="Print machine-readable JSON.")
+@click.pass_context
+def verify(cctx: click.Context, bundle_path: Path, keys_dir: Path | None, json_out: bool) -> None:
+    """Verify BUNDLE (a bundle directory or its .tar.zst): signature first, then every hash, size and mode.
+
+    An archive is unpacked only into a private temporary directory, which is removed afterwards. Exits 6 with
+    a named reason (hash-mismatch, extra-file, signature-invalid, untrusted-key, ...) on any problem.
+    """
+    ctx: Ctx = cctx.find_object(Ctx)
+    if json_out:
+        ctx.json = True
+    _verify(ctx, bundle_path, keys_dir)
+
+
+def _verify(ctx: Ctx, bundle_path: Path, keys_dir: Path | None) -> None:
+    from deploy_tool import bundle as bundle_mod
+    from deploy_tool.manifest import DEFAULT_KEYS_DIR
+    from deploy_tool.progress import progress_for
+
+    if keys_dir is None:
+        keys_dir = Path(ctx.load_config().paths.keys_dir) if ctx.config_path is not None else DEFAULT_KEYS_DIR
+    bar = progress_for(json_mode=ctx.json)
+    with bundle_mod.verify_bundle(bundle_path, keys_dir, progress=bar) as vb:
+        data = {"ok": True, **vb.to_json(), "keys_dir": str(keys_dir)}
+        ctx.emit(data, f"bundle {vb.bundle_id} OK: signed by trusted key {vb.key_id}, "
+                       f"{len(vb.manifest.files)} files ({vb.manifest.total_size} bytes) match the MANIFEST")

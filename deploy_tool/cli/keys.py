@@ -1,0 +1,37 @@
+"""`deploytool keygen`: an Ed25519 key pair for signing bundles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from deploy_tool.cli import Ctx, pass_ctx
+
+
+@click.command()
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Directory for the key pair (created if missing).")
+@click.option("--name", default="deploytool", show_default=True,
+              help="File name stem: NAME.key (private, 0600) and NAME.pub (public).")
+@click.option("--force", is_flag=True, help="Overwrite an existing key pair.")
+@pass_ctx
+def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool) -> None:
+    """Write a new Ed25519 key pair for signing bundles.
+
+    Keep NAME.key private (it signs bundles); copy NAME.pub into the trusted keys directory
+    (/etc/deploytool/keys by default) of every box that installs them.
+    """
+    from deploy_tool.errors import InputError
+    from deploy_tool.manifest import generate_keypair
+
+    if not name or "/" in name or name.startswith("."):
+        raise InputError(f"--name {name!r} must be a plain file name stem")
+    priv, pub = out_dir / f"{name}.key", out_dir / f"{name}.pub"
+    if ctx.dry_run:
+        ctx.emit({"would_write": [str(priv), str(pub)]}, f"would write {priv} and {pub}")
+        return
+    key_id = generate_keypair(priv, pub, force=force)
+    ctx.emit({"key_id": key_id, "private_key": str(priv), "public_key": str(pub)},
+             f"key {key_id}:\n  private {priv} (mode 0600, keep it secret)\n"
+             f"  public  {pub} (copy into the trusted keys directory)")
