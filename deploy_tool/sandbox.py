@@ -41,6 +41,7 @@ from deploy_tool import proc
 from deploy_tool.errors import DeployError, MissingTool, SandboxError
 
 MARKER = ".deploytool-sandbox"
+LOCK = ".deploytool-sandbox.lock"
 FORMAT = 1
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 STOCK_UNITS = Path("/usr/lib/systemd/system")
@@ -176,10 +177,12 @@ def _write_atomic(path: Path, text: str) -> None:
 class Sandbox:
     """A systemd sandbox living in directory `dir` (created by `up` if missing or empty)."""
 
-    def __init__(self, dir: str | os.PathLike[str], *, up_timeout: float = 20.0, down_timeout: float = 10.0) -> None:
+    def __init__(self, dir: str | os.PathLike[str], *, up_timeout: float = 20.0, down_timeout: float = 10.0,
+                 lock_timeout: float = 30.0) -> None:
         self.dir = Path(os.path.realpath(os.fspath(dir)))
         self.up_timeout = up_timeout
         self.down_timeout = down_timeout
+        self.lock_timeout = lock_timeout
         self.cgroup_name = "deploytool-sandbox-" + hashlib.sha256(str(self.dir).encode()).hexdigest()[:12]
         self._launcher: object | None = None  # Popen of the launcher when this object started it (to reap it)
 
@@ -359,8 +362,13 @@ class Sandbox:
     def up(self) -> SandboxStatus:
         """Start the sandbox; returns its status. Already up: nothing to do (status says so in `detail`)."""
         self._check_host()
-        if self.dir.exists() and any(self.dir.iterdir()) and not (self.dir / MARKER).exists():
+        if self.dir.exists() and any(p.name != LOCK for p in self.dir.iterdir()) and not (self.dir / MARKER).exists():
             self._check_is_sandbox()  # raises "not a sandbox"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            return self._up_locked()
+
+    def _up_locked(self) -> SandboxStatus:
         if (self.dir / MARKER).exists():
             cur = self.status()
             if cur.state == "up":
@@ -377,7 +385,7 @@ class Sandbox:
         except BaseException as exc:
             logs = self._log_tail()
             with contextlib.suppress(DeployError):
-                self.down()
+                self._down_locked()
             if isinstance(exc, SandboxError) and logs:
                 exc.details = logs
             raise
@@ -489,6 +497,10 @@ class Sandbox:
     def down(self) -> DownReport:
         """Stop the sandbox and remove its sub-cgroups. Idempotent; also cleans up after a killed run."""
         self._check_is_sandbox()
+        with self._locked():
+            return self._down_locked()
+
+    def _down_locked(self) -> DownReport:
         t0 = time.monotonic()
         p1 = self._pid1()
         forced = False
@@ -588,6 +600,27 @@ class Sandbox:
             with contextlib.suppress(FileNotFoundError):
                 self._cgroups_file.unlink()
         return removed, sorted(set(left))
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Serialize up/down of one sandbox directory between processes (flock on DIR/.deploytool-sandbox.lock)."""
+        import fcntl
+
+        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise SandboxError(f"sandbox {self.dir} is busy: another deploytool is starting or "
+                                           f"stopping it", hint="wait for it, then try again") from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
 
     # ----------------------------------------------------------------- context manager
 

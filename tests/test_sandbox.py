@@ -312,3 +312,20 @@ def test_up_that_times_out_cleans_up_after_itself(run_dir: Path) -> None:
     assert "console.log" in (ei.value.hint or "")
     assert not [c for c in leftover_cgroups() if sb.cgroup_name in c]
     assert sb.status().state == "down"
+
+
+def test_concurrent_up_down_serialized(run_dir: Path) -> None:
+    """While another process holds the sandbox's lock, up/down wait and then fail clearly instead of racing."""
+    import fcntl
+
+    sb = Sandbox(run_dir / "sb")
+    sb.up()
+    fd = os.open(sb.dir / ".deploytool-sandbox.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(SandboxError, match="busy"):
+            Sandbox(sb.dir, lock_timeout=0.2).down()
+        assert sb.status().state == "up"
+    finally:
+        os.close(fd)
+    assert sb.down().was_up
