@@ -1,0 +1,112 @@
+"""verify (the units' ExecStartPre) and pin: compare and re-pin a backend's fingerprints.
+
+Imports stay lazy: `verify` runs before every start, so this path loads no jinja2 and no cryptography.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from deploy_tool.cli import Ctx, pass_ctx
+
+
+def _json(data: object) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+@click.command("verify")
+@click.argument("backend")
+@click.option("--no-cache", is_flag=True, help="Hash every file; ignore the (device, inode, size, mtime, ctime) "
+                                               "cache in the state dir.")
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@pass_ctx
+def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool) -> None:
+    """Check BACKEND's fingerprints against its pins; exit 7 listing item, expected, actual on any change.
+
+    \b
+    The units run this as ExecStartPre, so systemd refuses to start a backend whose environment drifted:
+    ftllm and Python versions, native library hashes, unit and env files, chat template, NCCL (and its GPU
+    architecture), llama-server binary, build and libraries, model and draft config and weight sizes.
+    A deliberate change is re-pinned with `deploytool pin BACKEND --reason TEXT`.
+    Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins).
+    """
+    from deploy_tool import fingerprint
+    from deploy_tool.errors import ExitCode
+
+    if json_out:
+        ctx.json = True
+    cfg = ctx.load_config()
+    b = cfg.backend(backend)
+    report = fingerprint.verify(cfg, b, use_cache=not no_cache)
+    if ctx.json:
+        _json(report.to_json())
+        if not report.ok:
+            sys.exit(int(ExitCode.DRIFT))
+        return
+    text = fingerprint.format_report(report)
+    if report.ok:
+        click.echo(text)
+        return
+    first, _, rest = text.partition("\n")
+    click.echo(click.style(first, fg="red", bold=True))  # styles are dropped when stdout is not a terminal
+    click.echo(rest)
+    raise fingerprint.drift_error(report)
+
+
+@click.command("pin")
+@click.argument("backend")
+@click.option("--reason", "-r", required=True, help="Why the environment changed on purpose (kept in history).")
+@click.option("--json", "json_out", is_flag=True, help="Print the new pins as JSON.")
+@pass_ctx
+def pin(ctx: Ctx, backend: str, reason: str, json_out: bool) -> None:
+    """Re-pin BACKEND's fingerprints to what is installed now, recording who, why and when in history.
+
+    \b
+    Use it after a deliberate change (a new model file, an edited env file); `install` pins on its own.
+    With --dry-run, show what would change and write nothing.
+    """
+    from deploy_tool import fingerprint
+    from deploy_tool.errors import DeployError
+    from deploy_tool.state import Store
+
+    if json_out:
+        ctx.json = True
+    cfg = ctx.load_config()
+    b = cfg.backend(backend)
+    previous = None
+    try:
+        previous = fingerprint.load_pins(cfg, b)
+    except DeployError:
+        previous = None
+    if ctx.dry_run:
+        items = fingerprint.collect(cfg, b, use_cache=False, cache_file=False)
+        changes = fingerprint.diff(previous.items, items) if previous else []
+        ctx.emit({"would_pin": b.name, "items": [i.to_json() for i in items],
+                  "changes": [d.to_json() for d in changes]},
+                 _pin_text(b.name, len(items), previous is not None, changes, dry=True))
+        return
+    store = Store(cfg.paths.state_dir)
+    with store.lock(what=f"pin {b.name}"):
+        ps = fingerprint.pin(cfg, b, reason, store=store)
+    changes = fingerprint.diff(previous.items, ps.items) if previous else []
+    ctx.emit({**ps.to_json(), "path": ps.path, "changes": [d.to_json() for d in changes]},
+             _pin_text(b.name, len(ps.items), previous is not None, changes, dry=False) + f"\nwrote {ps.path}")
+
+
+def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) -> str:
+    from deploy_tool.fingerprint import short
+
+    verb = "would pin" if dry else "pinned"
+    if not had_pins:
+        return f"{verb} {n} fingerprints of {name} (first pin)"
+    if not changes:
+        return f"{verb} {n} fingerprints of {name}: nothing changed since the last pin"
+    lines = [f"{verb} {n} fingerprints of {name}; {len(changes)} changed:"]
+    lines += [f"  {d.item.label}: {short(d.expected)} -> {short(d.actual)}" for d in changes]
+    return "\n".join(lines)
+
+
+COMMANDS = (verify, pin)

@@ -1,0 +1,850 @@
+"""Fingerprints of an installed backend, pinned at install and checked before every start (ExecStartPre).
+
+`collect(cfg, backend)` computes the current values; `pin()` writes them with a reason to
+`<state_dir>/pins/<backend>.json` (atomically) and records who/why/when in history; `verify()` compares and
+lists every difference as (item, expected, actual). `deploytool verify` exits 7 on any difference, which makes
+systemd refuse the start, and prints one plain line per changed item for `journalctl -u` / `systemctl status`.
+
+What is fingerprinted (item ids in brackets; a missing file is a value too: "missing"):
+  ftllm     ftllm version from the venv's dist-info METADATA [ftllm.version] (ftllm is never imported), Python
+            version from pyvenv.cfg [python.version], the base interpreter's real path [python.interpreter] and
+            SHA-256 [python.binary] (and its libpython, when linked against one [python.libpython]), SHA-256 of
+            every native library in the ftllm package, libfastllm_tools.so first [ftllm.lib/NAME], the bundled
+            chat template [template] and NCCL [nccl.sha256] when used, and whether that NCCL still holds code
+            for the configured GPU architecture under the arch policy [nccl.arch].
+  llamacpp  SHA-256 of the binary [binary.sha256], its build as `--version` reports it (run only when the
+            binary's hash matches the pin, never on a changed binary: the check runs as root) [binary.build],
+            SHA-256 of every shared library beside the binary (libggml*, libllama*, ...) [binary.lib/NAME],
+            mmproj size and header hash [mmproj.size, mmproj.header].
+  both      the installed unit file [unit] and env file [env]; the model: a directory gives its config.json
+            SHA-256 [model.config], every weight file's size [model.weight/NAME] and the SHA-256 of its small
+            metadata files (tokenizer, generation config, custom code) [model.file/NAME]; a single GGUF file
+            gives its size [model.size] and the SHA-256 of its first 1 MiB (the header: architecture,
+            hyper-parameters, tokenizer, chat template) [model.header], plus the sizes of the other parts of a
+            split GGUF [model.split/NAME]; the speculative draft directory likewise [draft.*].
+
+Speed. Files are hashed in parallel threads (hashlib and reads release the GIL), largest first, 1 MiB reads.
+A cache in `<state_dir>/cache/fingerprint-<backend>.json` maps a file's path and (st_dev, st_ino, st_size,
+st_mtime_ns, st_ctime_ns) to the values computed from it, so a start with nothing changed only stats files.
+
+Why the cache can be trusted:
+  * st_ctime is set by the kernel to the current time on every change to the inode: any write, truncate,
+    chmod/chown, link/unlink, or rename over the path (a new inode: st_ino changes as well). No system call
+    lets a user set it; `touch -d` and utimensat() set atime/mtime only and bump ctime themselves. So a file
+    edited and then given back its old size and mtime still gets a new ctime and misses the cache.
+  * Racy entries: timestamps are taken from a coarse clock (one tick, a few ms; whole seconds on some file
+    systems), so a change in the same tick as the hash could keep the same ctime. An entry is trusted only
+    if the file's ctime is at least CACHE_RACY_MARGIN_S older than the moment its value was computed (the
+    same rule git uses for its index); younger files are hashed every time until they age. A value is stored
+    only if the file's stat did not change while it was hashed.
+  * The cache file is used only when it is owned by root or by the user running verify and is not group- or
+    world-writable; a cache file that is missing, unreadable, corrupt, of another format or for other paths
+    is ignored (everything is hashed). Writing it is best effort: a read-only or full state dir only costs
+    speed, never correctness. `--no-cache` ignores it; `pin` always hashes afresh.
+Limits (what the cache cannot see, where `verify --no-cache` or re-hashing is the answer):
+  * changes that bypass the file system: writing the block device directly or editing it offline (e.g.
+    debugfs can set ctime); file systems that do not maintain ctime (some FUSE and network file systems);
+  * someone with root who sets the clock back to a file's exact ctime tick before changing it: root can as
+    well rewrite the pins, so the check is a guard against accidents and drift, not against root;
+  * a writable shared mmap updates mtime/ctime at the first write after writeback, not at every store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
+from deploy_tool.errors import DeployError, DriftError, InputError, StateError
+from deploy_tool.fsutil import atomic_write, os_error
+from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE, expand
+
+PINS_FORMAT = 1
+CACHE_FORMAT = 1
+CHUNK = 1 << 20
+HEADER_BYTES = 1 << 20  # a GGUF's header hash covers its first 1 MiB
+CACHE_RACY_MARGIN_S = 2.0  # covers 1 s (ext3, HFS+) and 2 s (FAT) timestamp granularity
+SHORT_HASH = 12
+MISSING = "missing"
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".flm", ".pt", ".pth", ".ckpt", ".npz", ".h5", ".msgpack")
+META_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".yaml")
+META_MAX_BYTES = 64 << 20
+_SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass(frozen=True)
+class Item:
+    """One fingerprint: a stable id, a human label, the file it comes from (if any) and its value."""
+
+    id: str
+    label: str
+    path: str | None
+    value: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "label": self.label, "path": self.path, "value": self.value}
+
+
+class Drift(NamedTuple):
+    """One difference: (item, expected, actual); `item` is the current item, or the pinned one if gone."""
+
+    item: Item
+    expected: str
+    actual: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.item.id, "label": self.item.label, "path": self.item.path,
+                "expected": self.expected, "actual": self.actual}
+
+
+@dataclass(frozen=True)
+class PinSet:
+    backend: str
+    kind: str
+    pinned_at: str
+    release: str | None
+    reason: str
+    by: dict[str, Any]
+    items: tuple[Item, ...]
+    path: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        from deploy_tool import __version__
+
+        return {"format": PINS_FORMAT, "backend": self.backend, "kind": self.kind, "pinned_at": self.pinned_at,
+                "release": self.release, "reason": self.reason, "by": self.by, "deploytool": __version__,
+                "items": [i.to_json() for i in self.items]}
+
+    def values(self) -> dict[str, str]:
+        return {i.id: i.value for i in self.items}
+
+
+@dataclass(frozen=True)
+class Stats:
+    files: int = 0  # files whose content was needed (hashes and derived values)
+    hashed: int = 0  # of those, hashed (or inspected) in this run
+    cache_hits: int = 0
+    bytes_hashed: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"files": self.files, "hashed": self.hashed, "cache_hits": self.cache_hits,
+                "bytes_hashed": self.bytes_hashed, "seconds": round(self.seconds, 4)}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    ok: bool
+    rows: list[Drift]
+    backend: str = ""
+    pins: PinSet | None = None
+    items: tuple[Item, ...] = ()
+    stats: Stats = field(default_factory=Stats)
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.pins
+        return {"backend": self.backend, "ok": self.ok, "checked": len(self.items),
+                "drift": [r.to_json() for r in self.rows],
+                "pinned_at": p.pinned_at if p else None, "release": p.release if p else None,
+                "reason": p.reason if p else None, "stats": self.stats.to_json(),
+                "items": [i.to_json() for i in self.items]}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the cache
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+class Cache:
+    """Values computed from files, keyed on path + (dev, ino, size, mtime_ns, ctime_ns); see the module doc."""
+
+    def __init__(self, path: Path | None, *, read: bool = True, racy_margin_s: float = CACHE_RACY_MARGIN_S):
+        self.path = path
+        self.margin_ns = int(racy_margin_s * 1e9)
+        self.old: dict[str, Any] = self._load() if (path is not None and read) else {}
+        self.new: dict[str, Any] = {}
+        self.dirty = False
+
+    def _load(self) -> dict[str, Any]:
+        assert self.path is not None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return {}
+        try:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid())
+                    or st.st_mode & 0o022 or st.st_size > (64 << 20)):
+                return {}
+            with open(fd, "rb", closefd=False) as f:
+                d = json.loads(f.read())
+        except (OSError, ValueError, RecursionError):
+            return {}
+        finally:
+            os.close(fd)
+        if not isinstance(d, dict) or d.get("format") != CACHE_FORMAT or not isinstance(d.get("entries"), dict):
+            return {}
+        return d["entries"]
+
+    def get(self, path: str, st: os.stat_result, kind: str) -> str | None:
+        e = self.old.get(path)
+        if not isinstance(e, dict) or e.get("key") != _stat_key(st):
+            return None
+        v = e.get("values", {}).get(kind) if isinstance(e.get("values"), dict) else None
+        if (not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) or not isinstance(v[1], int)
+                or isinstance(v[1], bool)):
+            return None
+        if st.st_ctime_ns + self.margin_ns > v[1]:
+            return None  # racy: the file changed too shortly before the value was computed
+        self._keep(path, st, kind, v)
+        return v[0]
+
+    def _keep(self, path: str, st: os.stat_result, kind: str, v: list[Any]) -> None:
+        e = self.new.setdefault(path, {"key": _stat_key(st), "values": {}})
+        if e["key"] != _stat_key(st):
+            e.update(key=_stat_key(st), values={})
+        e["values"][kind] = v
+
+    def put(self, path: str, st: os.stat_result, kind: str, value: str, computed_at_ns: int) -> None:
+        self._keep(path, st, kind, [value, computed_at_ns])
+        self.dirty = True
+
+    def save(self) -> None:
+        """Write the entries used in this run (best effort: failures cost only speed)."""
+        if self.path is None:
+            return
+        if not self.dirty and set(self.new) == set(self.old):
+            return
+        data = json.dumps({"format": CACHE_FORMAT, "entries": self.new}, sort_keys=True,
+                          separators=(",", ":")).encode()
+        with contextlib.suppress(Exception):
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+            atomic_write(self.path, data, 0o644)
+
+
+def cache_path(cfg: Config, backend: str) -> Path:
+    return Path(cfg.paths.state_dir) / "cache" / f"fingerprint-{backend}.json"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# hashing
+
+
+def _err_value(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError | NotADirectoryError):
+        return MISSING
+    return f"unreadable ({exc.strerror or type(exc).__name__})"
+
+
+def _hash_fd(fd: int, limit: int | None) -> tuple[str, int]:
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    total = 0
+    while limit is None or total < limit:
+        want = CHUNK if limit is None else min(CHUNK, limit - total)
+        n = os.readv(fd, [view[:want]])
+        if not n:
+            break
+        h.update(view[:n])
+        total += n
+    return h.hexdigest(), total
+
+
+class _Job:
+    __slots__ = ("path", "kind", "st", "value", "cached", "fn", "nbytes")
+
+    def __init__(self, path: str, kind: str, fn: Callable[[str], str] | None = None) -> None:
+        self.path = path
+        self.kind = kind  # "sha256", "head" or a derived kind ("build", "arch:7.5:exact")
+        self.fn = fn
+        self.st: os.stat_result | None = None
+        self.value: str | None = None
+        self.cached = False
+        self.nbytes = 0
+
+
+def _run_hash(job: _Job, cache: Cache) -> None:
+    t0 = time.time_ns()
+    try:
+        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        job.value = _err_value(exc)
+        return
+    try:
+        st1 = os.fstat(fd)
+        if not stat.S_ISREG(st1.st_mode):
+            job.value = "not a regular file"
+            return
+        digest, n = _hash_fd(fd, None if job.kind == "sha256" else HEADER_BYTES)
+        st2 = os.fstat(fd)
+    except OSError as exc:
+        job.value = _err_value(exc)
+        return
+    finally:
+        os.close(fd)
+    job.value, job.nbytes = digest, n
+    if _stat_key(st1) == _stat_key(st2):
+        cache.put(job.path, st1, job.kind, digest, t0)
+
+
+def _run_derived(job: _Job, cache: Cache) -> None:
+    assert job.fn is not None and job.st is not None
+    t0 = time.time_ns()
+    try:
+        job.value = job.fn(job.path)
+    except InputError as exc:
+        job.value = f"unreadable ({exc.message})"
+        return
+    except OSError as exc:
+        job.value = _err_value(exc)
+        return
+    with contextlib.suppress(OSError):
+        if _stat_key(os.stat(job.path)) == _stat_key(job.st):
+            cache.put(job.path, job.st, job.kind, job.value, t0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# collection
+
+
+class _Collector:
+    """Items in order; file contents are read later, all at once, in parallel, through the cache."""
+
+    def __init__(self, cache: Cache, expected: dict[str, str] | None, workers: int | None) -> None:
+        self.cache = cache
+        self.expected = expected
+        self.workers = workers
+        self.specs: list[tuple[str, str, str | None, Any]] = []  # (id, label, path, str value | _Job | guard)
+        self.jobs: dict[tuple[str, str], _Job] = {}
+
+    def value(self, id: str, label: str, path: str | os.PathLike[str] | None, value: str) -> None:
+        self.specs.append((id, label, None if path is None else str(path), value))
+
+    def _job(self, path: str, kind: str, fn: Callable[[str], str] | None = None) -> _Job:
+        key = (path, kind)
+        if key not in self.jobs:
+            self.jobs[key] = _Job(path, kind, fn)
+        return self.jobs[key]
+
+    def sha256(self, id: str, label: str, path: str | os.PathLike[str]) -> None:
+        self.specs.append((id, label, str(path), self._job(str(path), "sha256")))
+
+    def head(self, id: str, label: str, path: str | os.PathLike[str]) -> None:
+        self.specs.append((id, label, str(path), self._job(str(path), "head")))
+
+    def derived(self, id: str, label: str, path: str | os.PathLike[str], kind: str, fn: Callable[[str], str],
+                *, guard: str | None = None) -> None:
+        """A value computed from a file by `fn` (cached like a hash); with `guard`, computed only while the
+        item `guard` still has its pinned value (e.g. run a binary only if its hash is the pinned one)."""
+        self.specs.append((id, label, str(path), (self._job(str(path), kind, fn), guard)))
+
+    def size(self, id: str, label: str, path: str | os.PathLike[str]) -> None:
+        try:
+            st = os.stat(path)
+            v = str(st.st_size) if stat.S_ISREG(st.st_mode) else "not a regular file"
+        except OSError as exc:
+            v = _err_value(exc)
+        self.value(id, label, path, v)
+
+    def finish(self) -> tuple[list[Item], Stats]:
+        t0 = time.perf_counter()
+        hits = 0
+        todo: list[_Job] = []
+        for job in self.jobs.values():
+            try:
+                job.st = os.stat(job.path)
+            except OSError as exc:
+                job.value = _err_value(exc)
+                continue
+            if not stat.S_ISREG(job.st.st_mode):
+                job.value = "not a regular file"
+                continue
+            cached = self.cache.get(job.path, job.st, job.kind)
+            if cached is not None:
+                job.value, job.cached = cached, True
+                hits += 1
+            elif job.fn is None:
+                todo.append(job)
+        # hashes: largest first, so the long ones start early and the small ones fill the gaps
+        todo.sort(key=lambda j: -(j.st.st_size if j.kind == "sha256" else min(j.st.st_size, HEADER_BYTES)))
+        workers = max(1, min(self.workers or os.cpu_count() or 1, len(todo)))
+        if workers == 1:
+            for job in todo:
+                _run_hash(job, self.cache)
+        elif todo:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fingerprint") as pool:
+                list(pool.map(lambda j: _run_hash(j, self.cache), todo))
+        items: list[Item] = []
+        resolved: dict[str, str] = {}
+        derived_run = 0
+        for id_, label, path, spec in self.specs:
+            if isinstance(spec, str):
+                v = spec
+            elif isinstance(spec, _Job):
+                v = spec.value if spec.value is not None else "unreadable"
+            else:
+                job, guard = spec
+                if job.value is None:
+                    if guard is not None and self.expected is not None and resolved.get(guard) != self.expected.get(guard):
+                        v = "not checked (the file changed)"
+                        items.append(Item(id_, label, path, v))
+                        resolved[id_] = v
+                        continue
+                    _run_derived(job, self.cache)
+                    derived_run += 1
+                v = job.value or "unreadable"
+            items.append(Item(id_, label, path, v))
+            resolved[id_] = v
+        n_files = sum(1 for j in self.jobs.values() if j.st is not None and stat.S_ISREG(j.st.st_mode))
+        stats = Stats(files=n_files, hashed=len(todo) + derived_run, cache_hits=hits,
+                      bytes_hashed=sum(j.nbytes for j in todo), seconds=time.perf_counter() - t0)
+        return items, stats
+
+
+def _read_kv(path: Path) -> dict[str, str] | None:
+    """pyvenv.cfg-style `key = value` lines; None if the file cannot be read."""
+    try:
+        text = path.read_text("utf-8", errors="replace")
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            out[k.strip().lower()] = v.strip()
+    return out
+
+
+def _metadata_version(dist_info: Path) -> str:
+    try:
+        with open(dist_info / "METADATA", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break  # end of the headers
+                if line.lower().startswith("version:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError as exc:
+        return _err_value(exc)
+    return "no Version in METADATA"
+
+
+def _venv_dir(cfg: Config, b: FtllmBackend) -> Path:
+    exe = Path(expand(cfg, b.executable))
+    if (exe.parent.parent / "pyvenv.cfg").exists():
+        return exe.parent.parent
+    return Path(cfg.paths.current) / "venv"
+
+
+def _site_packages(venv: Path, version: str | None) -> Path:
+    if version:
+        m = re.match(r"(\d+)\.(\d+)", version)
+        if m:
+            p = venv / "lib" / f"python{m.group(1)}.{m.group(2)}" / "site-packages"
+            if p.is_dir():
+                return p
+    found = sorted((venv / "lib").glob("python3*/site-packages"))
+    return found[0] if found else venv / "lib" / "python3" / "site-packages"
+
+
+def _is_native_lib(name: str) -> bool:
+    return name.endswith(".so") or ".so." in name
+
+
+def _listdir(d: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(d) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError:
+        return []
+
+
+def _is_file(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_file()  # follows symlinks (Hugging Face snapshots link into blobs/)
+    except OSError:
+        return False
+
+
+def _collect_python(c: _Collector, venv: Path) -> Path:
+    pcfg = _read_kv(venv / "pyvenv.cfg")
+    version = None
+    if pcfg is None:
+        c.value("python.version", "Python version", venv / "pyvenv.cfg", MISSING)
+    else:
+        version = pcfg.get("version") or pcfg.get("version_info")
+        c.value("python.version", "Python version", venv / "pyvenv.cfg", version or "not in pyvenv.cfg")
+    py = venv / "bin" / "python"
+    if os.path.lexists(py):
+        real = os.path.realpath(py)
+        c.value("python.interpreter", "Python interpreter", py, real)
+        c.sha256("python.binary", "Python interpreter SHA-256", real)
+        if version:
+            mm = ".".join(version.split(".")[:2])
+            lib = Path(real).parent.parent / "lib" / f"libpython{mm}.so.1.0"
+            if lib.exists():
+                c.sha256("python.libpython", f"SHA-256 of libpython{mm}.so.1.0", lib)
+    else:
+        c.value("python.interpreter", "Python interpreter", py, MISSING)
+    return _site_packages(venv, version)
+
+
+def _collect_model(c: _Collector, prefix: str, what: str, model: str, model_config: str | None) -> None:
+    p = Path(model)
+    if p.is_dir():
+        cfgp = Path(model_config) if model_config else p / "config.json"
+        c.sha256(f"{prefix}.config", f"{what} config.json", cfgp)
+        for e in _listdir(p):
+            if not _is_file(e) or Path(e.path) == cfgp:
+                continue
+            if e.name.endswith(WEIGHT_SUFFIXES):
+                c.size(f"{prefix}.weight/{e.name}", f"{what} weight {e.name} size", e.path)
+            elif e.name.endswith(META_SUFFIXES):
+                with contextlib.suppress(OSError):
+                    if e.stat().st_size <= META_MAX_BYTES:
+                        c.sha256(f"{prefix}.file/{e.name}", f"{what} file {e.name}", e.path)
+        return
+    if not p.exists():
+        c.value(f"{prefix}.config", f"{what} config.json", p / "config.json", MISSING)
+        return
+    _collect_gguf(c, prefix, what, p)
+    if model_config:
+        c.sha256(f"{prefix}.config", f"{what} config", model_config)
+
+
+def _collect_gguf(c: _Collector, prefix: str, what: str, path: str | os.PathLike[str]) -> None:
+    p = Path(path)
+    c.size(f"{prefix}.size", f"{what} {p.name} size", p)
+    c.head(f"{prefix}.header", f"{what} {p.name} header (1 MiB) SHA-256", p)
+    m = _SPLIT_GGUF.match(p.name)
+    if m:  # the other parts of a split GGUF (llama.cpp opens them by name)
+        for i in range(1, int(m.group("total")) + 1):
+            part = p.with_name(f"{m.group('stem')}-{i:05d}-of-{m.group('total')}.gguf")
+            if part != p:
+                c.size(f"{prefix}.split/{part.name}", f"{what} part {part.name} size", part)
+
+
+def _arch_value(cc: str, policy: str) -> Callable[[str], str]:
+    def fn(path: str) -> str:
+        from deploy_tool.binaries import arch_supported, read_fatbin
+
+        info = read_fatbin(path)
+        ok, _why = arch_supported(info, cc, policy)
+        want = "sm_" + cc.replace(".", "")
+        cubins = ", ".join(info.cubin_archs) or "none"
+        return (f"has {want} code (policy {policy})" if ok else f"NO {want} code (policy {policy})") + \
+            f"; cubins: {cubins}"
+    return fn
+
+
+def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
+    venv = _venv_dir(cfg, b)
+    sp = _collect_python(c, venv)
+    dists = sorted(sp.glob("ftllm-*.dist-info"))
+    if not dists:
+        c.value("ftllm.version", "ftllm version", sp / "ftllm-*.dist-info", MISSING)
+    else:
+        versions = [_metadata_version(d) for d in dists]
+        c.value("ftllm.version", "ftllm version", dists[0] / "METADATA",
+                versions[0] if len(versions) == 1 else "several: " + ", ".join(versions))
+    pkg = sp / "ftllm"
+    libs = {e.name for e in _listdir(pkg) if _is_native_lib(e.name) and _is_file(e)}
+    libs.add("libfastllm_tools.so")  # always listed, so its absence is reported
+    for name in sorted(libs, key=lambda n: (n != "libfastllm_tools.so", n)):
+        c.sha256(f"ftllm.lib/{name}", f"SHA-256 of {name}", pkg / name)
+    _collect_units(c, cfg, b)
+    cur = Path(cfg.paths.current)
+    if b.use_bundle_chat_template:
+        c.sha256("template", "chat template", cur / BUNDLED_TEMPLATE)
+    if b.use_bundle_nccl:
+        nccl = cur / BUNDLED_NCCL
+        c.sha256("nccl.sha256", "NCCL library SHA-256", nccl)
+        policy = cfg.bundle.nccl.arch_policy if cfg.bundle.nccl else "exact"
+        cc = cfg.host.compute_capability
+        c.derived("nccl.arch", f"NCCL code for sm_{cc.replace('.', '')}", nccl, f"arch:{cc}:{policy}",
+                  _arch_value(cc, policy))
+    _collect_model(c, "model", "model", b.model, b.model_config)
+    sp_cfg = b.speculative
+    if sp_cfg is not None and sp_cfg.algorithm != "none" and sp_cfg.draft_model:
+        _collect_model(c, "draft", "draft", sp_cfg.draft_model, None)
+
+
+def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:
+    c.sha256("unit", f"unit file {b.unit}", Path(cfg.paths.unit_dir) / b.unit)
+    c.sha256("env", f"env file {b.name}.env", Path(cfg.paths.env_dir) / f"{b.name}.env")
+
+
+def _build_value(path: str) -> str:
+    from deploy_tool.binaries import read_llama_version
+
+    info = read_llama_version(path, timeout=20)
+    if info.build_number is None:
+        first = info.text.splitlines()[0] if info.text else "no output"
+        return f"unknown ({first[:80]})"
+    parts = [f"version {info.version}"] if info.version else []
+    parts.append(f"build {info.build_number}")
+    if info.commit:
+        parts.append(f"commit {info.commit}")
+    return ", ".join(parts)
+
+
+def _collect_llamacpp(c: _Collector, cfg: Config, b: LlamacppBackend) -> None:
+    binary = Path(expand(cfg, b.binary))
+    name = binary.name
+    c.sha256("binary.sha256", f"SHA-256 of {name}", binary)
+    kind = "build" if not b.build else f"build:{b.build}"
+
+    def build(path: str) -> str:
+        v = _build_value(path)
+        if b.build and not re.search(rf"\bbuild {re.escape(b.build.lstrip('b'))}\b", v):
+            v += f"; config says {b.build}"
+        return v
+
+    c.derived("binary.build", f"{name} build", binary, kind, build, guard="binary.sha256")
+    if binary.exists():
+        libdir = Path(os.path.realpath(binary)).parent
+        for e in _listdir(libdir):
+            if _is_native_lib(e.name) and _is_file(e):
+                c.sha256(f"binary.lib/{e.name}", f"SHA-256 of {e.name}", e.path)
+    _collect_units(c, cfg, b)
+    p = Path(b.model)
+    if p.is_dir():
+        _collect_model(c, "model", "model", b.model, b.model_config)
+    else:
+        _collect_gguf(c, "model", "model", p)
+        if b.model_config:
+            c.sha256("model.config", "model config", b.model_config)
+    if b.mmproj:
+        _collect_gguf(c, "mmproj", "mmproj", b.mmproj)
+
+
+def _resolve(cfg: Config, backend: Backend | str) -> Backend:
+    return cfg.backend(backend) if isinstance(backend, str) else backend
+
+
+def collect(cfg: Config, backend: Backend | str, *, use_cache: bool = True, expected: dict[str, str] | None = None,
+            workers: int | None = None, racy_margin_s: float = CACHE_RACY_MARGIN_S,
+            cache_file: Path | None | bool = True) -> list[Item]:
+    """The current fingerprints of a backend (see the module doc for the list)."""
+    return _collect(cfg, _resolve(cfg, backend), use_cache=use_cache, expected=expected, workers=workers,
+                    racy_margin_s=racy_margin_s, cache_file=cache_file)[0]
+
+
+def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, str] | None, workers: int | None,
+             racy_margin_s: float, cache_file: Path | None | bool) -> tuple[list[Item], Stats]:
+    cpath = cache_path(cfg, b.name) if cache_file is True else (cache_file or None)
+    cache = Cache(cpath, read=use_cache, racy_margin_s=racy_margin_s)  # type: ignore[arg-type]
+    c = _Collector(cache, expected, workers)
+    if isinstance(b, FtllmBackend):
+        _collect_ftllm(c, cfg, b)
+    else:
+        _collect_llamacpp(c, cfg, b)
+    items, stats = c.finish()
+    seen: set[str] = set()
+    for it in items:
+        assert it.id not in seen, f"duplicate fingerprint id {it.id}"
+        seen.add(it.id)
+    cache.save()
+    return items, stats
+
+
+# --------------------------------------------------------------------------------------------------------------
+# pins
+
+
+def pins_path(cfg: Config, backend: str) -> Path:
+    return Path(cfg.paths.state_dir) / "pins" / f"{backend}.json"
+
+
+def current_release(cfg: Config) -> str | None:
+    """The release id `current` points at (releases/<id>), or None."""
+    cur = Path(cfg.paths.current)
+    if not os.path.lexists(cur):
+        return None
+    real = Path(os.path.realpath(cur))
+    if real.parent == Path(os.path.realpath(cfg.paths.releases_dir)):
+        return real.name
+    return None
+
+
+def _who() -> dict[str, Any]:
+    uid = os.getuid()
+    user = os.environ.get("SUDO_USER") or os.environ.get("USER") or os.environ.get("LOGNAME")
+    if not user:
+        try:
+            import pwd
+
+            user = pwd.getpwuid(uid).pw_name
+        except (KeyError, ImportError):
+            user = str(uid)
+    out: dict[str, Any] = {"user": user, "uid": uid}
+    if os.environ.get("SUDO_USER"):
+        out["sudo"] = True
+    return out
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
+    """The pinned fingerprints of a backend; StateError if there are none or the file is damaged."""
+    b = _resolve(cfg, backend)
+    path = pins_path(cfg, b.name)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise StateError(f"{b.name} is not pinned: {path} does not exist, so there is nothing to verify against",
+                         hint=f"run `deploytool install`, or pin what is installed now with "
+                              f"`deploytool pin {b.name} --reason TEXT`") from None
+    except OSError as exc:
+        raise os_error(exc, f"cannot read the pins {path}") from None
+    bad = StateError(f"the pins file {path} is damaged (not a format-{PINS_FORMAT} pins file)",
+                     hint=f"re-pin deliberately with `deploytool pin {b.name} --reason TEXT` "
+                          f"(or reinstall the release)")
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad from None
+    if not isinstance(d, dict) or d.get("format") != PINS_FORMAT or not isinstance(d.get("items"), list):
+        raise bad
+    try:
+        items = tuple(Item(str(i["id"]), str(i["label"]), None if i.get("path") is None else str(i["path"]),
+                           str(i["value"])) for i in d["items"])
+        return PinSet(backend=str(d["backend"]), kind=str(d["kind"]), pinned_at=str(d["pinned_at"]),
+                      release=d.get("release"), reason=str(d["reason"]), by=dict(d.get("by") or {}),
+                      items=items, path=str(path))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise bad from None
+
+
+def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None = None, store=None,
+        workers: int | None = None) -> PinSet:
+    """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when."""
+    from deploy_tool.state import Store
+
+    b = _resolve(cfg, backend)
+    reason = (reason or "").strip()
+    if not reason:
+        raise InputError("a pin needs a reason", hint=f"deploytool pin {b.name} --reason 'why this change is wanted'")
+    previous: PinSet | None = None
+    with contextlib.suppress(DeployError):
+        previous = load_pins(cfg, b)
+    items, _stats = _collect(cfg, b, use_cache=False, expected=None, workers=workers,
+                             racy_margin_s=CACHE_RACY_MARGIN_S, cache_file=True)
+    ps = PinSet(backend=b.name, kind=b.kind, pinned_at=_now(), release=release or current_release(cfg),
+                reason=reason, by=_who(), items=tuple(items), path=str(pins_path(cfg, b.name)))
+    path = pins_path(cfg, b.name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    except OSError as exc:
+        raise os_error(exc, f"cannot create {path.parent}") from None
+    atomic_write(path, (json.dumps(ps.to_json(), indent=1, sort_keys=True) + "\n").encode(), 0o644)
+    changed = []
+    if previous is not None:
+        changed = [{"id": r.item.id, "from": short(r.expected), "to": short(r.actual)}
+                   for r in diff(previous.items, items)]
+    store = store if store is not None else Store(cfg.paths.state_dir)
+    store.record("pin", backend=b.name, reason=reason, by=ps.by.get("user"), uid=ps.by.get("uid"),
+                 release=ps.release, items=len(items), changed=changed if previous is not None else None,
+                 first=previous is None)
+    return ps
+
+
+# --------------------------------------------------------------------------------------------------------------
+# verify
+
+
+def diff(pinned: Iterable[Item], current: Iterable[Item]) -> list[Drift]:
+    """Every item whose value differs, plus items only one side has (pinned order first)."""
+    cur = {i.id: i for i in current}
+    out: list[Drift] = []
+    seen = set()
+    for p in pinned:
+        seen.add(p.id)
+        c = cur.get(p.id)
+        if c is None:
+            gone = p.path is not None and not os.path.lexists(p.path)
+            out.append(Drift(p, p.value, MISSING if gone else "no longer fingerprinted"))
+        elif c.value != p.value:
+            out.append(Drift(c, p.value, c.value))
+    for i in cur.values():
+        if i.id not in seen:
+            out.append(Drift(i, "not pinned", i.value))
+    return out
+
+
+def verify(cfg: Config, backend: Backend | str, *, use_cache: bool = True, workers: int | None = None,
+           racy_margin_s: float = CACHE_RACY_MARGIN_S) -> VerifyReport:
+    """Compare the current fingerprints with the pins (StateError if there are no pins)."""
+    b = _resolve(cfg, backend)
+    pins = load_pins(cfg, b)
+    items, stats = _collect(cfg, b, use_cache=use_cache, expected=pins.values(), workers=workers,
+                            racy_margin_s=racy_margin_s, cache_file=True)
+    rows = diff(pins.items, items)
+    return VerifyReport(ok=not rows, rows=rows, backend=b.name, pins=pins, items=tuple(items), stats=stats)
+
+
+def check(cfg: Config, backend: Backend | str, **kw: Any) -> VerifyReport:
+    """verify() that raises DriftError (exit 7) on any difference, its message naming the items."""
+    r = verify(cfg, backend, **kw)
+    if not r.ok:
+        raise drift_error(r)
+    return r
+
+
+def drift_error(r: VerifyReport) -> DriftError:
+    names = ", ".join(d.item.label for d in r.rows[:6]) + (", ..." if len(r.rows) > 6 else "")
+    return DriftError(f"{r.backend}: {len(r.rows)} fingerprint(s) differ from the pins: {names}",
+                      hint="restore what changed; if the change is deliberate, re-pin it with "
+                           f"`deploytool pin {r.backend} --reason TEXT`",
+                      details=[d.to_json() for d in r.rows])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# text
+
+
+def short(value: str, width: int = 44) -> str:
+    """A value for a table: hashes cut to 12 hex digits, long text to `width` (keeping the end)."""
+    v = _HEX64.sub(lambda m: m.group(0)[:SHORT_HASH], value)
+    return v if len(v) <= width else "..." + v[-(width - 3):]
+
+
+def format_report(r: VerifyReport) -> str:
+    """Plain text, one line per item, readable in `journalctl -u` and `systemctl status` (no colors)."""
+    p = r.pins
+    since = "not pinned"
+    if p is not None:
+        since = f"pinned {p.pinned_at}" + (f", release {p.release}" if p.release else "")
+    st = r.stats
+    timing = f"{st.seconds:.2f} s, {st.cache_hits} of {st.files} files from cache"
+    if r.ok:
+        return f"{r.backend}: all {len(r.items)} fingerprints match ({since}) [{timing}]"
+    head = f"{r.backend}: DRIFT in {len(r.rows)} of {len(r.items)} fingerprints ({since}) [{timing}]"
+    rows = [(d.item.label, short(d.expected), short(d.actual)) for d in r.rows]
+    w0 = max(len("ITEM"), *(len(a) for a, _, _ in rows))
+    w1 = max(len("EXPECTED"), *(len(b) for _, b, _ in rows))
+    lines = [head, f"  {'ITEM':<{w0}}  {'EXPECTED':<{w1}}  ACTUAL"]
+    lines += [f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
+    return "\n".join(lines)

@@ -1,0 +1,483 @@
+"""Fingerprints (`deploytool verify` / `pin`) on an installed release built from real parts.
+
+The tree (tests/support/release_tree.py) holds a real venv with the real ftllm 0.1.8.2 dist-info and
+libfastllm_tools-cpu.so (also copied as libfastllm_tools.so: the 516 MB CUDA library is only benchmarked),
+the real llama-server with its libraries, real safetensors shards and tiny GGUF files, and units rendered by
+deploytool itself. One mock: the bundled NCCL is a tiny library built by the real nvcc with a real sm_75 (or
+sm_80) cubin, because a real NCCL built for sm_75 does not exist on this machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy_tool import fingerprint as fp
+from deploy_tool.errors import DriftError, InputError, StateError
+from deploy_tool.state import Store
+from tests.support import release_tree as rt
+
+REPO = Path(__file__).resolve().parents[1]
+FT = "ftllm-dflash"
+LL = "llamacpp-tensor"
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return rt.build_template(tmp_path_factory.mktemp("fp-template") / "tpl")
+
+
+@pytest.fixture
+def tree(template: Path, tmp_path: Path) -> rt.Tree:
+    return rt.instantiate(template, tmp_path / "tree")
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def flip_byte(path: Path, offset: int) -> bytes:
+    """Invert one byte in place (same size); return the original content."""
+    data = path.read_bytes()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 0xFF]))
+    return data
+
+
+def ids(report: fp.VerifyReport) -> list[str]:
+    return [r.item.id for r in report.rows]
+
+
+def verify_both(tree: rt.Tree, backend: str) -> fp.VerifyReport:
+    """verify with and without the cache; both must agree."""
+    a = fp.verify(tree.cfg, backend)
+    b = fp.verify(tree.cfg, backend, use_cache=False)
+    assert [tuple(r) for r in a.rows] == [tuple(r) for r in b.rows]
+    return a
+
+
+# ------------------------------------------------------------------------------------------- pin, verify ok
+
+
+def test_pin_then_verify_passes_and_lists_the_ten_fingerprints(tree: rt.Tree) -> None:
+    """A fresh pin verifies clean, and the ftllm pins cover the write-up's ten fingerprints with real values."""
+    ps = fp.pin(tree.cfg, FT, "first install")
+    v = ps.values()
+    sp = tree.site_packages
+    assert v["ftllm.version"] == "0.1.8.2"
+    assert v["python.version"] == f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    assert v["ftllm.lib/libfastllm_tools.so"] == sha(sp / "ftllm/libfastllm_tools.so")
+    assert v["unit"] == sha(Path(tree.cfg.paths.unit_dir) / f"{FT}.service")
+    assert v["env"] == sha(Path(tree.cfg.paths.env_dir) / f"{FT}.env")
+    assert v["template"] == sha(tree.release / "templates/chat_template.jinja")
+    assert v["nccl.sha256"] == sha(tree.release / "nccl/libnccl.so.2")
+    assert v["nccl.arch"].startswith("has sm_75 code (policy exact)")
+    assert v["model.config"] == sha(tree.root / "models/ftllm-model/config.json")
+    shard = tree.root / "models/ftllm-model/model-00001-of-00002.safetensors"
+    assert v["model.weight/model-00001-of-00002.safetensors"] == str(shard.stat().st_size)
+    assert v["draft.config"] == sha(tree.root / "models/draft/config.json")
+    assert v["draft.weight/model.safetensors"] == str((tree.root / "models/draft/model.safetensors").stat().st_size)
+    assert v["python.interpreter"] == os.path.realpath(tree.release / "venv/bin/python")
+    pins = json.loads(fp.pins_path(tree.cfg, FT).read_text())
+    assert pins["reason"] == "first install" and pins["release"] == "r1" and pins["backend"] == FT
+    r = fp.verify(tree.cfg, FT)
+    assert r.ok and r.rows == [] and len(r.items) == len(ps.items)
+
+
+def test_llamacpp_pins_binary_build_libraries_and_gguf_headers(tree: rt.Tree) -> None:
+    """The llama.cpp pins hold the binary's hash, the build it reports, its libraries, GGUF/mmproj size+header."""
+    ps = fp.pin(tree.cfg, "llamacpp", "first install")  # an alias resolves
+    v = ps.values()
+    lb = tree.root / "llama/bin"
+    assert v["binary.sha256"] == sha(lb / "llama-server")
+    assert re.fullmatch(r"version \S+, build \d+, commit [0-9a-f]+", v["binary.build"]), v["binary.build"]
+    assert v["binary.lib/libggml-base.so.0"] == sha(lb / "libggml-base.so.0")
+    assert v["binary.lib/libllama.so.0"] == sha(lb / "libllama.so.0")
+    gguf = tree.root / "models/tiny-f16.gguf"
+    assert v["model.size"] == str(gguf.stat().st_size)
+    assert v["model.header"] == hashlib.sha256(gguf.read_bytes()[: 1 << 20]).hexdigest()
+    assert v["mmproj.header"] == sha(tree.root / "models/mmproj.gguf")  # smaller than 1 MiB: the header is all
+    assert fp.verify(tree.cfg, LL).ok
+
+
+# ------------------------------------------------------------------------------------------- drift, item by item
+
+
+def _edit(path: Path, fn) -> bytes:
+    old = path.read_bytes()
+    path.write_bytes(fn(old))
+    return old
+
+
+def _metadata(tree: rt.Tree) -> Path:
+    return next(tree.site_packages.glob("ftllm-*.dist-info")) / "METADATA"
+
+
+# (case, item id, mutation returning (path, original bytes), expected(value before), actual(value after))
+FT_CASES = {
+    "so-byte": ("ftllm.lib/libfastllm_tools.so",
+                lambda t: (p := t.site_packages / "ftllm/libfastllm_tools.so", flip_byte(p, 5_000_000))),
+    "unit": ("unit", lambda t: (p := Path(t.cfg.paths.unit_dir) / f"{FT}.service",
+                                _edit(p, lambda b: b.replace(b"RestartSec=10", b"RestartSec=11")))),
+    "env": ("env", lambda t: (p := Path(t.cfg.paths.env_dir) / f"{FT}.env",
+                              _edit(p, lambda b: b.replace(b'FASTLLM_CUDA_GRAPH="0"', b'FASTLLM_CUDA_GRAPH="1"')))),
+    "template": ("template", lambda t: (p := t.release / "templates/chat_template.jinja",
+                                        _edit(p, lambda b: b.replace(b"'low'", b"'medium'")))),
+    "nccl": ("nccl.sha256", lambda t: (p := t.release / "nccl/libnccl.so.2", _edit(p, lambda b: b + b"\0"))),
+    "model-config": ("model.config", lambda t: (p := t.root / "models/ftllm-model/config.json",
+                                                _edit(p, lambda b: b.replace(b'"num_hidden_layers": 2',
+                                                                             b'"num_hidden_layers": 3')))),
+    "weight-size": ("model.weight/model-00002-of-00002.safetensors",
+                    lambda t: (p := t.root / "models/ftllm-model/model-00002-of-00002.safetensors",
+                               _edit(p, lambda b: b[:-2]))),
+    "python": ("python.version", lambda t: (p := t.release / "venv/pyvenv.cfg",
+                                            _edit(p, lambda b: re.sub(rb"(?m)^version = .*$", b"version = 3.11.99",
+                                                                      b)))),
+    "ftllm-version": ("ftllm.version", lambda t: (p := _metadata(t),
+                                                  _edit(p, lambda b: b.replace(b"Version: 0.1.8.2",
+                                                                               b"Version: 0.1.8.3")))),
+    "draft-config": ("draft.config", lambda t: (p := t.root / "models/draft/config.json",
+                                                _edit(p, lambda b: b.replace(b"64", b"65", 1)))),
+    "draft-weight": ("draft.weight/model.safetensors",
+                     lambda t: (p := t.root / "models/draft/model.safetensors", _edit(p, lambda b: b + b"xx"))),
+    "tokenizer": ("model.file/tokenizer_config.json",
+                  lambda t: (p := t.root / "models/ftllm-model/tokenizer_config.json",
+                             _edit(p, lambda b: b.replace(b"2048", b"4096")))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FT_CASES))
+def test_ftllm_drift_names_exactly_the_changed_item(tree: rt.Tree, case: str) -> None:
+    """Changing one fingerprinted thing fails verify naming only that item, with expected and actual; restoring passes."""
+    item_id, mutate = FT_CASES[case]
+    pins = fp.pin(tree.cfg, FT, "install").values()
+    path, original = mutate(tree)
+    after = fp.collect(tree.cfg, FT, use_cache=False)
+    actual = {i.id: i.value for i in after}[item_id]
+    r = verify_both(tree, FT)
+    assert not r.ok
+    assert ids(r) == [item_id]
+    row = r.rows[0]
+    assert row.expected == pins[item_id] and row.actual == actual and row.expected != row.actual
+    text = fp.format_report(r)
+    assert row.item.label in text and fp.short(row.expected) in text and fp.short(row.actual) in text
+    with pytest.raises(DriftError) as ei:
+        fp.check(tree.cfg, FT)
+    assert ei.value.exit_code == 7 and row.item.label in ei.value.message
+    path.write_bytes(original)
+    assert fp.verify(tree.cfg, FT).ok
+    assert fp.verify(tree.cfg, FT, use_cache=False).ok
+
+
+def test_nccl_without_the_required_arch_is_named(tree: rt.Tree) -> None:
+    """An NCCL swapped for one without sm_75 code fails on its hash and on the architecture check."""
+    fp.pin(tree.cfg, FT, "install")
+    nccl = tree.release / "nccl/libnccl.so.2"
+    original = nccl.read_bytes()
+    shutil.copyfile(tree.root / "build/nccl80/libnccl.so.2", nccl)
+    r = verify_both(tree, FT)
+    assert ids(r) == ["nccl.sha256", "nccl.arch"]
+    arch = r.rows[1]
+    assert arch.expected.startswith("has sm_75 code") and arch.actual == "NO sm_75 code (policy exact); cubins: sm_80"
+    nccl.write_bytes(original)
+    assert fp.verify(tree.cfg, FT).ok
+
+
+def test_new_gpu_arch_in_config_fails_only_the_nccl_arch_item(tree: rt.Tree) -> None:
+    """Same NCCL, config moved to compute capability 8.0: only the architecture item drifts."""
+    fp.pin(tree.cfg, FT, "install")
+    data = yaml.safe_load(tree.config_path.read_text())
+    data["host"]["compute_capability"] = "8.0"
+    tree.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    tree.reload()
+    r = fp.verify(tree.cfg, FT)
+    assert ids(r) == ["nccl.arch"]
+    assert r.rows[0].actual.startswith("NO sm_80 code (policy exact)")
+
+
+def test_missing_file_is_a_value(tree: rt.Tree) -> None:
+    """A deleted chat template reads 'missing', not a traceback; restoring it passes."""
+    fp.pin(tree.cfg, FT, "install")
+    tpl = tree.release / "templates/chat_template.jinja"
+    data = tpl.read_bytes()
+    tpl.unlink()
+    r = fp.verify(tree.cfg, FT)
+    assert [(d.item.id, d.actual) for d in r.rows] == [("template", "missing")]
+    tpl.write_bytes(data)
+    assert fp.verify(tree.cfg, FT).ok
+
+
+def test_items_added_or_dropped_by_the_config_are_drift(tree: rt.Tree) -> None:
+    """Dropping the bundled NCCL from the config (items no longer fingerprinted) and a new weight file show up."""
+    fp.pin(tree.cfg, FT, "install")
+    (tree.root / "models/ftllm-model/extra.safetensors").write_bytes(b"\0" * 16)
+    data = yaml.safe_load(tree.config_path.read_text())
+    del data["backends"][FT]["nccl"]
+    tree.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    tree.reload()
+    r = fp.verify(tree.cfg, FT)
+    got = {d.item.id: (d.expected, d.actual) for d in r.rows}
+    assert got["nccl.sha256"][1] == "no longer fingerprinted" and got["nccl.arch"][1] == "no longer fingerprinted"
+    assert got["model.weight/extra.safetensors"] == ("not pinned", "16")
+    assert len(got) == 3
+
+
+def test_llamacpp_binary_change_is_named_and_the_changed_binary_is_not_run(tree: rt.Tree) -> None:
+    """A flipped byte in llama-server fails its hash; verify does not execute the changed binary for its build."""
+    fp.pin(tree.cfg, LL, "install")
+    binary = tree.root / "llama/bin/llama-server"
+    original = flip_byte(binary, 200)  # inside the ELF program headers: the changed file would not even run
+    r = verify_both(tree, LL)
+    assert ids(r) == ["binary.sha256", "binary.build"]
+    assert r.rows[1].actual == "not checked (the file changed)"
+    binary.write_bytes(original)
+    assert fp.verify(tree.cfg, LL).ok
+
+
+@pytest.mark.parametrize("case", ["lib", "model-header", "model-size", "mmproj", "unit", "env"])
+def test_llamacpp_drift_names_exactly_the_changed_item(tree: rt.Tree, case: str) -> None:
+    """Each llama.cpp analogue (library, GGUF header/size, mmproj, unit, env file) is named when changed."""
+    fp.pin(tree.cfg, LL, "install")
+    m = tree.root / "models"
+    path, expect = {
+        "lib": (tree.root / "llama/bin/libggml-base.so.0", ["binary.lib/libggml-base.so.0"]),
+        "model-header": (m / "tiny-f16.gguf", ["model.header"]),
+        "model-size": (m / "tiny-f16.gguf", ["model.size", "model.header"]),  # < 1 MiB: header covers all
+        "mmproj": (m / "mmproj.gguf", ["mmproj.header"]),
+        "unit": (Path(tree.cfg.paths.unit_dir) / f"{LL}.service", ["unit"]),
+        "env": (Path(tree.cfg.paths.env_dir) / f"{LL}.env", ["env"]),
+    }[case]
+    if case == "model-size":
+        original = _edit(path, lambda b: b + b"\0" * 32)
+    else:
+        original = flip_byte(path, min(4000, path.stat().st_size - 1))
+    r = verify_both(tree, LL)
+    assert ids(r) == expect
+    path.write_bytes(original)
+    assert fp.verify(tree.cfg, LL).ok
+
+
+def test_llamacpp_build_checked_against_config(tree: rt.Tree) -> None:
+    """A config naming another llama.cpp build than the binary reports makes the build item drift."""
+    fp.pin(tree.cfg, LL, "install")
+    data = yaml.safe_load(tree.config_path.read_text())
+    data["backends"][LL]["build"] = "b10064"
+    tree.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    tree.reload()
+    r = fp.verify(tree.cfg, LL)
+    assert ids(r) == ["binary.build"]
+    assert r.rows[0].actual.endswith("; config says b10064")
+
+
+# ------------------------------------------------------------------------------------------- pins file, history
+
+
+def test_not_pinned_and_damaged_pins_are_distinct_clear_errors(tree: rt.Tree) -> None:
+    """No pins: StateError saying 'not pinned' and how to pin; a damaged pins file: another clear StateError."""
+    with pytest.raises(StateError) as ei:
+        fp.verify(tree.cfg, FT)
+    assert "not pinned" in ei.value.message and "deploytool pin" in ei.value.hint
+    assert "deploytool install" in ei.value.hint
+    fp.pin(tree.cfg, FT, "install")
+    p = fp.pins_path(tree.cfg, FT)
+    p.write_text('{"format": 1, "items": [{"id": 3}]}')
+    with pytest.raises(StateError) as ei2:
+        fp.verify(tree.cfg, FT)
+    assert "damaged" in ei2.value.message
+
+
+def test_pin_records_who_why_when_and_what_changed(tree: rt.Tree, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pin writes history entries with user, reason, release and the items a re-pin changed."""
+    monkeypatch.setenv("SUDO_USER", "alice")
+    store = Store(tree.cfg.paths.state_dir)
+    fp.pin(tree.cfg, FT, "install", store=store)
+    unit = Path(tree.cfg.paths.unit_dir) / f"{FT}.service"
+    unit.write_text(unit.read_text() + "# local note\n")
+    assert not fp.verify(tree.cfg, FT).ok
+    ps = fp.pin(tree.cfg, FT, "documented the unit", store=store)
+    assert fp.verify(tree.cfg, FT).ok
+    events = [e for e in store.history() if e["event"] == "pin"]
+    assert [e["reason"] for e in events] == ["install", "documented the unit"]
+    last = events[-1]
+    assert last["by"] == "alice" and last["uid"] == os.getuid() and last["release"] == "r1" and last["time"]
+    assert [c["id"] for c in last["changed"]] == ["unit"]
+    assert ps.by["user"] == "alice" and ps.reason == "documented the unit"
+    with pytest.raises(InputError):
+        fp.pin(tree.cfg, FT, "   ")
+
+
+# ------------------------------------------------------------------------------------------- the cache
+
+
+def _aged_cache(tree: rt.Tree, margin: float = 0.05) -> fp.VerifyReport:
+    fp.pin(tree.cfg, FT, "install")
+    time.sleep(margin * 2)
+    fp.verify(tree.cfg, FT, racy_margin_s=margin)  # values computed now are older than the files by > margin
+    r = fp.verify(tree.cfg, FT, racy_margin_s=margin)
+    assert r.ok and r.stats.cache_hits == r.stats.files and r.stats.bytes_hashed == 0
+    return r
+
+
+def test_cache_catches_same_size_change_with_restored_mtime(tree: rt.Tree) -> None:
+    """A byte changed in place with size and mtime restored is still caught through the cache: ctime moved."""
+    r0 = _aged_cache(tree)
+    so = tree.site_packages / "ftllm/libfastllm_tools.so"
+    st0 = so.stat()
+    flip_byte(so, 1234)
+    os.utime(so, ns=(st0.st_atime_ns, st0.st_mtime_ns))
+    st1 = so.stat()
+    assert (st1.st_dev, st1.st_ino, st1.st_size, st1.st_mtime_ns) == (st0.st_dev, st0.st_ino, st0.st_size,
+                                                                        st0.st_mtime_ns)
+    assert st1.st_ctime_ns != st0.st_ctime_ns
+    r = fp.verify(tree.cfg, FT, racy_margin_s=0.05)
+    assert ids(r) == ["ftllm.lib/libfastllm_tools.so"]
+    assert r.stats.cache_hits == r0.stats.files - 1
+
+
+def test_cache_ignores_values_computed_right_after_a_change(tree: rt.Tree) -> None:
+    """With the default 2 s margin, files changed just now are hashed every time (racy entries are not trusted)."""
+    fp.pin(tree.cfg, FT, "install")
+    r1 = fp.verify(tree.cfg, FT)
+    r2 = fp.verify(tree.cfg, FT)
+    assert r1.ok and r2.ok
+    assert r2.stats.hashed > 0 and r2.stats.bytes_hashed >= (tree.site_packages / "ftllm/libfastllm_tools.so").stat().st_size
+
+
+@pytest.mark.parametrize("garbage", [b"\x00\xffnot json", b'{"format": 1, "entries": [1, 2]}',
+                                     b'{"format": 1, "entries": {"/x": {"key": "k", "values": 5}}}',
+                                     b'{"format": 99, "entries": {}}', b""])
+def test_corrupt_cache_is_ignored(tree: rt.Tree, garbage: bytes) -> None:
+    """A corrupt cache file changes nothing: a clean tree passes, a changed .so is caught, the cache is rewritten."""
+    _aged_cache(tree)
+    cp = fp.cache_path(tree.cfg, FT)
+    cp.write_bytes(garbage)
+    assert fp.verify(tree.cfg, FT, racy_margin_s=0.05).ok
+    cp.write_bytes(garbage)
+    so = tree.site_packages / "ftllm/libfastllm_tools.so"
+    flip_byte(so, 99)
+    assert ids(fp.verify(tree.cfg, FT, racy_margin_s=0.05)) == ["ftllm.lib/libfastllm_tools.so"]
+    assert json.loads(cp.read_bytes())["format"] == fp.CACHE_FORMAT
+
+
+def _poison(tree: rt.Tree, mode: int) -> Path:
+    """Rewrite the cache so the (unchanged) libfastllm_tools.so maps to a wrong hash under its real stat key."""
+    cp = fp.cache_path(tree.cfg, FT)
+    d = json.loads(cp.read_bytes())
+    so = next(i.path for i in fp.collect(tree.cfg, FT) if i.id == "ftllm.lib/libfastllm_tools.so")
+    assert so is not None and "/current/" in so  # the path the unit sees, through the `current` symlink
+    d["entries"][so]["values"]["sha256"][0] = "0" * 64
+    cp.write_text(json.dumps(d))
+    os.chmod(cp, mode)
+    return cp
+
+
+def test_cache_is_used_and_no_cache_bypasses_it(tree: rt.Tree) -> None:
+    """The cache really answers (a doctored entry shows up) and --no-cache hashes everything instead."""
+    _aged_cache(tree)
+    _poison(tree, 0o644)
+    assert ids(fp.verify(tree.cfg, FT, racy_margin_s=0.05)) == ["ftllm.lib/libfastllm_tools.so"]
+    assert fp.verify(tree.cfg, FT, use_cache=False).ok
+
+
+def test_writable_by_others_cache_is_not_trusted(tree: rt.Tree) -> None:
+    """A cache file that group or others may write is ignored (its doctored entry does not count)."""
+    _aged_cache(tree)
+    _poison(tree, 0o666)
+    assert fp.verify(tree.cfg, FT, racy_margin_s=0.05).ok
+
+
+def test_unwritable_cache_costs_only_speed(tree: rt.Tree) -> None:
+    """When the cache cannot be written (its directory is a file), verify is still correct and raises nothing."""
+    cache_dir = fp.cache_path(tree.cfg, FT).parent
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    fp.pin(tree.cfg, FT, "install")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.write_text("not a directory")
+    assert fp.verify(tree.cfg, FT).ok
+    flip_byte(tree.site_packages / "ftllm/libfastllm_tools-cpu.so", 77)
+    assert ids(fp.verify(tree.cfg, FT)) == ["ftllm.lib/libfastllm_tools-cpu.so"]
+
+
+# ------------------------------------------------------------------------------------------- the CLI
+
+
+def cli(tree: rt.Tree, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deploy_tool", "--config", str(tree.config_path), *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_verify_exit_codes_and_table(tree: rt.Tree) -> None:
+    """deploytool verify: 13 when not pinned, 0 when clean, 7 with a plain item/expected/actual table on drift."""
+    r = cli(tree, "verify", FT)
+    assert r.returncode == 13, r.stderr
+    assert "not pinned" in r.stderr and "deploytool pin" in r.stderr
+    p = cli(tree, "pin", "ftllm", "--reason", "first install", env={"SUDO_USER": "bob"})
+    assert p.returncode == 0, p.stderr
+    assert "pinned" in p.stdout and "first pin" in p.stdout
+    ok = cli(tree, "verify", "ftllm")
+    assert ok.returncode == 0, ok.stderr
+    assert re.match(rf"{FT}: all \d+ fingerprints match \(pinned \S+, release r1\)", ok.stdout)
+    so = tree.site_packages / "ftllm/libfastllm_tools.so"
+    before = sha(so)
+    flip_byte(so, 4321)
+    after = sha(so)
+    bad = cli(tree, "verify", FT)
+    assert bad.returncode == 7, bad.stderr
+    assert "\x1b[" not in bad.stdout + bad.stderr  # no colors when not a terminal
+    lines = bad.stdout.splitlines()
+    assert lines[0].startswith(f"{FT}: DRIFT in 1 of ")
+    assert lines[1].split() == ["ITEM", "EXPECTED", "ACTUAL"]
+    assert lines[2].split() == ["SHA-256", "of", "libfastllm_tools.so", before[:12], after[:12]]
+    assert len(lines) == 3
+    assert "error: ftllm-dflash: 1 fingerprint(s) differ from the pins: SHA-256 of libfastllm_tools.so" in bad.stderr
+    assert "deploytool pin ftllm-dflash --reason" in bad.stderr
+    js = cli(tree, "verify", FT, "--json", "--no-cache")
+    assert js.returncode == 7
+    doc = json.loads(js.stdout)
+    assert doc["ok"] is False and [d["id"] for d in doc["drift"]] == ["ftllm.lib/libfastllm_tools.so"]
+    assert doc["drift"][0]["expected"] == before and doc["drift"][0]["actual"] == after
+
+
+def test_cli_pin_repins_with_reason_and_reports_changes(tree: rt.Tree) -> None:
+    """deploytool pin requires --reason, shows what changed, and afterwards verify passes; --dry-run writes nothing."""
+    assert cli(tree, "pin", FT).returncode == 2  # click: missing --reason
+    assert cli(tree, "pin", FT, "--reason", "install").returncode == 0
+    env_file = Path(tree.cfg.paths.env_dir) / f"{FT}.env"
+    env_file.write_text(env_file.read_text() + 'EXTRA="1"\n')
+    assert cli(tree, "verify", FT).returncode == 7
+    pins_before = fp.pins_path(tree.cfg, FT).read_bytes()
+    dry = cli(tree, "--dry-run", "pin", FT, "--reason", "x")
+    assert dry.returncode == 0 and "would pin" in dry.stdout and "env file" in dry.stdout
+    assert fp.pins_path(tree.cfg, FT).read_bytes() == pins_before
+    p = cli(tree, "pin", FT, "--reason", "added EXTRA")
+    assert p.returncode == 0, p.stderr
+    assert "1 changed" in p.stdout and f"env file {FT}.env" in p.stdout
+    assert cli(tree, "verify", FT).returncode == 0
+    assert cli(tree, "pin", FT, "--reason", " ").returncode == 5
+    assert cli(tree, "verify", "nosuch").returncode == 3
+
+
+def test_verify_path_imports_no_jinja2_or_cryptography(tree: rt.Tree) -> None:
+    """The ExecStartPre path stays light: running verify loads neither jinja2 nor cryptography."""
+    fp.pin(tree.cfg, FT, "install")
+    code = ("import sys\n"
+            "from deploy_tool.cli import main\n"
+            "try:\n"
+            f"    main(['--config', {str(tree.config_path)!r}, 'verify', 'ftllm'])\n"
+            "except SystemExit as e:\n"
+            "    code = e.code\n"
+            "print('EXIT', code, [m for m in ('jinja2', 'cryptography') if m in sys.modules])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.stdout.strip().splitlines()[-1] == "EXIT 0 []", r.stdout + r.stderr
