@@ -1,0 +1,297 @@
+"""Rendering: golden units, the real `systemd-analyze verify` and `security`, env files that round-trip exactly.
+
+`systemd-analyze verify` exits 0 on unknown keys, so the tests demand EMPTY stderr (and prove that a broken
+unit does produce stderr). It also needs every ExecStart/ExecStartPre binary to exist and be executable:
+the units are rendered from a copy of each example whose paths point into tmp_path, where executable stubs
+stand in for ftllm, llama-server and deploytool (it is the unit syntax under test, not the programs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy_tool import config, golden, render
+from deploy_tool.errors import ConfigError
+from tests.support.configs import example_dict, load_dict, set_key
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+SECURITY_TARGET = 5.0
+
+# Values an env file must carry exactly (systemd EnvironmentFile syntax, no `export`).
+TRICKY_VALUES = {
+    "PLAIN": "0,1",
+    "EMPTY": "",
+    "SPACES": "  two  spaces inside and around  ",
+    "DQUOTE": 'say "hi"',
+    "SQUOTE": "it's",
+    "DOLLAR": "$HOME ${PATH} $$ $(id)",
+    "BACKSLASH": "C:\\dir\\n\\t\\\\end\\",
+    "BACKTICK": "`id` and ``",
+    "UNICODE": "naïve ✓ 日本語 🚀",
+    "HASH": "# not a comment",
+    "SEMI": "a;b && c | d > e",
+    "EQUALS": "k=v=w",
+    "TAB": "a\tb",
+    "PERCENT": "100% %h %n",
+    "TRAILING_BS": "ends with \\",
+}
+
+
+def _cfg_with_stubs(example: str, tmp: Path) -> tuple[config.Config, list[Path]]:
+    """The example with every path it executes moved into tmp (executable stubs created there)."""
+    data = example_dict(example)
+    root = tmp / "root"
+    set_key(data, "paths.root", str(root / "opt" / "deploytool"))
+    set_key(data, "paths.env_dir", str(root / "etc" / "deploytool" / "env"))
+    set_key(data, "paths.config", str(root / "etc" / "deploytool" / "deploytool.yaml"))
+    set_key(data, "paths.unit_dir", str(root / "etc" / "systemd" / "system"))
+    data.get("systemd", {}).pop("sandbox", None)
+    for b in data["backends"].values():
+        if b["kind"] == "llamacpp" and not str(b.get("binary", "{")).startswith("{"):
+            b["binary"] = str(root / "usr" / "local" / "bin" / "llama-server")
+    cfg = load_dict(tmp, data)
+    stubs: list[Path] = []
+    for f in render.render_all(cfg):
+        if f.kind != "unit":
+            continue
+        for line in f.content.splitlines():
+            m = re.match(r"^ExecStart(?:Pre)?=[-+@:!]*(.*)$", line)
+            if m:
+                exe = Path(shlex.split(m.group(1))[0])
+                assert str(exe).startswith(str(tmp)), f"{exe} is outside the test directory"
+                exe.parent.mkdir(parents=True, exist_ok=True)
+                exe.write_text("#!/bin/sh\nexit 0\n")
+                exe.chmod(0o755)
+                stubs.append(exe)
+    return cfg, stubs
+
+
+def _write_rendered(cfg: config.Config, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    env_dir = Path(cfg.paths.env_dir)
+    env_dir.mkdir(parents=True, exist_ok=True)
+    units = []
+    for f in render.render_all(cfg):
+        if f.kind == "unit":
+            (out / f.name).write_text(f.content)
+            units.append(out / f.name)
+        else:
+            (env_dir / f.name).write_text(f.content)
+    return units
+
+
+def _verify(unit_paths: list[Path]) -> subprocess.CompletedProcess[str]:
+    assert SYSTEMD_ANALYZE, "systemd-analyze is required (apt-get install systemd)"
+    env = dict(os.environ, SYSTEMD_LOG_COLOR="0", SYSTEMD_PAGER="")
+    return subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", *map(str, unit_paths)], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+# ----------------------------------------------------------------------------------------- golden
+
+
+def test_golden_units_match_render() -> None:
+    """units/ equals a fresh render of two-2080ti; on drift the failure shows the unified diff."""
+    d = golden.diff(REPO / "units")
+    assert d == "", f"units/ drifted from the templates (run `make golden` if intended):\n{d}"
+    assert sorted(p.name for p in (REPO / "units").iterdir()) == [
+        "ftllm-dflash.env", "ftllm-dflash.service", "llamacpp-tensor.env", "llamacpp-tensor.service"]
+
+
+def test_golden_tool_refresh_and_check(tmp_path: Path) -> None:
+    """`python -m deploy_tool.golden --dir D` writes the render; `--check` then passes, and fails with a diff on drift."""
+    d = tmp_path / "units"
+    py = sys.executable
+    run = lambda *a: subprocess.run([py, "-m", "deploy_tool.golden", "--dir", str(d), *a], capture_output=True,  # noqa: E731
+                                    text=True, cwd=REPO, timeout=60)
+    assert run().returncode == 0
+    for name in ("ftllm-dflash.service", "llamacpp-tensor.env"):
+        assert (d / name).read_text() == (REPO / "units" / name).read_text()
+    ok = run("--check")
+    assert ok.returncode == 0 and "up to date" in ok.stdout
+    p = d / "ftllm-dflash.service"
+    p.write_text(p.read_text().replace("TimeoutStartSec=900", "TimeoutStartSec=90"))
+    (d / "stale.service").write_text("[Unit]\n")
+    bad = run("--check")
+    assert bad.returncode == 1
+    assert "-TimeoutStartSec=90\n+TimeoutStartSec=900" in bad.stdout
+    assert "units/stale.service" in bad.stdout and "make golden" in bad.stderr
+    assert run().returncode == 0 and not (d / "stale.service").exists() and run("--check").returncode == 0
+
+
+def test_render_deterministic(tmp_path: Path) -> None:
+    """Rendering the same config twice gives the same bytes."""
+    for ex in config.EXAMPLES:
+        cfg = load_dict(tmp_path / ex, example_dict(ex))
+        assert render.render_all(cfg) == render.render_all(cfg)
+
+
+def test_golden_reproduces_production_lines() -> None:
+    """The golden units carry the field's two launch lines and their environment, flag for flag."""
+    ft = (REPO / "units" / "ftllm-dflash.service").read_text()
+    assert ("ftllm server -p /models/Qwen3.8-27B-Uncensored-FP8 --model_name qwen38-27b-ud --tp 2 --max_batch 1 "
+            "--tokens 262144 --gpu_mem_ratio 0.95 --kv_cache_dtype fp4 --speculative_algorithm dflash "
+            "--speculative_draft_model_path /models/Qwen3.8-27B-DFlash2 --speculative_num_draft_tokens 8 "
+            "--prefix_cache true --chat_template ") in ft
+    assert "--host 0.0.0.0 --port 8082" in ft and "Conflicts=llamacpp-tensor.service" in ft
+    fe = (REPO / "units" / "ftllm-dflash.env").read_text()
+    assert 'FASTLLM_CUDA_GRAPH="0"' in fe and 'CUDA_VISIBLE_DEVICES="0,1"' in fe and "LD_PRELOAD=" in fe
+    ll = (REPO / "units" / "llamacpp-tensor.service").read_text()
+    assert ("-sm tensor -fa on -c 262144 --spec-type draft-mtp --spec-draft-n-max 3 --mmproj "
+            "/models/gguf/mmproj-Qwen3.8-27B-F16.gguf") in ll
+    assert 'GGML_CUDA_ALLREDUCE="internal"' in (REPO / "units" / "llamacpp-tensor.env").read_text()
+    assert not [ln for ln in fe.splitlines() if ln.startswith("export")]
+
+
+# ----------------------------------------------------------------------------------------- systemd-analyze
+
+
+@pytest.mark.parametrize("example", config.EXAMPLES)
+def test_systemd_analyze_verify_clean(example: str, tmp_path: Path) -> None:
+    """`systemd-analyze verify` on every rendered unit of the example: exit 0 and EMPTY stderr."""
+    cfg, stubs = _cfg_with_stubs(example, tmp_path)
+    assert len(stubs) == 4  # ExecStartPre + ExecStart of both units
+    units = _write_rendered(cfg, tmp_path / "units")
+    assert len(units) == 2
+    r = _verify(units)
+    assert r.stderr == "", r.stderr
+    assert r.returncode == 0
+
+
+def test_systemd_analyze_verify_catches_a_typo(tmp_path: Path) -> None:
+    """A deliberately broken unit (`Restrat=`) produces stderr naming the key, so the clean test can fail."""
+    cfg, _ = _cfg_with_stubs("two-2080ti", tmp_path)
+    units = _write_rendered(cfg, tmp_path / "units")
+    u = units[0]
+    u.write_text(u.read_text().replace("\nRestart=on-failure\n", "\nRestrat=on-failure\n"))
+    r = _verify([u])
+    assert "Unknown key" in r.stderr and "Restrat" in r.stderr
+
+
+def test_systemd_analyze_verify_catches_missing_binary(tmp_path: Path) -> None:
+    """Without the stubs, verify complains that ExecStart's binary is not executable (why the stubs exist)."""
+    cfg, stubs = _cfg_with_stubs("two-2080ti", tmp_path)
+    units = _write_rendered(cfg, tmp_path / "units")
+    stubs[1].chmod(0o644)
+    r = _verify(units)
+    assert "is not executable" in r.stderr
+
+
+def _security(unit: Path) -> tuple[float, str]:
+    assert SYSTEMD_ANALYZE
+    env = dict(os.environ, SYSTEMD_LOG_COLOR="0", SYSTEMD_PAGER="", SYSTEMD_COLORS="0")
+    r = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager", str(unit)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+) (\w+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1)), m.group(2)
+
+
+@pytest.mark.parametrize("example", config.EXAMPLES)
+def test_systemd_analyze_security_score(example: str, tmp_path: Path, record_property: Any) -> None:
+    """`systemd-analyze security --offline=yes` exposure of every unit is reported and at most 5.0, GPU access kept."""
+    cfg, _ = _cfg_with_stubs(example, tmp_path)
+    units = _write_rendered(cfg, tmp_path / "units")
+    for u in units:
+        score, label = _security(u)
+        print(f"security {example}/{u.name}: {score} {label}")
+        record_property(f"security:{example}/{u.name}", score)
+        assert score <= SECURITY_TARGET, f"{u.name}: exposure {score} > {SECURITY_TARGET}"
+        text = u.read_text()
+        if example == "two-2080ti":
+            assert "DeviceAllow=/dev/nvidiactl rw" in text and "DeviceAllow=/dev/nvidia0 rw" in text
+            assert "DeviceAllow=/dev/nvidia-uvm rw" in text and "PrivateDevices=yes" not in text
+
+
+# ----------------------------------------------------------------------------------------- env files
+
+
+def test_env_quote_escapes() -> None:
+    """env_quote writes NAME="value" with exactly ", \\, ` and $ backslash-escaped; everything else verbatim."""
+    assert render.env_quote("A", 'x "y" \\ `z` $W ✓') == 'A="x \\"y\\" \\\\ \\`z\\` \\$W ✓"'
+    assert render.env_quote("E", "") == 'E=""'
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\x00b", "\n"])
+def test_env_quote_rejects_line_breaks_and_nul(bad: str) -> None:
+    """Newline, CR and NUL cannot live in an EnvironmentFile: one clear ConfigError naming the variable."""
+    with pytest.raises(ConfigError) as ei:
+        render.env_quote("MY_VAR", bad)
+    assert ei.value.message == ("environment variable MY_VAR: value contains a newline or NUL byte, which an "
+                                "EnvironmentFile cannot hold")
+    assert ei.value.hint == "put such data in a file and pass its path"
+
+
+def test_env_file_rendered_from_config(tmp_path: Path) -> None:
+    """Every tricky value from the config appears in the rendered env file as one quoted line, in order."""
+    data = example_dict("cpu-demo")
+    set_key(data, "backends.ftllm-dflash.env", dict(TRICKY_VALUES))
+    cfg = load_dict(tmp_path, data)
+    envf = next(f for f in render.render_all(cfg) if f.name == "ftllm-dflash.env").content
+    lines = [ln for ln in envf.splitlines() if ln and not ln.startswith("#")]
+    assert lines == [render.env_quote(k, v) for k, v in sorted(TRICKY_VALUES.items())]
+    assert not any(ln.startswith("export") for ln in lines)
+
+
+def _parse_env_file_like_systemd(text: str) -> dict[str, str]:
+    """An independent reading of the EnvironmentFile rules for double-quoted values (systemd's env-file.c):
+    inside "...", a backslash followed by one of  " \\ ` $  yields that character; any other backslash is kept."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, _, rest = line.partition("=")
+        assert rest.startswith('"') and rest.endswith('"'), line
+        body, val, i = rest[1:-1], [], 0
+        while i < len(body):
+            c = body[i]
+            if c == "\\" and i + 1 < len(body) and body[i + 1] in '"\\`$':
+                val.append(body[i + 1])
+                i += 2
+                continue
+            assert c != '"', f"unescaped quote in {line!r}"
+            val.append(c)
+            i += 1
+        out[key] = "".join(val)
+    return out
+
+
+def test_env_file_round_trip_offline() -> None:
+    """The rendered lines read back (by systemd's documented rules) to exactly the original values."""
+    text = "\n".join(render.env_quote(k, v) for k, v in TRICKY_VALUES.items()) + "\n"
+    assert _parse_env_file_like_systemd(text) == TRICKY_VALUES
+
+
+@pytest.mark.sandbox
+def test_env_and_argv_round_trip_through_real_systemd(sandbox_env: Any, tmp_path: Path) -> None:
+    """A real systemd reads the rendered env file and ExecStart: the process sees every value and argument exactly."""
+    sd = sandbox_env.systemd
+    env_text = "".join(render.env_quote(k, v) + "\n" for k, v in TRICKY_VALUES.items())
+    (sandbox_env.unit_dir / "t-roundtrip.env").write_text(env_text)  # the fixture deletes new files
+    args = ["plain", "two words", 'q"uote', "it's", "$HOME", "${X}", "100%", "%n", "back\\slash", "✓ 日本", ""]
+    dump = ("import json,os,sys; print('RT=' + json.dumps({'env': {k: os.environ.get(k) for k in "
+            f"{sorted(TRICKY_VALUES)!r}}}, 'argv': sys.argv[1:]}}))")
+    exec_start = " ".join(render.systemd_quote(a) for a in ["/usr/bin/python3", "-c", dump, *args])
+    unit = ("[Service]\nType=oneshot\nEnvironmentFile=/etc/systemd/system/t-roundtrip.env\n"
+            f"ExecStart={exec_start}\n")
+    sd.install_file("t-roundtrip.service", unit.encode())
+    sd.daemon_reload()
+    cursor = sd.journal_cursor()
+    sd.start("t-roundtrip.service")
+    sd.sync_journal()
+    log = sd.journal("t-roundtrip.service", since_cursor=cursor)
+    line = next(ln for ln in log.splitlines() if "RT=" in ln)
+    got = json.loads(line.split("RT=", 1)[1])
+    assert got["env"] == TRICKY_VALUES
+    assert got["argv"] == args
