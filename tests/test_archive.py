@@ -1,0 +1,276 @@
+"""Reproducible tar.zst archives of venv trees, and the safe extractor against hostile archives."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from deploy_tool import archive
+from deploy_tool.errors import BundleError, InputError
+from tests.support.bundles import make_venv_tree, member, snapshot, write_members
+
+
+def _tree_listing(root: Path) -> dict[str, tuple]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", p.stat().st_mode & 0o777)
+            else:
+                out[rel] = ("file", p.stat().st_mode & 0o777, p.read_bytes())
+    return out
+
+
+def test_roundtrip_venv_tree_with_symlinks(tmp_path: Path) -> None:
+    """A venv tree (relative symlinks, empty dir, exec bits, names over 100 bytes) survives write + safe extract."""
+    venv = make_venv_tree(tmp_path / "venv")
+    a = archive.archive_tree(venv, tmp_path / "v.tar.zst")
+    got = archive.extract_archive(a, tmp_path / "out")
+    assert got.root == tmp_path / "out"
+    assert _tree_listing(tmp_path / "out") == _tree_listing(venv)
+    assert os.readlink(tmp_path / "out" / "bin" / "python") == "python3"
+    assert (tmp_path / "out" / "include" / "python3.11").is_dir()
+
+
+def test_archive_is_reproducible_across_copies(tmp_path: Path) -> None:
+    """The same tree, and a copy with other mtimes, owners and non-exec mode bits, archives to identical bytes."""
+    venv = make_venv_tree(tmp_path / "venv")
+    one = archive.archive_tree(venv, tmp_path / "1.tar.zst").read_bytes()
+    two = archive.archive_tree(venv, tmp_path / "2.tar.zst").read_bytes()
+    copy = tmp_path / "copy"
+    shutil.copytree(venv, copy, symlinks=True)
+    for p in copy.rglob("*"):
+        if p.is_symlink():
+            continue
+        os.utime(p, (1_500_000_000, 1_600_000_000))
+        if p.is_file():
+            os.chmod(p, 0o700 if p.stat().st_mode & 0o100 else 0o600)
+        if os.geteuid() == 0:
+            os.chown(p, 4242, 4343)
+    three = archive.archive_tree(copy, tmp_path / "3.tar.zst").read_bytes()
+    assert one == two == three
+
+
+def test_archive_headers_are_normalized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members are sorted, owned by 0/0 with empty names, mtime SOURCE_DATE_EPOCH, modes 0644/0755, no pax."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1234567890")
+    venv = make_venv_tree(tmp_path / "venv")
+    a = archive.archive_tree(venv, tmp_path / "v.tar.zst")
+    raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(a.read_bytes())).read()
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
+        ms = tf.getmembers()
+        assert not tf.pax_headers
+    names = [m.name for m in ms]
+    assert names == sorted(names)
+    assert {(m.uid, m.gid, m.uname, m.gname, m.mtime) for m in ms} == {(0, 0, "", "", 1234567890)}
+    assert {m.mode for m in ms if m.isfile()} == {0o644, 0o755}
+    assert {m.mode for m in ms if m.isdir()} == {0o755}
+    assert len(raw) % 10240 == 0 and b"PaxHeader" not in raw and b"atime" not in raw
+
+
+def test_gnu_tar_reads_our_archive_and_we_read_gnu_tar(tmp_path: Path) -> None:
+    """Interop both ways with GNU tar: it lists and extracts ours; we extract a plain tar made by it."""
+    venv = make_venv_tree(tmp_path / "venv")
+    a = archive.archive_tree(venv, tmp_path / "v.tar.zst")
+    (tmp_path / "gnu").mkdir()
+    subprocess.run(["tar", "--zstd", "-xf", str(a), "-C", str(tmp_path / "gnu")], check=True)
+    assert _tree_listing(tmp_path / "gnu") == _tree_listing(venv)
+    entries = sorted(p.name for p in venv.iterdir())
+    subprocess.run(["tar", "-cf", str(tmp_path / "g.tar"), "-C", str(venv), *entries], check=True)
+    archive.extract_archive(tmp_path / "g.tar", tmp_path / "ours")
+    assert _tree_listing(tmp_path / "ours").keys() == _tree_listing(venv).keys()
+
+
+def test_members_from_tree_refuses_absolute_and_escaping_symlinks(tmp_path: Path) -> None:
+    """An absolute symlink (a venv's bin/python3 -> /usr/bin/python3) or one leaving the tree is an InputError."""
+    t = tmp_path / "t"
+    t.mkdir()
+    os.symlink("/usr/bin/python3", t / "python3")
+    with pytest.raises(InputError, match="relative symlinks"):
+        archive.members_from_tree(t)
+    (t / "python3").unlink()
+    os.symlink("../../etc/passwd", t / "up")
+    with pytest.raises(InputError):
+        archive.members_from_tree(t)
+    (t / "up").unlink()
+    os.mkfifo(t / "fifo")
+    with pytest.raises(InputError, match="not a regular file"):
+        archive.members_from_tree(t)
+    (t / "fifo").unlink()
+    os.symlink("x", t / "rel")
+    with pytest.raises(InputError, match="symlinks are not allowed"):
+        archive.members_from_tree(t, symlinks=False)
+    assert [m.name for m in archive.members_from_tree(t, exclude=lambda n: n == "rel")] == []
+
+
+def test_file_changing_size_while_archiving_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member whose size differs from its stat when read is an InputError and no archive is left."""
+    f = tmp_path / "grow"
+    f.write_bytes(b"x" * 10)
+    m = archive.Member("grow", "file", f, 0o644)
+    real_stat = os.stat
+
+    def fake_stat(p, *a, **kw):
+        st = real_stat(p, *a, **kw)
+        if str(p) == str(f):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid, 5,
+                                   st.st_atime, st.st_mtime, st.st_ctime))
+        return st
+
+    monkeypatch.setattr(os, "stat", fake_stat)  # the file "grows" between stat and read
+    with pytest.raises(InputError, match="changed size"):
+        archive.write_archive([m], tmp_path / "out" / "a.tar.zst")
+    monkeypatch.undo()
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------- hostile input
+
+HOSTILE = [
+    ("absolute", [member("/tmp/deploytool-abs-escape", data=b"x")], "absolute-path"),
+    ("dotdot", [member("a/../../dotdot-escape", data=b"x")], "dotdot-path"),
+    ("symlink-escape", [member("l", tarfile.SYMTYPE, linkname="../outside")], "symlink-escape"),
+    ("symlink-absolute", [member("l", tarfile.SYMTYPE, linkname="/etc")], "symlink-escape"),
+    ("symlink-dotdot-inside-name", [member("a/l", tarfile.SYMTYPE, linkname="b/../../..")], "symlink-escape"),
+    ("write-through-symlink", [member("d", tarfile.SYMTYPE, linkname="."),
+                               member("d/x", data=b"x")], "path-through-symlink"),
+    ("hardlink", [member("f", data=b"x"), member("h", tarfile.LNKTYPE, linkname="f")], "hardlink"),
+    ("chardev", [member("null", tarfile.CHRTYPE)], "device-node"),
+    ("blockdev", [member("sda", tarfile.BLKTYPE)], "device-node"),
+    ("fifo", [member("p", tarfile.FIFOTYPE)], "fifo"),
+    ("duplicate", [member("f", data=b"x"), member("f", data=b"y")], "duplicate-entry"),
+    ("dir-then-file-same-name", [member("d", tarfile.DIRTYPE, mode=0o755), member("d", data=b"y")],
+     "duplicate-entry"),
+    ("file-under-file", [member("f", data=b"x"), member("f/g", data=b"y")], "path-conflict"),
+    ("dot-component", [member("./f", data=b"x")], "bad-path"),
+]
+
+
+@pytest.mark.parametrize(("name", "members", "reason"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_extractor_rejects_hostile_entries(tmp_path: Path, name: str, members: list, reason: str) -> None:
+    """Each hostile entry is rejected with its reason; the staging dir is removed and nothing lands elsewhere."""
+    a = write_members(tmp_path / "evil.tar.zst", members)
+    before = snapshot(tmp_path)
+    with pytest.raises(BundleError) as ei:
+        archive.extract_archive(a, tmp_path / "stage", symlinks=True)
+    assert ei.value.reason == reason, ei.value.message
+    assert not (tmp_path / "stage").exists()
+    assert snapshot(tmp_path) == before
+    assert not Path("/tmp/deploytool-abs-escape").exists() and not (tmp_path / "dotdot-escape").exists()
+
+
+def test_extractor_rejects_symlinks_when_not_allowed(tmp_path: Path) -> None:
+    """With symlinks=False (bundles) even a harmless in-tree symlink is rejected."""
+    a = write_members(tmp_path / "a.tar.zst", [member("l", tarfile.SYMTYPE, linkname="x")])
+    with pytest.raises(BundleError) as ei:
+        archive.extract_archive(a, tmp_path / "s", symlinks=False)
+    assert ei.value.reason == "symlink" and not (tmp_path / "s").exists()
+
+
+def test_extractor_total_size_limit(tmp_path: Path) -> None:
+    """An archive unpacking beyond max_total is rejected before the oversize entry is written."""
+    a = write_members(tmp_path / "a.tar.zst", [member("a", data=b"x" * 600), member("b", data=b"y" * 600)])
+    with pytest.raises(BundleError) as ei:
+        archive.extract_archive(a, tmp_path / "s", max_total=1000)
+    assert ei.value.reason == "archive-too-large" and not (tmp_path / "s").exists()
+    with pytest.raises(BundleError) as ei:
+        archive.extract_archive(a, tmp_path / "s", max_entries=1)
+    assert ei.value.reason == "archive-too-large"
+
+
+def test_extractor_zstd_bomb_of_zeros_is_bounded(tmp_path: Path) -> None:
+    """A tiny zstd file declaring a huge entry is stopped by the size limit without writing it."""
+    ti = tarfile.TarInfo("big")
+    ti.size = 50 << 30
+    hdr = ti.tobuf(tarfile.GNU_FORMAT)
+    cctx = zstandard.ZstdCompressor(level=19)
+    (tmp_path / "bomb.tar.zst").write_bytes(cctx.compress(hdr + b"\0" * (8 << 20)))
+    with pytest.raises(BundleError) as ei:
+        archive.extract_archive(tmp_path / "bomb.tar.zst", tmp_path / "s", max_total=1 << 30)
+    assert ei.value.reason == "archive-too-large"
+
+
+@pytest.mark.parametrize("cut", [1, 100, 513, 1024 + 3])
+def test_truncated_archives(tmp_path: Path, cut: int) -> None:
+    """Cutting bytes off a tar.zst or a plain tar is archive-truncated (zstd checked before any write)."""
+    venv = make_venv_tree(tmp_path / "venv", big=5000)
+    for comp, name in (("zstd", "v.tar.zst"), ("none", "v.tar")):
+        a = archive.archive_tree(venv, tmp_path / name, compression=comp)
+        data = a.read_bytes()
+        if comp == "none":
+            data = data.rstrip(b"\0")  # drop the end marker and padding too
+        a.write_bytes(data[:-cut])
+        with pytest.raises(BundleError) as ei:
+            archive.extract_archive(a, tmp_path / "s")
+        assert ei.value.reason == "archive-truncated", (comp, ei.value.message)
+        assert not (tmp_path / "s").exists()
+
+
+def test_malformed_archives(tmp_path: Path) -> None:
+    """Bad checksums, pax headers, gzip, garbage and trailing data are rejected with their own reasons."""
+    good = archive.write_archive([archive.Member("f", "file", b"hello", 0o644)], tmp_path / "g.tar",
+                                 compression="none").read_bytes()
+
+    def reason(data: bytes, name: str = "x.tar") -> str:
+        p = tmp_path / name
+        p.write_bytes(data)
+        with pytest.raises(BundleError) as ei:
+            archive.extract_archive(p, tmp_path / "s")
+        assert not (tmp_path / "s").exists()
+        return ei.value.reason
+
+    bad = bytearray(good)
+    bad[0] ^= 1
+    assert reason(bytes(bad)) == "archive-malformed"
+    assert reason(good + b"junk") == "trailing-data"
+    assert reason(zstandard.ZstdCompressor().compress(good) + b"junk", "x.tar.zst") == "trailing-data"
+    assert reason(b"\x1f\x8b" + b"\0" * 600) == "unsupported-compression"
+    assert reason(b"hello world" * 100) == "unsupported-compression"
+    assert reason(b"short") == "archive-truncated"
+    pax = write_members(tmp_path / "pax.tar", [member("é" * 120, data=b"x")], compress=False,
+                        fmt=tarfile.PAX_FORMAT).read_bytes()
+    assert reason(pax) == "unsupported-entry"
+    z = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(good))
+    z[-2] ^= 0xFF  # the frame checksum
+    assert reason(bytes(z), "c.tar.zst") == "archive-malformed"
+
+
+def test_extract_refuses_existing_staging_dir(tmp_path: Path) -> None:
+    """The staging dir must be new: an existing one (maybe someone else's) is never written into."""
+    a = archive.write_archive([archive.Member("f", "file", b"x", 0o644)], tmp_path / "a.tar.zst")
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "keep").write_text("mine")
+    with pytest.raises(InputError, match="already exists"):
+        archive.extract_archive(a, tmp_path / "s")
+    assert (tmp_path / "s" / "keep").read_text() == "mine"
+
+
+def test_extracted_modes_are_normalized(tmp_path: Path) -> None:
+    """setuid/world-writable modes in an archive come out as plain 0644/0755; the staging root is 0700."""
+    a = write_members(tmp_path / "m.tar.zst", [member("suid", data=b"x", mode=0o4777),
+                                               member("ww", data=b"y", mode=0o666)])
+    archive.extract_archive(a, tmp_path / "s")
+    assert (tmp_path / "s" / "suid").stat().st_mode & 0o7777 == 0o755
+    assert (tmp_path / "s" / "ww").stat().st_mode & 0o7777 == 0o644
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
+
+
+def test_list_archive(tmp_path: Path) -> None:
+    """list_archive returns the strictly parsed entries with kinds and symlink targets."""
+    venv = make_venv_tree(tmp_path / "venv")
+    a = archive.archive_tree(venv, tmp_path / "v.tar.zst")
+    entries = {e.name: e for e in archive.list_archive(a)}
+    assert entries["bin/python"].kind == "symlink" and entries["bin/python"].target == "python3"
+    assert entries["bin/python3"].mode == 0o755
+    assert any(len(n) > 100 for n in entries)
