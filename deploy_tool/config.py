@@ -15,7 +15,6 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -627,12 +626,16 @@ def example_text(name: str) -> str:
         close = difflib.get_close_matches(name, EXAMPLES, n=1)
         raise ConfigError(f"unknown example {name!r} (examples: {', '.join(EXAMPLES)})",
                           hint=f"did you mean {close[0]!r}?" if close else None)
+    from importlib import resources  # lazy: 5 ms of startup for `check` and `--version`
+
     return resources.files("deploy_tool.examples").joinpath(f"{name}.yaml").read_text("utf-8")
 
 
 def example_companions(name: str) -> dict[str, bytes]:
     """Files that come with an example (requirements.in, a chat template), written beside the config by init."""
     example_text(name)  # validates the name
+    from importlib import resources
+
     d = resources.files("deploy_tool.examples").joinpath(name)
     if not d.is_dir():
         return {}
