@@ -1,0 +1,127 @@
+"""Startup time of `deploytool --version` and `deploytool check` against a bare `python -c pass`.
+
+Target: interpreter start plus at most 150 ms. All commands are measured in the same run, interleaved round
+by round (so background load hits them alike), median of N rounds (default 10). `check` runs on both embedded
+examples, written by `deploytool init` into a temporary directory; cpu-demo's model file is an empty
+placeholder there (`check` only looks at whether it exists).
+
+Bytecode: pip compiles .pyc files on install, so the budget is judged with a bytecode cache (written once,
+during the warm-up round, into the git-ignored __pycache__ directories). With `--no-bytecode` every run
+compiles deploytool from source, as under PYTHONDONTWRITEBYTECODE=1 in a dev shell.
+
+Besides wall time (the budget), the children's CPU time (user + sys) is shown: on a busy machine it moves
+far less than wall time, so it tells a slow start from a crowded one.
+
+    python bench/bench_startup.py [--rounds 10] [--json]
+
+Exit status 1 when a median exceeds the budget (python -c pass + 150 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BUDGET_MS = 150.0
+
+
+def _deploytool() -> list[str]:
+    """The console script next to this interpreter (what users run), else `python -m deploy_tool`."""
+    script = Path(sys.executable).with_name("deploytool")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "deploy_tool"]
+
+
+def _env(bytecode: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+ENV: dict[str, str] = {}
+
+
+def _time(argv: list[str], cwd: Path) -> tuple[float, float]:
+    """(wall ms, child CPU ms) of one run."""
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120, env=ENV)
+    dt = (time.perf_counter() - t0) * 1000
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) * 1000
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} exited {r.returncode}: {r.stderr.decode(errors='replace')[-400:]}")
+    return dt, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-bytecode", action="store_true", help="compile from source on every run")
+    args = ap.parse_args(argv)
+    ENV.update(_env(not args.no_bytecode))
+    dt = _deploytool()
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as td:
+        work = Path(td)
+        cmds: dict[str, list[str]] = {"python -c pass": [sys.executable, "-c", "pass"],
+                                      "deploytool --version": [*dt, "--version"]}
+        for ex in ("two-2080ti", "cpu-demo"):
+            d = work / ex
+            d.mkdir()
+            subprocess.run([*dt, "init", "--example", ex, "--out", str(d / "deploytool.yaml")], check=True,
+                           stdout=subprocess.DEVNULL, env=ENV)
+            if ex == "cpu-demo":
+                (d / "models").mkdir()
+                (d / "models" / "tiny-f16.gguf").write_bytes(b"")
+            cmds[f"deploytool check ({ex})"] = [*dt, "--config", str(d / "deploytool.yaml"), "check"]
+        for argv_ in cmds.values():  # warm the page cache and .pyc files once
+            _time(argv_, work)
+        samples: dict[str, list[float]] = {k: [] for k in cmds}
+        cpu: dict[str, list[float]] = {k: [] for k in cmds}
+        for _ in range(args.rounds):
+            for name, argv_ in cmds.items():
+                wall, c = _time(argv_, work)
+                samples[name].append(wall)
+                cpu[name].append(c)
+    base = statistics.median(samples["python -c pass"])
+    base_cpu = statistics.median(cpu["python -c pass"])
+    rows = []
+    for name, s in samples.items():
+        med = statistics.median(s)
+        mc = statistics.median(cpu[name])
+        rows.append({"command": name, "median_ms": round(med, 1), "min_ms": round(min(s), 1),
+                     "max_ms": round(max(s), 1), "ratio": round(med / base, 2),
+                     "over_python_ms": round(med - base, 1), "cpu_median_ms": round(mc, 1),
+                     "cpu_over_python_ms": round(mc - base_cpu, 1)})
+    worst = max(r["over_python_ms"] for r in rows)
+    ok = worst <= BUDGET_MS
+    if args.json:
+        print(json.dumps({"rounds": args.rounds, "budget_ms": BUDGET_MS, "ok": ok, "cpus": os.cpu_count(),
+                          "bytecode": not args.no_bytecode, "rows": rows}, indent=2))
+    else:
+        print(f"{'command':32} {'median':>9} {'min':>8} {'max':>8} {'ratio':>6} {'+python':>9} {'cpu':>8} "
+              f"{'cpu+py':>8}")
+        for r in rows:
+            print(f"{r['command']:32} {r['median_ms']:7.1f}ms {r['min_ms']:6.1f}ms {r['max_ms']:6.1f}ms "
+                  f"{r['ratio']:5.2f}x {r['over_python_ms']:7.1f}ms {r['cpu_median_ms']:6.1f}ms "
+                  f"{r['cpu_over_python_ms']:6.1f}ms")
+        print(f"budget: python -c pass + {BUDGET_MS:.0f} ms = {base + BUDGET_MS:.1f} ms; worst +{worst:.1f} ms: "
+              f"{'OK' if ok else 'OVER BUDGET'} (median of {args.rounds}, same run, interleaved, "
+              f"{'no bytecode cache' if args.no_bytecode else 'with bytecode cache'})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
