@@ -179,6 +179,9 @@ class Systemd:
 
     def _job(self, verb: str, unit: str, no_block: bool) -> None:
         validate_unit_name(unit)
+        cursor = None
+        with contextlib.suppress(SystemdError):
+            cursor = self.journal_cursor()  # so a failure's tail is exactly what this job logged
         res = self._ctl(verb, *(["--no-block"] if no_block else []), unit, ok=range(256), timeout=self.timeout)
         if res.returncode == 0:
             return
@@ -188,24 +191,28 @@ class Systemd:
             state = f" (ActiveState={st.active_state}, Result={st.result}, ExecMainStatus={st.exec_main_status})"
         except SystemdError:
             state = ""
-        tail = self._tail_for(unit)
+        tail = self._tail_for(unit, since_cursor=cursor)
         raise SystemdError(f"{verb} of {unit} failed{state}: {reason}"
                            + (("\n" + _indent(tail)) if tail else ""),
                            hint=f"see the full log: journalctl -u {unit}", details=tail)
 
-    def _tail_for(self, unit: str, lines: int = 20) -> str:
-        """The journal of the unit's latest invocation, read until it stops growing (at most ~1 s).
+    def _tail_for(self, unit: str, lines: int = 20, since_cursor: str | None = None) -> str:
+        """The unit's journal since `since_cursor` (else of its latest invocation), read until it stops growing.
 
         journald reads a unit's stdout/stderr streams asynchronously, so right after a failed start the
         unit's own last words may still be in flight; `journalctl --sync` does not wait for streams on 252.
         """
         with contextlib.suppress(SystemdError):
             self.sync_journal()
-            inv = self.show(unit).invocation_id
-            text = self.journal(unit, invocation=inv or None, lines=lines)
+            inv = None if since_cursor else (self.show(unit).invocation_id or None)
+
+            def read() -> str:
+                return self.journal(unit, since_cursor=since_cursor, invocation=inv, lines=lines)
+
+            text = read()
             for _ in range(10):
                 time.sleep(0.1)
-                again = self.journal(unit, invocation=inv or None, lines=lines)
+                again = read()
                 if again == text:
                     break
                 text = again
@@ -309,25 +316,78 @@ class Systemd:
 
     def journal(self, unit: str, since_cursor: str | None = None, invocation: str | None = None,
                 lines: int = 50) -> str:
-        """The last `lines` journal lines of `unit`, only after `since_cursor` and/or of one invocation if given.
+        """The last `lines` journal lines of `unit`: all of them, those after `since_cursor`, or one invocation's.
 
-        Includes both the unit's own output and the manager's messages about it (why it failed). With
-        `invocation`, entries are selected by that invocation id alone (the unit name is only validated).
+        Includes both the unit's own output and the manager's messages about it (why it failed).
+
+        An invocation's lines are found by position, not only by their `_SYSTEMD_INVOCATION_ID`: journald 252
+        sometimes stores a short-lived ExecStartPre's output before the manager's "Starting ..." message, or
+        without (or with a previous) invocation id. So the window runs from just after the previous
+        invocation's last manager message to just before the next invocation's first one.
         """
         validate_unit_name(unit)
-        args = ["-o", "short-precise", "-n", str(int(lines))]
+        n = max(int(lines), 1)
+        if invocation is None:
+            args = ["-o", "short-precise", "-n", str(n), "-u", unit]
+            if since_cursor:
+                args.append("--after-cursor=" + since_cursor)
+            res = self._jctl(*args, ok=(0, 1))
+            return "\n".join(ln for ln in res.stdout.splitlines() if ln != "-- No entries --")
+        if not re.fullmatch(r"[0-9a-f]{32}", invocation):
+            raise InputError(f"invocation id {invocation!r} is not 32 hex digits")
+        args = ["-o", "json", "-n", str(n + 1000), "-u", unit]
         if since_cursor:
             args.append("--after-cursor=" + since_cursor)
-        if invocation:
-            if not re.fullmatch(r"[0-9a-f]{32}", invocation):
-                raise InputError(f"invocation id {invocation!r} is not 32 hex digits")
-            # the unit's own output carries _SYSTEMD_INVOCATION_ID, the manager's messages about it INVOCATION_ID
-            args += [f"_SYSTEMD_INVOCATION_ID={invocation}", "+", f"INVOCATION_ID={invocation}"]
-        else:
-            args += ["-u", unit]
-        res = self._jctl(*args, ok=(0, 1))
-        text = res.stdout
-        return "\n".join(ln for ln in text.splitlines() if ln != "-- No entries --")
+        ents = []
+        for line in self._jctl(*args, ok=(0, 1)).stdout.splitlines():
+            with contextlib.suppress(ValueError):
+                e = json.loads(line)
+                if isinstance(e, dict):
+                    ents.append(e)
+        return "\n".join(_format_entry(e) for e in _invocation_window(ents, invocation)[-n:])
+
+def _invocation_window(ents: list[dict[str, object]], inv: str) -> list[dict[str, object]]:
+    """The entries of invocation `inv` among one unit's journal entries (oldest first); see Systemd.journal."""
+    def mgr(e: dict[str, object]) -> object:  # the manager's messages about a unit carry INVOCATION_ID
+        return e.get("INVOCATION_ID")
+
+    first = next((i for i, e in enumerate(ents) if mgr(e) == inv), None)
+    if first is None:
+        tagged = [i for i, e in enumerate(ents) if e.get("_SYSTEMD_INVOCATION_ID") == inv]
+        if not tagged:
+            return []
+        first = tagged[0]
+    start = first
+    while start > 0 and mgr(ents[start - 1]) in (None, "", inv):  # back to the previous invocation's last word
+        start -= 1
+    end = next((k for k in range(first + 1, len(ents)) if mgr(ents[k]) and mgr(ents[k]) != inv), len(ents))
+    last_own = max((i for i in range(first, end) if mgr(ents[i]) == inv), default=first)
+    out = []
+    for i in range(start, end):
+        tag = ents[i].get("_SYSTEMD_INVOCATION_ID")
+        if tag is not None and tag != inv and not mgr(ents[i]):
+            continue  # output of another invocation
+        if i > last_own and end < len(ents) and tag != inv:
+            continue  # untagged, after our last word and before the next start: the next invocation's
+        out.append(ents[i])
+    return out
+
+
+def _format_entry(e: dict[str, object]) -> str:
+    """One journal entry (journalctl -o json) as `Mon DD HH:MM:SS.ffffff ident[pid]: message`."""
+    import datetime
+
+    try:
+        ts = datetime.datetime.fromtimestamp(int(str(e.get("__REALTIME_TIMESTAMP"))) / 1e6)
+        when = ts.strftime("%b %d %H:%M:%S.%f")
+    except (TypeError, ValueError):
+        when = "?"
+    msg = e.get("MESSAGE")
+    if isinstance(msg, list):  # binary or non-UTF-8 message: an array of bytes
+        msg = bytes(int(b) for b in msg if isinstance(b, int)).decode("utf-8", "replace")
+    ident = e.get("SYSLOG_IDENTIFIER") or e.get("_COMM") or "?"
+    pid = e.get("_PID")
+    return f"{when} {ident}{f'[{pid}]' if pid else ''}: {msg if msg is not None else ''}"
 
 
 def for_config(cfg: object) -> Systemd:

@@ -262,3 +262,46 @@ def test_install_into_missing_unit_dir(tmp_path: Path, sandbox_env: SandboxEnv) 
         sd.install_file("x.service", b"[Service]\nExecStart=/bin/true\n")
     assert "does not exist" in ei.value.message
     assert not (tmp_path / "nope").exists()
+
+
+def test_each_failed_start_reports_its_own_reason(sandbox_env: SandboxEnv) -> None:
+    """Back-to-back failing starts: every error and every invocation's journal holds its own pre-check line only."""
+    sd = sandbox_env.systemd
+    sd.install_file("t-rep.service", b"[Service]\nExecStartPre=/bin/sh -c 'echo refused-$INVOCATION_ID >&2; exit 7'\n"
+                                     b"ExecStart=/bin/sleep 10\n")
+    sd.daemon_reload()
+    invs = []
+    for _ in range(8):
+        with pytest.raises(SystemdError) as ei:
+            sd.start("t-rep.service")
+        inv = sd.show("t-rep.service").invocation_id
+        assert f"refused-{inv}" in ei.value.message
+        invs.append(inv)
+        sd.reset_failed("t-rep.service")
+    assert len(set(invs)) == 8
+    for inv in invs:
+        log = sd.journal("t-rep.service", invocation=inv)
+        assert f"refused-{inv}" in log and "status=7" in log
+        assert not [o for o in invs if o != inv and f"refused-{o}" in log]
+
+
+def test_invocation_window_orders() -> None:
+    """The invocation window copes with journald storing a process's output before or without its invocation id."""
+    from deploy_tool.systemd import _invocation_window
+
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+
+    def mgr(inv: str, msg: str) -> dict[str, object]:
+        return {"INVOCATION_ID": inv, "MESSAGE": msg, "_PID": "1"}
+
+    def out(msg: str, inv: str | None = None) -> dict[str, object]:
+        return {"MESSAGE": msg, **({"_SYSTEMD_INVOCATION_ID": inv} if inv else {})}
+
+    ents = [out("a-early", a), mgr(a, "Starting"), mgr(a, "Failed"),
+            out("b-before-start"), mgr(b, "Starting"), out("b-run", b), mgr(b, "Failed"),
+            out("c-before-start", c), out("b-late", b), mgr(c, "Starting"), out("c-untagged")]
+    msgs = lambda inv: [e["MESSAGE"] for e in _invocation_window(ents, inv)]  # noqa: E731
+    assert msgs(a) == ["a-early", "Starting", "Failed"]
+    assert msgs(b) == ["b-before-start", "Starting", "b-run", "Failed", "b-late"]
+    assert msgs(c) == ["c-before-start", "Starting", "c-untagged"]
+    assert msgs("d" * 32) == []
