@@ -202,6 +202,9 @@ def check_cuda_graph(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
 def _nccl_paths(cfg: Config, b: FtllmBackend) -> tuple[str | None, str]:
     """(library to inspect, how it is loaded) for an ftllm backend."""
     if b.use_bundle_nccl and cfg.bundle.nccl is not None:
+        installed = _installed_copy(cfg, "bundle.nccl.library")
+        if not os.path.exists(cfg.bundle.nccl.library) and installed:
+            return installed, "the installed release's NCCL (LD_PRELOAD)"
         return cfg.bundle.nccl.library, "bundle.nccl.library (LD_PRELOAD)"
     pre = _env(b).get("LD_PRELOAD", "")
     for part in pre.replace(":", " ").split():
@@ -236,8 +239,9 @@ def check_nccl(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
     from deploy_tool import binaries  # lazy: only when a library is inspected
     from deploy_tool.errors import DeployError
 
-    policy = cfg.bundle.nccl.arch_policy if (cfg.bundle.nccl is not None and how.startswith("bundle")) else "exact"
-    force = cfg.bundle.nccl is not None and cfg.bundle.nccl.force and how.startswith("bundle")
+    bundled = how.startswith(("bundle", "the installed"))
+    policy = cfg.bundle.nccl.arch_policy if (cfg.bundle.nccl is not None and bundled) else "exact"
+    force = cfg.bundle.nccl is not None and cfg.bundle.nccl.force and bundled
     try:
         info = binaries.read_fatbin(lib)
         ok, why = binaries.arch_supported(info, cc, policy)
@@ -709,6 +713,15 @@ def _bundle_files(cfg: Config) -> list[tuple[str, str, list[Backend]]]:
     return out
 
 
+def _installed_copy(cfg: Config, what: str) -> str | None:
+    """The installed release's copy of a bundle input, if this machine has one (the box after `install`)."""
+    from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE
+
+    rel = {"bundle.chat_template.source": BUNDLED_TEMPLATE, "bundle.nccl.library": BUNDLED_NCCL}[what]
+    p = os.path.join(cfg.paths.current, rel)
+    return p if os.path.isfile(p) else None
+
+
 def _installed_only(cfg: Config, path: str) -> bool:
     """A path under the install root that exists only after `install` (skipped until then)."""
     cur = cfg.paths.current
@@ -754,8 +767,8 @@ def check_files(ctx: _Ctx) -> Iterator[Finding]:
                                                           else " before starting the service"))
     for what, path, users in _bundle_files(cfg):
         reason = _missing_reason(path, "file")
-        if reason is None:
-            continue
+        if reason is None or (reason == "does not exist" and _installed_copy(cfg, what)):
+            continue  # present, or only `pack` needs it and the installed release carries its copy
         if users and not any(_runs_here(ctx, u) for u in users):
             if reason == "does not exist":
                 for u in users:

@@ -473,3 +473,17 @@ def test_findings_sorted_errors_first(tmp_path: Path) -> None:
     order = [checks.SEVERITY_ORDER[f.severity] for f in found]
     assert order == sorted(order) and order[0] == 0
 
+
+
+def test_installed_box_uses_bundled_copies(tmp_path: Path, libs: dict[str, Path]) -> None:
+    """After install the pack-time sources may be gone: the release's NCCL is inspected, nothing is 'missing'."""
+    current = tmp_path / "opt" / "deploytool" / "current"
+    (current / "nccl").mkdir(parents=True)
+    (current / "templates").mkdir()
+    (current / "nccl" / "libnccl.so.2").write_bytes(libs["sm80"].read_bytes())
+    (current / "templates" / "chat_template.jinja").write_text("patched\n")
+    found = _two(tmp_path, ("paths.root", str(tmp_path / "opt" / "deploytool")),
+                 ("bundle.nccl.library", str(tmp_path / "gone" / "libnccl.so.2")), on_box=True)
+    assert not [f for f in _only(found, "file-missing") if f.backend is None]
+    f = _one(found, "ftllm-nccl-arch", "error")
+    assert "the installed release's NCCL" in f.message and str(current / "nccl" / "libnccl.so.2") in f.message
