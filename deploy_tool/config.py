@@ -162,7 +162,8 @@ class BundleCfg:
                                                   default="resolve")
     lock: str = _doc("hash-pinned lock file (pip --require-hashes format)", default="requirements.lock")
     wheels_dir: str = _doc("local wheel directory the lock resolves against", default="wheels")
-    tool_wheels_dir: str | None = _doc("deploytool's own wheel and its dependencies' wheels", default=None)
+    tool_wheels_dir: str | None = _doc("deploytool's own wheel and its dependencies' wheels (bundled so the "
+                                       "box runs a pinned deploytool; `lock` fills it)", default="tool-wheels")
     chat_template: ChatTemplate | None = _doc("the chat template to patch and bundle", default=None)
     nccl: Nccl | None = _doc("the NCCL library to bundle", default=None)
 

@@ -214,6 +214,7 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
             shutil.rmtree(stage, ignore_errors=True)
             raise os_error(exc, f"cannot lay down release {rid} under {releases}") from None
         undo.add(f"remove {stage}", lambda: shutil.rmtree(stage, ignore_errors=True))
+        os.chmod(stage, 0o755)  # the staging copy came from a private temp dir; services must read the release
         venv_final = final / "venv"
         if rebuild:
             log("venv: rebuilding from the bundle's wheels (--no-index --require-hashes)")
@@ -221,8 +222,10 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
             pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
         else:
             archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=progress)
+            pack.finish_venv(cfg.bundle.python, stage / "venv")
             pack.relocate_venv(stage / "venv", man.inputs.get("venv_placeholder", pack.VENV_PLACEHOLDER),
                                str(venv_final))
+            pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
         step("venv-ready", mode="rebuild" if rebuild else "unpack")
         got = hash_native_libs(stage / "venv", progress=progress)
         want = dict(man.native_libs)
@@ -282,8 +285,7 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         pins_dir = Path(cfg.paths.state_dir) / "pins"
         for name in sorted(cfg.backends):
             _backup_file(pins_dir / f"{name}.json", undo)
-            fingerprint.pin(cfg, cfg.backends[name], f"install of release {rid}", release=rid, store=store,
-                            record=False)
+            fingerprint.pin(cfg, cfg.backends[name], f"install of release {rid}", release=rid, store=store)
         step("pinned")
     sd.daemon_reload()
     step("daemon-reloaded")
@@ -356,7 +358,7 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
 
             for name in sorted(cfg.backends):
                 fingerprint.pin(cfg, cfg.backends[name], f"recover: back to release {prev}", release=prev,
-                                store=store, record=False)
+                                store=store)
         except ImportError:
             pass
     else:  # a fresh box: leave no half-installed units

@@ -111,7 +111,31 @@ def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntr
             shutil.move(str(src), wheels / fn)
             entries.append(LockEntry(name, version, sha))
     write_lock(entries, Path(b.lock), source_sha=_sha(req))
+    if b.tool_wheels_dir:
+        lock_tool(cfg, python=python)
     return Path(b.lock), entries
+
+
+def lock_tool(cfg: Config, *, python: str | None = None) -> list[Path]:
+    """deploytool's own wheel (built reproducibly from this source tree) and its dependencies' wheels."""
+    import deploy_tool
+
+    src = Path(deploy_tool.__file__).resolve().parents[1]
+    if not (src / "setup.cfg").is_file():
+        raise InputError("deploytool is not running from its source tree, so its wheel cannot be built here",
+                         hint="set bundle.tool_wheels_dir to a directory holding deploytool's wheel and its deps")
+    out = Path(cfg.bundle.tool_wheels_dir or "tool-wheels")
+    out.mkdir(parents=True, exist_ok=True)
+    py = python or cfg.bundle.python
+    with tempfile.TemporaryDirectory(prefix="deploytool-toolwheel-") as tmp:
+        proc.run([py, "-m", "pip", "wheel", "--no-deps", "-w", tmp, str(src)],
+                 env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
+        whl = next(Path(tmp).glob("deploytool-*.whl"))
+        for old in out.glob("deploytool-*.whl"):
+            old.unlink()
+        proc.run([py, "-m", "pip", "download", "--only-binary=:all:", "-d", str(out), str(whl)], env=pip_env(),
+                 timeout=1200)
+    return sorted(out.glob("*.whl"))
 
 
 def _sha(p: Path) -> str:
@@ -153,6 +177,17 @@ def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path) -> No
     proc.run([python, "-m", "venv", str(dest)], env=pip_env(), timeout=600)
     proc.run([str(dest / "bin" / "python"), "-m", "pip", "install", "--no-index", "--find-links", str(wheels_dir),
               "--require-hashes", "--no-deps", "--no-compile", "-r", str(lock_path)], env=pip_env(), timeout=3600)
+
+
+def venv_archive_excludes(venv: Path, rel: str) -> bool:
+    """Bytecode caches and the interpreter links (bin/python* -> /usr/bin/python3) stay out of the archive:
+    install re-creates the links with `python -m venv` on the box, against the box's own interpreter."""
+    return "__pycache__" in rel.split("/") or (rel.startswith("bin/python") and (venv / rel).is_symlink())
+
+
+def finish_venv(python: str, venv: Path) -> None:
+    """Re-create the interpreter links and pyvenv.cfg of an unpacked venv (site-packages untouched)."""
+    proc.run([python, "-m", "venv", "--without-pip", str(venv)], env=pip_env(), timeout=600)
 
 
 def relocate_venv(venv: Path, old: str, new: str) -> int:
@@ -215,12 +250,21 @@ def inspect_nccl(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
                  "policy": n.arch_policy, "arch_ok": ok, "forced": (not ok) and n.force, "explanation": why}
 
 
+def _plain(o: Any) -> Any:
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return {f.name: _plain(getattr(o, f.name)) for f in dataclasses.fields(o)}
+    if hasattr(o, "items"):
+        return {str(k): _plain(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_plain(x) for x in o]
+    return o
+
+
 def resolved_config_json(cfg: Config) -> bytes:
-    d = dataclasses.asdict(cfg)
-    d["backends"] = {k: dataclasses.asdict(v) for k, v in sorted(cfg.backends.items())}
+    """The config as loaded (defaults filled in, paths resolved), canonical JSON."""
+    d = _plain(cfg)
     d.pop("source_path", None)
-    return (json.dumps(d, indent=1, sort_keys=True, default=lambda o: dict(o) if hasattr(o, "items") else str(o))
-            + "\n").encode()
+    return (json.dumps(d, indent=1, sort_keys=True) + "\n").encode()
 
 
 Progress = Callable[[str, int, int], None] | None
@@ -256,7 +300,7 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         log(f"venv: {len(native)} native libraries hashed")
         venv_archive = t / "venv.tar.zst"
         archive.archive_tree(venv, venv_archive, symlinks=True, progress=progress,
-                             exclude=lambda rel: "__pycache__" in rel.split("/"))
+                             exclude=lambda rel: venv_archive_excludes(venv, rel))
         ents: list[Any] = [bundle.Entry(f"wheels/{p.name}", p, 0o644) for p in sorted(wheels.values())]
         ents.append(bundle.Entry("requirements.lock", lock_path, 0o644))
         ents.append(bundle.Entry("venv.tar.zst", venv_archive, 0o644))

@@ -47,7 +47,7 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
         for name in sorted(cfg.backends):
             try:
                 v = fingerprint.verify(cfg, cfg.backends[name])
-                rep["fingerprints"][name] = {"ok": v.ok, "drift": [list(r) for r in v.rows if r[1] != r[2]]}
+                rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
             except DeployError as exc:
                 rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
     except ImportError:
@@ -116,7 +116,7 @@ def format_status(rep: dict[str, Any]) -> str:
         fp = rep["fingerprints"].get(name)
         fps = "" if fp is None else ("  fingerprints " + (ok(True) if fp.get("ok") else
                                                           ok(False) + " " + (fp.get("error") or
-                                                                             ", ".join(d[0] for d in fp["drift"]))))
+                                                                             ", ".join(d["label"] for d in fp["drift"]))))
         lines.append(f"  {name:20} {u['active']}/{u['sub']:10} {u['enabled']:9} pid {u['main_pid'] or '-':>7}"
                      f"  restarts {u['restarts']}{fps}")
     if rep.get("runtime"):

@@ -115,7 +115,8 @@ class Switcher:
             return
         rep = fingerprint.verify(self.cfg, target)
         if not rep.ok:
-            rows = "; ".join(f"{r[0]}: expected {r[1]}, actual {r[2]}" for r in rep.rows[:5])
+            rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {r.expected[:16]}, actual {r.actual[:16]}"
+                             for r in rep.rows[:5])
             raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}",
                              hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ...")
 

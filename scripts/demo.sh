@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole story on this machine, with real parts: a real systemd (sandboxed as PID 1 of its own namespaces),
+# real ftllm 0.1.8.2 and llama-server on CPU serving a tiny model, a real signed bundle.
+#   pack -> install (ftllm-dflash) -> switch llamacpp -> switch ftllm -> an injected failure rolled back
+#   -> status and history -> sandbox down. Leaves nothing running.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DT="$ROOT/.venv/bin/deploytool"
+W="$ROOT/demo-run"
+export DEPLOYTOOL_CONFIG="$W/deploytool.yaml"
+
+say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+run() { printf '\033[2m$ deploytool %s\033[0m\n' "$*"; "$DT" "$@"; }
+
+if [ -f "$W/sandbox/.deploytool-sandbox" ]; then "$DT" sandbox down "$W/sandbox" >/dev/null 2>&1 || true; fi
+rm -rf "$W"; mkdir -p "$W/models" "$ROOT/.cache/wheels-demo"
+cleanup() { say "sandbox down (nothing left running)"; "$DT" sandbox down "$W/sandbox"; }
+trap cleanup EXIT
+
+say "1. a config for this machine: both backends on CPU, same port and model name"
+run init --example cpu-demo --out "$W/deploytool.yaml" || exit 1
+ln -s "$ROOT/.cache/wheels-demo" "$W/wheels"
+"$ROOT/.venv/bin/python" -m tests.support.tiny_model "$W/models/tiny-f16.gguf" --f16 || exit 1
+run check || exit 1
+
+say "2. lock the wheels and pack a signed, reproducible bundle"
+run keygen --out "$W/keys" || exit 1
+mkdir -p "$W/demo-root/etc/deploytool/keys" && cp "$W"/keys/*.pub "$W/demo-root/etc/deploytool/keys/"
+run lock || exit 1
+run pack || exit 1
+run bundle verify "$(ls -d "$W"/artifacts/*.tar* | head -1)" --keys "$W/keys" || exit 1
+
+say "3. a real systemd, sandboxed"
+run sandbox up "$W/sandbox" || exit 1
+
+say "4. install on the 'fresh box' (offline), default backend ftllm-dflash behind the health gate"
+run install || exit 1
+run status
+
+say "5. switch to llama.cpp (the rollback target), then back"
+run switch llamacpp || exit 1
+run switch ftllm || exit 1
+
+say "6. an injected failure: llamacpp-tensor crashes at start; the switch rolls back to ftllm-dflash"
+mkdir -p "$W/sandbox/etc-systemd-system/llamacpp-tensor.service.d"
+printf '[Service]\nExecStart=\nExecStart=/bin/sh -c "echo simulated crash: CUDA error on device 0 >&2; exit 3"\n' \
+  > "$W/sandbox/etc-systemd-system/llamacpp-tensor.service.d/50-demo-crash.conf"
+"$DT" sandbox exec "$W/sandbox" systemctl daemon-reload
+echo "(a drop-in is drift: verify would refuse it; re-pin on purpose, with a reason, to let the crash happen)"
+run pin llamacpp-tensor --reason "demo: inject a crash at start" || exit 1
+run switch llamacpp; rc=$?
+echo "exit code $rc (10 = rolled back, the previous backend serves again)"
+[ $rc -eq 10 ] || { echo "expected exit 10"; exit 1; }
+rm -rf "$W/sandbox/etc-systemd-system/llamacpp-tensor.service.d"
+"$DT" sandbox exec "$W/sandbox" systemctl daemon-reload
+run pin llamacpp-tensor --reason "demo: crash drop-in removed" || exit 1
+
+say "7. status and history"
+run status
+run history
+say "demo finished"
