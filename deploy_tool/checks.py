@@ -425,7 +425,7 @@ def check_capacity(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
         return
     shape = KvShape(**FIELD_MODEL_KV, source="the write-up's Qwen3.8-27B figures")
     cpath = _model_config_path(b)
-    if ctx.inspect_files and cpath is not None and cpath.exists():
+    if ctx.inspect_files and cpath is not None and os.path.isfile(cpath):  # isfile: no OSError
         try:
             shape = kv_shape_from_config(json.loads(cpath.read_text("utf-8")))
             shape = KvShape(shape.full_layers, shape.layers, shape.kv_heads, shape.head_dim, f"{cpath}")

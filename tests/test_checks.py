@@ -487,3 +487,12 @@ def test_installed_box_uses_bundled_copies(tmp_path: Path, libs: dict[str, Path]
     assert not [f for f in _only(found, "file-missing") if f.backend is None]
     f = _one(found, "ftllm-nccl-arch", "error")
     assert "the installed release's NCCL" in f.message and str(current / "nccl" / "libnccl.so.2") in f.message
+
+
+def test_hostile_paths_never_raise(tmp_path: Path) -> None:
+    """Over-long names, directories and devices in every path the checks read: findings, never an exception."""
+    for i, bad in enumerate(["/tmp/" + "a" * 300, "/dev/null", "/etc", str(tmp_path)]):
+        found = _two(tmp_path / str(i), (f"{FT}.model", bad), (f"{FT}.model_config", bad), (f"{LL}.binary", bad),
+                     (f"{LL}.split_mode", "row"), ("bundle.nccl.library", bad), ("bundle.chat_template.source", bad),
+                     on_box=True)
+        assert _only(found, "file-missing"), bad

@@ -231,7 +231,9 @@ def test_two_2080ti_has_every_production_setting(tmp_path: Path) -> None:
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
                      st.text(max_size=30), st.sampled_from(["", "bundle", "cuda", "cpu", "{venv}/x", "{x}",
-                                                            "ftllm", "llamacpp", "tensor", "row", "fp4", "0.0.0.0"]))
+                                                            "ftllm", "llamacpp", "tensor", "row", "fp4", "0.0.0.0",
+                                                            "/tmp/" + "n" * 300, "/dev/null", "/proc/self/mem",
+                                                            "/etc", "."]))
 _values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                          st.dictionaries(st.one_of(st.text(max_size=12), st.integers(),
                                                                                    st.booleans(), st.none()),
@@ -289,6 +291,7 @@ def _exercise(raw: Any) -> None:
     try:
         cfg = config.from_dict(raw, source_path="/nonexistent/deploytool.yaml")
         checks.run_checks(cfg, inspect_files=False, on_box=False)
+        checks.run_checks(cfg, inspect_files=True, on_box=True)  # fuzzed paths reach the file system too
         render.render_all(cfg)
     except (ConfigError, InputError):
         pass
