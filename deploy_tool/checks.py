@@ -343,8 +343,9 @@ def check_chat_template_thinking(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
                  "a custom --chat_template makes FastLLM set force_chat_template, which disables the Qwen reasoning "
                  "split: a request with enable_thinking: true gets the whole reasoning plus a lone </think> in "
                  "`content` and an empty `reasoning_content` (requests with enable_thinking: false are clean)",
-                 f"tell clients to parse </think> out of content (then set backends.{b.name}."
-                 f"clients_request_thinking: false to acknowledge), or drop the custom template")
+                 f"have clients send enable_thinking: false (then set backends.{b.name}.clients_request_thinking: "
+                 f"false), or read the reasoning from `content` up to the lone </think>, or drop the custom "
+                 f"template")
 
 
 def check_think(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
@@ -473,7 +474,8 @@ def check_capacity(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
         yield _f("ftllm-kv-capacity", "error", b.name,
                  f"the KV cache does not fit: {math}. The startup log would show the shortfall only as a crash on "
                  f"a long prompt (pages are allocated on use)",
-                 "use --kv_cache_dtype fp4 (half of fp8), fewer --tokens, or drop --cuda_embedding")
+                 ("use --kv_cache_dtype fp4 (half of fp8), or" if dtype != "fp4" else "use")
+                 + " fewer --tokens" + (", or drop --cuda_embedding" if b.cuda_embedding else ""))
     else:
         yield _f("ftllm-kv-capacity", "info", b.name,
                  f"the KV cache fits: {math}. For comparison the field box's log showed localKVPerPage=1.18 MB "
