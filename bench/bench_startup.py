@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 BUDGET_MS = 150.0
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu[name].append(c)
     base = statistics.median(samples["python -c pass"])
     base_cpu = statistics.median(cpu["python -c pass"])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, s in samples.items():
         med = statistics.median(s)
         mc = statistics.median(cpu[name])

@@ -707,7 +707,8 @@ def _named_files(cfg: Config, b: Backend) -> list[tuple[str, str, str]]:
 def _bundle_files(cfg: Config) -> list[tuple[str, str, list[Backend]]]:
     out: list[tuple[str, str, list[Backend]]] = []
     if cfg.bundle.chat_template is not None:
-        users = [b for b in cfg.backends.values() if isinstance(b, FtllmBackend) and b.use_bundle_chat_template]
+        users: list[Backend] = [b for b in cfg.backends.values()
+                                if isinstance(b, FtllmBackend) and b.use_bundle_chat_template]
         out.append(("bundle.chat_template.source", cfg.bundle.chat_template.source, users))
     if cfg.bundle.nccl is not None:
         users = [b for b in cfg.backends.values() if isinstance(b, FtllmBackend) and b.use_bundle_nccl]
