@@ -44,6 +44,9 @@ def demo(systemd_sandbox, tmp_path_factory):
     data = yaml.safe_load(cfg.read_text())
     data["systemd"]["sandbox"] = str(systemd_sandbox.sandbox.root)
     data["paths"]["unit_dir"] = str(systemd_sandbox.unit_dir)
+    from tests.support.sandbox import free_port
+
+    data["serve"]["port"] = free_port()
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     cache = REPO / ".cache" / "wheels-demo"
     cache.mkdir(parents=True, exist_ok=True)
