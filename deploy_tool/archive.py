@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from deploy_tool.errors import InputError, MissingTool, OSFailure
 from deploy_tool.manifest import CHUNK, _chunk_buffer, check_relpath, reject, source_date_epoch
@@ -42,6 +42,7 @@ MAX_TRAILING_ZEROS = 1 << 20
 DEFAULT_MAX_TOTAL = 64 << 30
 DEFAULT_MAX_ENTRIES = 1_000_000
 SINK_BATCH = 4 << 20
+SINK_DIRECT = 256 << 10
 
 
 def _zstandard():
@@ -180,17 +181,24 @@ class _Sink:
     def write(self, data: bytes | memoryview) -> None:
         # Batch small pieces (headers, small files): each call into the compressor has a fixed cost.
         self.written += len(data)
+        if len(data) >= SINK_DIRECT:  # big file chunks go straight in, without another copy
+            self._drain()
+            self._put(data)
+            return
         self._buf += data
         if len(self._buf) >= SINK_BATCH:
             self._drain()
 
+    def _put(self, data: bytes | memoryview) -> None:
+        if self._zw is not None:
+            self._zw.write(data)
+        else:
+            self.f.write(data)
+
     def _drain(self) -> None:
         if self._buf:
-            if self._zw is not None:
-                self._zw.write(self._buf)
-            else:
-                self.f.write(self._buf)
-            self._buf.clear()
+            self._put(self._buf)
+            self._buf = bytearray()
 
     def close(self) -> None:
         self._drain()
@@ -372,7 +380,7 @@ def open_tar_stream(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK, read_across_frames=True,
                                                               closefd=False)
             try:
-                yield _ZstdErrors(reader, zstandard.ZstdError)  # type: ignore[misc]
+                yield io.BufferedReader(_ZstdErrors(reader, zstandard.ZstdError), buffer_size=CHUNK)
             finally:
                 reader.close()
         elif len(head) == BLOCK and head[257:262] == b"ustar":
@@ -389,18 +397,18 @@ def open_tar_stream(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
 
 
 class _ZstdErrors(io.RawIOBase):
-    """Turns zstd decoding errors (corrupt data, bad checksum) into a named rejection."""
+    """Raw stream over the zstd decoder; decoding errors (corrupt data, bad checksum) become a named rejection."""
 
-    def __init__(self, reader: BinaryIO, error: type[Exception]) -> None:
+    def __init__(self, reader: Any, error: type[Exception]) -> None:
         self._r = reader
         self._err = error
 
     def readable(self) -> bool:
         return True
 
-    def read(self, n: int = -1) -> bytes:
+    def readinto(self, b: Any) -> int:
         try:
-            return self._r.read(n)
+            return self._r.readinto(b)
         except self._err as exc:
             raise reject("archive-malformed", f"archive's zstd data is corrupt: {exc}") from exc
 
@@ -447,7 +455,11 @@ class TarReader:
         self.offset = 0
 
     def _read(self, n: int) -> bytes:
-        out = bytearray()
+        b = self.s.read(n)
+        if len(b) == n or not b:
+            self.offset += len(b)
+            return b
+        out = bytearray(b)
         while len(out) < n:
             b = self.s.read(n - len(out))
             if not b:
@@ -628,8 +640,8 @@ class SafeExtractor:
             os.mkdir(self.dest / p, 0o755)
             self.dirs.add(p)
 
-    def write(self, e: TarEntry, chunks: Iterable[bytes], *, mode: int | None = None) -> str:
-        """Create the entry (after `check`); for files return the SHA-256 of what was written."""
+    def write(self, e: TarEntry, chunks: Iterable[bytes], *, mode: int | None = None, digest: bool = True) -> str:
+        """Create the entry (after `check`); for files return the SHA-256 of what was written (if `digest`)."""
         self._parents(e.name)
         path = self.dest / e.name
         if e.kind == "dir":
@@ -647,7 +659,8 @@ class SafeExtractor:
         written = 0
         try:
             for b in chunks:
-                h.update(b)
+                if digest:
+                    h.update(b)
                 written += len(b)
                 view = memoryview(b)
                 while view:
@@ -657,7 +670,7 @@ class SafeExtractor:
             os.close(fd)
         if written != e.size:  # pragma: no cover - TarReader raises first
             raise reject("archive-truncated", f"archive entry {e.name} is short", path=e.name)
-        return h.hexdigest()
+        return h.hexdigest() if digest else ""
 
 
 @dataclass(frozen=True)
@@ -679,7 +692,7 @@ def extract_archive(archive: str | os.PathLike[str], dest: str | os.PathLike[str
             reader = TarReader(stream, what=str(archive))
             for e in reader:
                 ex.check(e)
-                ex.write(e, reader.chunks() if e.kind == "file" else ())
+                ex.write(e, reader.chunks() if e.kind == "file" else (), digest=False)
                 if progress is not None:
                     counter.done = 0
                     counter.add(min(reader.offset, total))

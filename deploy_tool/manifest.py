@@ -66,6 +66,7 @@ REASONS = frozenset({
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _HEXID = re.compile(rf"[0-9a-f]{{{BUNDLE_ID_LEN}}}\Z")
 _MODE = re.compile(r"0[0-7]{3}\Z")
+_BAD_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")  # control characters and backslashes
 _CREATED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\Z")
 
 
@@ -205,8 +206,7 @@ def check_relpath(path: object, *, what: str = "path") -> str:
     parts = path.split("/")
     if ".." in parts:
         raise reject("dotdot-path", f"{what} contains '..': {path!r}", path=path)
-    if (not path or "" in parts or "." in parts or "\\" in path or "\x00" in path
-            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in path)):
+    if not path or "" in parts or "." in parts or _BAD_CHARS.search(path):
         raise reject("bad-path", f"{what} is not a clean relative path: {path!r}", path=path)
     if len(path.encode("utf-8", "surrogateescape")) > 4096:
         raise reject("bad-path", f"{what} is too long: {path[:80]!r}...", path=path)
