@@ -98,6 +98,10 @@ CATALOG: tuple[CheckInfo, ...] = (
     CheckInfo("serve-public-no-api-key", "info", "bound to all interfaces without an API key", "config"),
     CheckInfo("device-cuda-no-gpus", "error", "device cuda with host.gpus empty", "config"),
     CheckInfo("device-cpu-cuda-flags", "warning", "device cpu with CUDA-only settings", "config"),
+    CheckInfo("device-tp-gpus", "error", "tensor parallel degree larger than host.gpus", "config"),
+    CheckInfo("ftllm-gguf-f32", "error", "ftllm on a GGUF with F32 weight matrices dies with SIGFPE",
+              "field notes, facts about the servers"),
+    CheckInfo("model-unreadable", "error", "the model file is not a readable GGUF", "config"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -582,14 +586,50 @@ def check_mtp_kv(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
                  "keep f16 main KV (leave cache_type_k/v unset) when it fits")
 
 
+def _gguf(ctx: _Ctx, b: Backend) -> tuple[object | None, Finding | None]:
+    """The model's GGUF header when the model is a .gguf file here (or a finding saying why it is unreadable)."""
+    if not ctx.inspect_files or not b.model.endswith(".gguf") or not os.path.isfile(b.model):
+        return None, None
+    from deploy_tool import gguf_header
+    from deploy_tool.errors import DeployError
+
+    try:
+        return gguf_header.read_header(b.model), None
+    except DeployError as exc:
+        return None, _f("model-unreadable", "error", b.name, f"backends.{b.name}.model: {exc.message}",
+                        "point it at a GGUF model file (llama.cpp's format)")
+
+
+def check_gguf(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    header, problem = _gguf(ctx, b)
+    if problem is not None:
+        yield problem
+    if header is None or not isinstance(b, FtllmBackend):
+        return
+    from deploy_tool.gguf_header import GgufHeader
+
+    assert isinstance(header, GgufHeader)
+    f32 = header.f32_matrices()
+    if f32:
+        names = ", ".join(t.name for t in f32[:3]) + (f" and {len(f32) - 3} more" if len(f32) > 3 else "")
+        yield _f("ftllm-gguf-f32", "error", b.name,
+                 f"{b.model} stores {len(f32)} weight matrices as F32 ({names}; file type "
+                 f"{header.file_type_name or 'unknown'}): ftllm dies with SIGFPE on an F32 GGUF",
+                 "convert the weights to F16 (or a quantized type) first, e.g. with llama-quantize or "
+                 "gguf's convert tools")
+
+
 def check_q8_f16_context(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
     if not isinstance(b, LlamacppBackend) or b.device != "cuda" or b.ctx_size is None:
         return
-    if "q8_0" in Path(b.model).name.lower() and (b.cache_type_k or "f16") == "f16" \
-            and b.ctx_size > FP8_DFLASH_MAX_TOKENS:
+    header, _problem = _gguf(ctx, b)  # check_gguf reports an unreadable file
+    ftype = getattr(header, "file_type_name", None)
+    q8 = ftype == "MOSTLY_Q8_0" if ftype else "q8_0" in Path(b.model).name.lower()
+    if q8 and (b.cache_type_k or "f16") == "f16" and b.ctx_size > FP8_DFLASH_MAX_TOKENS:
+        how = f"general.file_type {ftype}" if ftype else "the file name"
         yield _f("llamacpp-q8-f16-context", "warning", b.name,
-                 f"Q8_0 weights with f16 KV at -c {_fmt_int(b.ctx_size)}: on the field box 262,144 ran out of "
-                 f"memory and 196,608 fit",
+                 f"Q8_0 weights ({how}) with f16 KV at -c {_fmt_int(b.ctx_size)}: on the field box 262,144 ran "
+                 f"out of memory and 196,608 fit",
                  f"set backends.{b.name}.ctx_size: 196608, or use Q4_K weights")
 
 
@@ -603,6 +643,11 @@ def check_device(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
                  "device is cuda but host.gpus is empty, so CUDA_VISIBLE_DEVICES and the unit's DeviceAllow= "
                  "would give the service no GPU",
                  "list the GPU ids in host.gpus (e.g. [0, 1]), or set device: cpu")
+    if b.device == "cuda" and cfg.host.gpus and isinstance(b, FtllmBackend) and b.tp > len(cfg.host.gpus):
+        yield _f("device-tp-gpus", "error", b.name,
+                 f"--tp {b.tp} needs {b.tp} GPUs but host.gpus lists {len(cfg.host.gpus)} "
+                 f"({', '.join(map(str, cfg.host.gpus))}), so CUDA_VISIBLE_DEVICES hides the others",
+                 f"list {b.tp} GPU ids in host.gpus, or set backends.{b.name}.tp: {len(cfg.host.gpus)}")
     if b.device != "cpu":
         return
     flags: list[str] = []
@@ -798,7 +843,7 @@ BoxCheck = Callable[[_Ctx], Iterator[Finding]]
 BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_device, check_cuda_graph, check_nccl, check_draft_tokens, check_fp8_kv_dflash, check_cuda_embedding,
     check_gpu_mem_ratio, check_chat_template_thinking, check_think, check_capacity, check_split_row, check_tensor,
-    check_mtp_kv, check_q8_f16_context,
+    check_mtp_kv, check_q8_f16_context, check_gguf,
 )
 BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files)
 

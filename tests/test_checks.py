@@ -147,6 +147,7 @@ CASES: list[Case] = [
     ("public-no-key", "cpu-demo", [("serve.host", "0.0.0.0")], "serve-public-no-api-key", "info",
      ["0.0.0.0", "18082"]),
     ("cuda-no-gpus", "two-2080ti", [("host.gpus", [])], "device-cuda-no-gpus", "error", ["host.gpus is empty"]),
+    ("tp-gpus", "two-2080ti", [("host.gpus", [1])], "device-tp-gpus", "error", ["--tp 2 needs 2 GPUs", "lists 1 (1)"]),
     ("cpu-cuda-flags", "cpu-demo", [(f"{FT}.tp", 2), (f"{FT}.env", {"FASTLLM_CUDA_GRAPH": "0"})],
      "device-cpu-cuda-flags", "warning", ["tp 2", "env FASTLLM_CUDA_GRAPH"]),
     ("cpu-llama-tensor", "cpu-demo", [(f"{LL}.split_mode", "tensor")], "device-cpu-cuda-flags", "warning",
@@ -214,7 +215,7 @@ def test_bad_case_not_on_examples(case: Case, tmp_path: Path, cpu_demo_files: Pa
 def test_every_catalog_id_is_tested() -> None:
     """Every check id in the catalog appears in this file's bad cases or in a dedicated test below."""
     dedicated = {"ftllm-nccl-arch", "ftllm-nccl-unreadable", "model-config-unreadable", "template-patch-match",
-                 "template-sha256", "file-missing", "file-not-on-this-machine"}
+                 "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable"}
     tested = {c[3] for c in CASES} | dedicated
     assert tested == checks.CHECK_IDS
 
@@ -496,3 +497,69 @@ def test_hostile_paths_never_raise(tmp_path: Path) -> None:
                      (f"{LL}.split_mode", "row"), ("bundle.nccl.library", bad), ("bundle.chat_template.source", bad),
                      on_box=True)
         assert _only(found, "file-missing"), bad
+
+
+# ----------------------------------------------------------------------------------------- GGUF models
+
+
+def _gguf_with_file_type(path: Path, file_type: int) -> Path:
+    """A real (tensor-less) GGUF written by the gguf package, carrying only general.file_type."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_file_type(file_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_ftllm_f32_gguf(cpu_demo_files: Path) -> None:
+    """A real F32 GGUF for ftllm is an error naming the F32 matrices (ftllm dies with SIGFPE); F16 is quiet."""
+    from tests.support.tiny_model import write_model
+
+    f32 = write_model(cpu_demo_files / "models" / "tiny-f32.gguf", f16=False)
+    found = _two(cpu_demo_files, (f"{FT}.model", str(f32)), example="cpu-demo")
+    f = _one(found, "ftllm-gguf-f32", "error")
+    assert "16 weight matrices as F32" in f.message and "token_embd.weight" in f.message
+    assert "ALL_F32" in f.message and "SIGFPE" in f.message
+    assert not [x for x in found if x.backend == "llamacpp-tensor" and x.severity != "info"]  # llama.cpp takes F32
+    assert not _only(_two(cpu_demo_files, example="cpu-demo"), "ftllm-gguf-f32")  # the F16 tiny model
+
+
+def test_gguf_header_matches_gguf_reader(tmp_path: Path) -> None:
+    """The pure-Python header reader agrees with the gguf package's reader on every tensor's shape and type."""
+    import gguf
+
+    from deploy_tool.gguf_header import read_header
+    from tests.support.tiny_model import write_model
+
+    for f16 in (True, False):
+        p = write_model(tmp_path / f"m{int(f16)}.gguf", f16=f16)
+        ours = {t.name: (t.shape, t.ggml_type) for t in read_header(p).tensors}
+        theirs = {t.name: (tuple(int(x) for x in t.shape), int(t.tensor_type)) for t in gguf.GGUFReader(str(p)).tensors}
+        assert ours == theirs and len(ours) == 21
+
+
+def test_model_not_gguf(tmp_path: Path) -> None:
+    """A .gguf that is not GGUF (or is truncated) is one error naming the file, never an exception."""
+    from tests.support.tiny_model import write_model
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("not a model\n")
+    good = write_model(tmp_path / "good.gguf", f16=True)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:300])
+    for p, words in ((bad, "no GGUF magic"), (cut, "truncated at byte")):
+        f = _one(_two(tmp_path / p.stem, (f"{FT}.model", str(p)), example="cpu-demo"), "model-unreadable", "error")
+        assert str(p) in f.message and words in f.message
+
+
+def test_q8_detected_from_gguf_header(tmp_path: Path) -> None:
+    """llama.cpp Q8_0 + f16 KV at 262,144 is detected from general.file_type, which wins over the file name."""
+    q8 = _gguf_with_file_type(tmp_path / "model.gguf", 7)
+    f = _one(_two(tmp_path / "a", (f"{LL}.model", str(q8))), "llamacpp-q8-f16-context", "warning")
+    assert "general.file_type MOSTLY_Q8_0" in f.message
+    q4 = _gguf_with_file_type(tmp_path / "Qwen-Q8_0-named.gguf", 15)
+    assert not _only(_two(tmp_path / "b", (f"{LL}.model", str(q4))), "llamacpp-q8-f16-context")
