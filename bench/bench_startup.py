@@ -6,8 +6,8 @@ examples, written by `deploytool init` into a temporary directory; cpu-demo's mo
 header without tensors there (`check` reads only the header).
 
 Bytecode: pip compiles .pyc files on install, so the budget is judged with a bytecode cache (written once,
-during the warm-up round, into the git-ignored __pycache__ directories). With `--no-bytecode` every run
-compiles deploytool from source, as under PYTHONDONTWRITEBYTECODE=1 in a dev shell.
+during the warm-up round, into the git-ignored __pycache__ directories, even when the calling shell sets
+PYTHONDONTWRITEBYTECODE=1).
 
 Besides wall time (the budget), the children's CPU time (user + sys) is shown: on a busy machine it moves
 far less than wall time, so it tells a slow start from a crowded one.
@@ -41,13 +41,10 @@ def _deploytool() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "deploy_tool"]
 
 
-def _env(bytecode: bool) -> dict[str, str]:
+def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPYCACHEPREFIX", None)
-    if bytecode:
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-    else:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
@@ -71,9 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-bytecode", action="store_true", help="compile from source on every run")
     args = ap.parse_args(argv)
-    ENV.update(_env(not args.no_bytecode))
+    ENV.update(_env())
     dt = _deploytool()
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as td:
         work = Path(td)
@@ -112,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = worst <= BUDGET_MS
     if args.json:
         print(json.dumps({"rounds": args.rounds, "budget_ms": BUDGET_MS, "ok": ok, "cpus": os.cpu_count(),
-                          "bytecode": not args.no_bytecode, "rows": rows}, indent=2))
+                          "rows": rows}, indent=2))
     else:
         print(f"{'command':32} {'median':>9} {'min':>8} {'max':>8} {'ratio':>6} {'+python':>9} {'cpu':>8} "
               f"{'cpu+py':>8}")
@@ -121,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['ratio']:5.2f}x {r['over_python_ms']:7.1f}ms {r['cpu_median_ms']:6.1f}ms "
                   f"{r['cpu_over_python_ms']:6.1f}ms")
         print(f"budget: python -c pass + {BUDGET_MS:.0f} ms = {base + BUDGET_MS:.1f} ms; worst +{worst:.1f} ms: "
-              f"{'OK' if ok else 'OVER BUDGET'} (median of {args.rounds}, same run, interleaved, "
-              f"{'no bytecode cache' if args.no_bytecode else 'with bytecode cache'})")
+              f"{'OK' if ok else 'OVER BUDGET'} (median of {args.rounds}, same run, interleaved)")
     return 0 if ok else 1
 
 
