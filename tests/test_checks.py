@@ -182,8 +182,13 @@ def test_check_fires_on_its_bad_case(case: Case, tmp_path: Path, cpu_demo_files:
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLE_FINDINGS))
-def test_examples_quiet_through_cli(example: str, tmp_path: Path) -> None:
-    """`init` + `check --json` on each embedded example: exit 0, no errors, and only the expected findings."""
+def test_examples_quiet_through_cli(example: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`init` + `check --json` on each embedded example: exit 0, no errors, and only the expected findings.
+
+    The machine is pinned as "not the box" (no NVIDIA driver), which is what it is here; on a GPU machine the
+    box's missing model files would rightly be errors.
+    """
+    monkeypatch.setattr(checks, "nvidia_present", lambda: False)
     runner = CliRunner()
     cfg = tmp_path / "deploytool.yaml"
     r = runner.invoke(main, ["init", "--example", example, "--out", str(cfg)])
