@@ -99,7 +99,8 @@ def _chunk_buffer() -> tuple[bytearray, memoryview]:
 def hash_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True,
               on_bytes: Callable[[int], None] | None = None) -> str:
     """SHA-256 hex digest of a file, streamed in 1 MiB reads (memory stays flat in the file size)."""
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else os.O_NOFOLLOW)
+    # O_NONBLOCK: a fifo swapped in for a file must not hang the open (fstat then refuses it).
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
     except OSError as exc:

@@ -67,6 +67,13 @@ def test_hash_file_errors_are_input_errors(tmp_path: Path) -> None:
         mf.hash_file(tmp_path)
 
 
+def test_hash_file_refuses_fifo_without_hanging(tmp_path: Path) -> None:
+    """A fifo where a file should be is refused at once instead of blocking the open."""
+    os.mkfifo(tmp_path / "p")
+    with pytest.raises(InputError, match="not a regular file"):
+        mf.hash_file(tmp_path / "p")
+
+
 def test_hash_file_no_follow(tmp_path: Path) -> None:
     """With follow_symlinks=False a symlink is refused rather than hashed through."""
     (tmp_path / "t").write_text("x")
