@@ -24,7 +24,6 @@ from tests.support.bundles import (
     mutate_archive,
     read_members,
     sample_entries,
-    sample_inputs,
     snapshot,
     write_members,
     write_sample_bundle,
@@ -38,13 +37,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     keys = make_keys(base / "keys")
     other = make_keys(base / "other-keys", name="stranger")
     a = write_sample_bundle(base, keys, out="a")
-    (base / "src-b").mkdir()
-    inputs_b = sample_inputs(base / "src-b")
+    shutil.copytree(base / "src", base / "src-b", symlinks=True)
+    inputs_b = {k: base / "src-b" / p.name for k, p in sample_inputs_paths(base / "src").items()}
     for k in ("template", "unit", "config"):
         inputs_b[k].write_bytes(inputs_b[k].read_bytes().swapcase())  # same names and sizes, other bytes
     b = bundle.write_bundle(sample_entries(inputs_b), base / "b", name="demo", inputs={"x": 1},
                             native_libs={}, key_path=keys.private)
     return {"base": base, "keys": keys, "other": other, "a": a, "b": b}
+
+
+def sample_inputs_paths(src: Path) -> dict[str, Path]:
+    return {k: src / Path(ARCNAMES[k]).name for k in ARCNAMES}
 
 
 def _copy_dir(world: dict, tmp: Path) -> Path:
