@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from deploy_tool.errors import DeployError, MissingTool
+from deploy_tool.errors import DeployError, ExitCode, MissingTool
 
 log = logging.getLogger("deploytool.proc")
 
@@ -29,6 +29,8 @@ class Result:
 
 class CommandFailed(DeployError):
     """A command exited with a code the caller did not declare as expected."""
+
+    exit_code = ExitCode.OS
 
     def __init__(self, result: Result) -> None:
         tail = (result.stderr or result.stdout).strip().splitlines()[-5:]

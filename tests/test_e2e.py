@@ -34,15 +34,19 @@ def dt(cfg: Path, *args: str, env: dict[str, str] | None = None, timeout: float 
 
 
 @pytest.fixture(scope="session")
-def demo(systemd_sandbox, tmp_path_factory):
-    """A packed cpu-demo bundle and a config pointing at the session's sandboxed systemd."""
-    d = tmp_path_factory.mktemp("demo")
+def demo(systemd_sandbox):
+    """A packed cpu-demo bundle and a config pointing at the session's sandboxed systemd.
+
+    It lives under the repo's .cache/, not /tmp: the units run with PrivateTmp=yes and could not see /tmp."""
+    d = REPO / ".cache" / f"e2e-{os.getpid()}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
     cfg = d / "deploytool.yaml"
     r = subprocess.run([*DT, "init", "--example", "cpu-demo", "--out", str(cfg)], capture_output=True, text=True,
                        cwd=d, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
     data = yaml.safe_load(cfg.read_text())
-    data["systemd"]["sandbox"] = str(systemd_sandbox.sandbox.root)
+    data["systemd"]["sandbox"] = str(systemd_sandbox.sandbox.dir)
     data["paths"]["unit_dir"] = str(systemd_sandbox.unit_dir)
     from tests.support.sandbox import free_port
 
@@ -62,7 +66,8 @@ def demo(systemd_sandbox, tmp_path_factory):
     keys.mkdir(parents=True)
     for p in (d / "keys").glob("*.pub"):
         shutil.copy(p, keys / p.name)
-    return cfg
+    yield cfg
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def state(cfg: Path) -> dict:
