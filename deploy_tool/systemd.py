@@ -197,10 +197,11 @@ class Systemd:
                            hint=f"see the full log: journalctl -u {unit}", details=tail)
 
     def _tail_for(self, unit: str, lines: int = 20, since_cursor: str | None = None) -> str:
-        """The unit's journal since `since_cursor` (else of its latest invocation), read until it stops growing.
+        """The unit's journal since `since_cursor` (else of its latest invocation), read until it settles.
 
-        journald reads a unit's stdout/stderr streams asynchronously, so right after a failed start the
-        unit's own last words may still be in flight; `journalctl --sync` does not wait for streams on 252.
+        journald reads a unit's stdout/stderr streams asynchronously (slowly on a busy machine), so right after
+        a failed start the unit's own last words may still be in flight; `journalctl --sync` does not wait for
+        streams on 252. A unit that printed nothing costs the full 2 s wait, on the failure path only.
         """
         with contextlib.suppress(SystemdError):
             self.sync_journal()
@@ -209,11 +210,14 @@ class Systemd:
             def read() -> str:
                 return self.journal(unit, since_cursor=since_cursor, invocation=inv, lines=lines)
 
+            # wait (at most ~2 s) until the unit's own processes have a line in and nothing new arrives for 0.1 s
             text = read()
-            for _ in range(10):
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
                 time.sleep(0.1)
                 again = read()
-                if again == text:
+                own = any(" systemd[1]: " not in ln for ln in again.splitlines())
+                if again == text and own:
                     break
                 text = again
             return text
@@ -320,31 +324,48 @@ class Systemd:
 
         Includes both the unit's own output and the manager's messages about it (why it failed).
 
-        An invocation's lines are found by position, not only by their `_SYSTEMD_INVOCATION_ID`: journald 252
-        sometimes stores a short-lived ExecStartPre's output before the manager's "Starting ..." message, or
-        without (or with a previous) invocation id. So the window runs from just after the previous
-        invocation's last manager message to just before the next invocation's first one.
+        The cursor is applied here, not with `journalctl --after-cursor`: combined with `-u`, journalctl 252
+        sometimes skips a matching entry that follows the cursor. An invocation's lines are found by position,
+        not only by `_SYSTEMD_INVOCATION_ID`: journald 252 sometimes stores a short-lived ExecStartPre's output
+        before the manager's "Starting ..." message, or without (or with a previous) invocation id. So the
+        window runs from just after the previous invocation's last manager message to just before the next
+        invocation's first one.
         """
         validate_unit_name(unit)
         n = max(int(lines), 1)
-        if invocation is None:
-            args = ["-o", "short-precise", "-n", str(n), "-u", unit]
-            if since_cursor:
-                args.append("--after-cursor=" + since_cursor)
-            res = self._jctl(*args, ok=(0, 1))
-            return "\n".join(ln for ln in res.stdout.splitlines() if ln != "-- No entries --")
-        if not re.fullmatch(r"[0-9a-f]{32}", invocation):
+        if invocation is not None and not re.fullmatch(r"[0-9a-f]{32}", invocation):
             raise InputError(f"invocation id {invocation!r} is not 32 hex digits")
-        args = ["-o", "json", "-n", str(n + 1000), "-u", unit]
-        if since_cursor:
-            args.append("--after-cursor=" + since_cursor)
+        after = _parse_cursor(since_cursor) if since_cursor else None
+        fetch = n + 1000 if (after or invocation) else n
         ents = []
-        for line in self._jctl(*args, ok=(0, 1)).stdout.splitlines():
+        for line in self._jctl("-o", "json", "-n", str(fetch), "-u", unit, ok=(0, 1)).stdout.splitlines():
             with contextlib.suppress(ValueError):
                 e = json.loads(line)
                 if isinstance(e, dict):
                     ents.append(e)
-        return "\n".join(_format_entry(e) for e in _invocation_window(ents, invocation)[-n:])
+        if after is not None:
+            ents = [e for e in ents if _is_after(e, after)]
+        if invocation:
+            ents = _invocation_window(ents, invocation)
+        return "\n".join(_format_entry(e) for e in ents[-n:])
+
+
+def _parse_cursor(cursor: str) -> tuple[str, int, int]:
+    """(seqnum id, seqnum, realtime usec) of a journal cursor `s=..;i=..;b=..;m=..;t=..;x=..`."""
+    try:
+        f = dict(part.split("=", 1) for part in cursor.split(";"))
+        return f["s"], int(f["i"], 16), int(f["t"], 16)
+    except (ValueError, KeyError) as exc:
+        raise InputError(f"not a journal cursor: {cursor[:80]!r}") from exc
+
+
+def _is_after(e: dict[str, object], after: tuple[str, int, int]) -> bool:
+    try:
+        s, i, t = _parse_cursor(str(e.get("__CURSOR", "")))
+    except InputError:
+        return True
+    return i > after[1] if s == after[0] else t > after[2]
+
 
 def _invocation_window(ents: list[dict[str, object]], inv: str) -> list[dict[str, object]]:
     """The entries of invocation `inv` among one unit's journal entries (oldest first); see Systemd.journal."""

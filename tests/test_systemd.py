@@ -193,6 +193,8 @@ def test_journal_since_cursor_and_by_invocation(sandbox_env: SandboxEnv) -> None
     only1 = sd.journal("t-j.service", invocation=inv1)
     assert f"run-{inv1}" in only1 and f"run-{inv2}" not in only1
     assert len(sd.journal("t-j.service", lines=1).splitlines()) == 1
+    with pytest.raises(InputError, match="not a journal cursor"):
+        sd.journal("t-j.service", since_cursor="garbage")
 
 
 @pytest.mark.parametrize("name", [
