@@ -16,7 +16,8 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
             binary's hash matches the pin, never on a changed binary: the check runs as root) [binary.build],
             SHA-256 of every shared library beside the binary (libggml*, libllama*, ...) [binary.lib/NAME],
             mmproj size and header hash [mmproj.size, mmproj.header].
-  both      the installed unit file [unit] and env file [env]; the model: a directory gives its config.json
+  both      the installed unit file [unit], its drop-ins <unit>.d/*.conf [unit.d/NAME] and the env file
+            [env]; the model: a directory gives its config.json
             SHA-256 [model.config], every weight file's size [model.weight/NAME] and the SHA-256 of its small
             metadata files (tokenizer, generation config, custom code) [model.file/NAME]; a single GGUF file
             gives its size [model.size] and the SHA-256 of its first 1 MiB (the header: architecture,
@@ -52,7 +53,6 @@ Limits (what the cache cannot see, where `verify --no-cache` or re-hashing is th
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import hashlib
 import json
 import os
@@ -60,7 +60,6 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -284,6 +283,11 @@ class _Job:
         self.nbytes = 0
 
 
+def _cost(job: _Job) -> int:
+    size = job.st.st_size if job.st is not None else 0
+    return size if job.kind == "sha256" else min(size, HEADER_BYTES)
+
+
 def _run_hash(job: _Job, cache: Cache) -> None:
     t0 = time.time_ns()
     try:
@@ -387,12 +391,14 @@ class _Collector:
             elif job.fn is None:
                 todo.append(job)
         # hashes: largest first, so the long ones start early and the small ones fill the gaps
-        todo.sort(key=lambda j: -(j.st.st_size if j.kind == "sha256" else min(j.st.st_size, HEADER_BYTES)))
+        todo.sort(key=_cost, reverse=True)
         workers = max(1, min(self.workers or os.cpu_count() or 1, len(todo)))
         if workers == 1:
             for job in todo:
                 _run_hash(job, self.cache)
         elif todo:
+            from concurrent.futures import ThreadPoolExecutor  # lazy: a fully cached verify needs no threads
+
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fingerprint") as pool:
                 list(pool.map(lambda j: _run_hash(j, self.cache), todo))
         items: list[Item] = []
@@ -590,7 +596,13 @@ def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
 
 
 def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:
-    c.sha256("unit", f"unit file {b.unit}", Path(cfg.paths.unit_dir) / b.unit)
+    unit_dir = Path(cfg.paths.unit_dir)
+    c.sha256("unit", f"unit file {b.unit}", unit_dir / b.unit)
+    # drop-ins change what starts as much as the unit does (deploytool never writes them: a local one is
+    # pinned with a reason like any deliberate change)
+    for e in _listdir(unit_dir / f"{b.unit}.d"):
+        if e.name.endswith(".conf") and _is_file(e):
+            c.sha256(f"unit.d/{e.name}", f"unit drop-in {b.unit}.d/{e.name}", e.path)
     c.sha256("env", f"env file {b.name}.env", Path(cfg.paths.env_dir) / f"{b.name}.env")
 
 
@@ -653,7 +665,7 @@ def collect(cfg: Config, backend: Backend | str, *, use_cache: bool = True, expe
 def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, str] | None, workers: int | None,
              racy_margin_s: float, cache_file: Path | None | bool) -> tuple[list[Item], Stats]:
     cpath = cache_path(cfg, b.name) if cache_file is True else (cache_file or None)
-    cache = Cache(cpath, read=use_cache, racy_margin_s=racy_margin_s)  # type: ignore[arg-type]
+    cache = Cache(cpath if isinstance(cpath, Path) else None, read=use_cache, racy_margin_s=racy_margin_s)
     c = _Collector(cache, expected, workers)
     if isinstance(b, FtllmBackend):
         _collect_ftllm(c, cfg, b)
@@ -704,6 +716,8 @@ def _who() -> dict[str, Any]:
 
 
 def _now() -> str:
+    import datetime as _dt
+
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

@@ -127,32 +127,32 @@ def _metadata(tree: rt.Tree) -> Path:
 # (case, item id, mutation returning (path, original bytes), expected(value before), actual(value after))
 FT_CASES = {
     "so-byte": ("ftllm.lib/libfastllm_tools.so",
-                lambda t: (p := t.site_packages / "ftllm/libfastllm_tools.so", flip_byte(p, 5_000_000))),
-    "unit": ("unit", lambda t: (p := Path(t.cfg.paths.unit_dir) / f"{FT}.service",
+                lambda t, n=FT: (p := t.site_packages / "ftllm/libfastllm_tools.so", flip_byte(p, 5_000_000))),
+    "unit": ("unit", lambda t, n=FT: (p := Path(t.cfg.paths.unit_dir) / f"{n}.service",
                                 _edit(p, lambda b: b.replace(b"RestartSec=10", b"RestartSec=11")))),
-    "env": ("env", lambda t: (p := Path(t.cfg.paths.env_dir) / f"{FT}.env",
+    "env": ("env", lambda t, n=FT: (p := Path(t.cfg.paths.env_dir) / f"{n}.env",
                               _edit(p, lambda b: b.replace(b'FASTLLM_CUDA_GRAPH="0"', b'FASTLLM_CUDA_GRAPH="1"')))),
-    "template": ("template", lambda t: (p := t.release / "templates/chat_template.jinja",
+    "template": ("template", lambda t, n=FT: (p := t.release / "templates/chat_template.jinja",
                                         _edit(p, lambda b: b.replace(b"'low'", b"'medium'")))),
-    "nccl": ("nccl.sha256", lambda t: (p := t.release / "nccl/libnccl.so.2", _edit(p, lambda b: b + b"\0"))),
-    "model-config": ("model.config", lambda t: (p := t.root / "models/ftllm-model/config.json",
+    "nccl": ("nccl.sha256", lambda t, n=FT: (p := t.release / "nccl/libnccl.so.2", _edit(p, lambda b: b + b"\0"))),
+    "model-config": ("model.config", lambda t, n=FT: (p := t.root / "models/ftllm-model/config.json",
                                                 _edit(p, lambda b: b.replace(b'"num_hidden_layers": 2',
                                                                              b'"num_hidden_layers": 3')))),
     "weight-size": ("model.weight/model-00002-of-00002.safetensors",
-                    lambda t: (p := t.root / "models/ftllm-model/model-00002-of-00002.safetensors",
+                    lambda t, n=FT: (p := t.root / "models/ftllm-model/model-00002-of-00002.safetensors",
                                _edit(p, lambda b: b[:-2]))),
-    "python": ("python.version", lambda t: (p := t.release / "venv/pyvenv.cfg",
+    "python": ("python.version", lambda t, n=FT: (p := t.release / "venv/pyvenv.cfg",
                                             _edit(p, lambda b: re.sub(rb"(?m)^version = .*$", b"version = 3.11.99",
                                                                       b)))),
-    "ftllm-version": ("ftllm.version", lambda t: (p := _metadata(t),
+    "ftllm-version": ("ftllm.version", lambda t, n=FT: (p := _metadata(t),
                                                   _edit(p, lambda b: b.replace(b"Version: 0.1.8.2",
                                                                                b"Version: 0.1.8.3")))),
-    "draft-config": ("draft.config", lambda t: (p := t.root / "models/draft/config.json",
+    "draft-config": ("draft.config", lambda t, n=FT: (p := t.root / "models/draft/config.json",
                                                 _edit(p, lambda b: b.replace(b"64", b"65", 1)))),
     "draft-weight": ("draft.weight/model.safetensors",
-                     lambda t: (p := t.root / "models/draft/model.safetensors", _edit(p, lambda b: b + b"xx"))),
+                     lambda t, n=FT: (p := t.root / "models/draft/model.safetensors", _edit(p, lambda b: b + b"xx"))),
     "tokenizer": ("model.file/tokenizer_config.json",
-                  lambda t: (p := t.root / "models/ftllm-model/tokenizer_config.json",
+                  lambda t, n=FT: (p := t.root / "models/ftllm-model/tokenizer_config.json",
                              _edit(p, lambda b: b.replace(b"2048", b"4096")))),
 }
 
@@ -481,3 +481,130 @@ def test_verify_path_imports_no_jinja2_or_cryptography(tree: rt.Tree) -> None:
             "print('EXIT', code, [m for m in ('jinja2', 'cryptography') if m in sys.modules])\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.stdout.strip().splitlines()[-1] == "EXIT 0 []", r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------- under real systemd
+
+
+def _sandbox_tree(template: Path, env, port: int) -> rt.Tree:
+    """A tree whose units are installed in the sandbox's unit dir, with unique backend names; the ExecStartPre
+    is the rendered one, running this checkout's deploytool.
+
+    Two views of one config: the test pins through deploytool.yaml, which names the sandbox's unit dir as the
+    host sees it; the units' ExecStartPre reads inside.yaml, identical but for paths.unit_dir, which inside the
+    sandbox is /etc/systemd/system (the host path lies under /tmp, hidden by the units' PrivateTmp=yes).
+    """
+    def edit(data: dict) -> None:
+        data["paths"]["unit_dir"] = str(env.unit_dir)
+        data["paths"]["config"] = "inside.yaml"
+        data["paths"]["deploytool"] = str(Path(sys.executable).parent / "deploytool")
+        data["serve"]["port"] = port
+        data["backends"] = {f"fpt-{k}": v for k, v in data["backends"].items()}
+        data["backends"]["fpt-ftllm-dflash"]["aliases"] = ["fpt-ftllm"]
+        data["backends"]["fpt-llamacpp-tensor"]["aliases"] = ["fpt-llamacpp"]
+        data["default_backend"] = "fpt-ftllm-dflash"
+        del data["backends"]["fpt-llamacpp-tensor"]["mmproj"]  # a text GGUF: llama-server would refuse it as mmproj
+
+    # not under /tmp: the units run with PrivateTmp=yes
+    dest = REPO / ".cache" / "test-fingerprint" / f"{os.getpid()}-{time.monotonic_ns()}"
+    tree = rt.instantiate(template, dest, edit)
+    inside = yaml.safe_load(tree.config_path.read_text())
+    inside["paths"]["unit_dir"] = "/etc/systemd/system"
+    (dest / "inside.yaml").write_text(yaml.safe_dump(inside, sort_keys=False))
+    return tree
+
+
+def _refused_naming(env, unit: str, label: str) -> str:
+    from deploy_tool.errors import SystemdError
+
+    sd = env.systemd
+    sd.reset_failed(unit)  # also resets StartLimitBurst's counter
+    with pytest.raises(SystemdError) as ei:
+        sd.start(unit)
+    st = sd.show(unit)
+    assert st.active_state != "active"
+    log = sd.journal(unit, invocation=st.invocation_id)
+    deadline = time.monotonic() + 5
+    while label not in log and time.monotonic() < deadline:  # journald takes stream lines in asynchronously
+        time.sleep(0.05)
+        log = sd.journal(unit, invocation=st.invocation_id)
+    assert "DRIFT in 1 of" in log and label in log, log
+    assert "status=7" in log or "exit-code" in ei.value.message, log
+    sd.stop(unit)  # cancel Restart=on-failure's pending retry (RestartSec=10)
+    return log
+
+
+def _starts(env, unit: str, port: int) -> None:
+    from tests.support.sandbox import port_closed, wait_http
+
+    sd = env.systemd
+    sd.reset_failed(unit)
+    sd.start(unit)
+    ok = wait_http(port, timeout=30)
+    assert ok and sd.is_active(unit), f"{unit} did not serve on 127.0.0.1:{port}:\n{sd.journal(unit)[-3000:]}"
+    sd.stop(unit)
+    assert port_closed(port)
+
+
+SANDBOX_FT_CASES = ("so-byte", "unit", "template", "nccl", "model-config", "weight-size", "python", "ftllm-version")
+
+
+@pytest.mark.sandbox
+def test_systemd_refuses_ftllm_start_naming_each_changed_item(template: Path, sandbox_env) -> None:
+    """Real sandboxed systemd: the rendered ExecStartPre refuses the start naming the changed item; restored, it starts.
+
+    No GPU here, so a drop-in (pinned like any local drop-in) replaces ExecStart by a small HTTP server; the
+    unit file, ExecStartPre and everything it checks are the real ones.
+    """
+    from tests.support.sandbox import free_port
+
+    port = free_port()
+    tree = _sandbox_tree(template, sandbox_env, port)
+    try:
+        name = "fpt-ftllm-dflash"
+        unit = f"{name}.service"
+        dropin = sandbox_env.unit_dir / f"{unit}.d"
+        dropin.mkdir()
+        (dropin / "stand-in.conf").write_text(
+            f"[Service]\nExecStart=\nExecStart=/usr/bin/python3 -m http.server --bind 127.0.0.1 {port}\n")
+        sandbox_env.systemd.daemon_reload()
+        fp.pin(tree.cfg, name, "install")
+        _starts(sandbox_env, unit, port)
+        for case in SANDBOX_FT_CASES:
+            item_id, mutate = FT_CASES[case]
+            label = {i.id: i.label for i in fp.collect(tree.cfg, name)}[item_id]
+            path, original = mutate(tree, name)
+            if case == "unit":
+                sandbox_env.systemd.daemon_reload()
+            _refused_naming(sandbox_env, unit, label)
+            path.write_bytes(original)
+            if case == "unit":
+                sandbox_env.systemd.daemon_reload()
+            _starts(sandbox_env, unit, port)
+    finally:
+        shutil.rmtree(tree.root, ignore_errors=True)
+
+
+@pytest.mark.sandbox
+@pytest.mark.backends
+def test_systemd_refuses_real_llama_server_start_and_starts_it_when_restored(template: Path, sandbox_env) -> None:
+    """Real sandboxed systemd and real llama-server on CPU: a changed library or GGUF refuses the start; restored, it serves."""
+    from tests.support.sandbox import free_port
+
+    port = free_port()
+    tree = _sandbox_tree(template, sandbox_env, port)
+    try:
+        name = "fpt-llamacpp-tensor"
+        unit = f"{name}.service"
+        sandbox_env.systemd.daemon_reload()
+        fp.pin(tree.cfg, name, "install")
+        _starts(sandbox_env, unit, port)
+        labels = {i.id: i.label for i in fp.collect(tree.cfg, name)}
+        for target, item_id in ((tree.root / "llama/bin/libggml-base.so.0", "binary.lib/libggml-base.so.0"),
+                                (tree.root / "models/tiny-f16.gguf", "model.header")):
+            original = flip_byte(target, 4000)
+            _refused_naming(sandbox_env, unit, labels[item_id])
+            target.write_bytes(original)
+            _starts(sandbox_env, unit, port)
+    finally:
+        shutil.rmtree(tree.root, ignore_errors=True)

@@ -35,6 +35,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,10 +220,17 @@ def render_units(cfg: config.Config) -> None:
         (d / f.name).write_text(f.content)
 
 
-def instantiate(template: Path, dest: Path) -> Tree:
-    """A private copy of the template tree with units and env files rendered for its own paths."""
+def instantiate(template: Path, dest: Path, edit: Callable[[dict], None] | None = None) -> Tree:
+    """A private copy of the template tree with units and env files rendered for its own paths.
+
+    `edit` may change the config dict first (e.g. point paths.unit_dir at a sandbox, rename backends).
+    """
     shutil.copytree(template, dest, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True)
     cp = dest / "deploytool.yaml"
+    if edit is not None:
+        data = yaml.safe_load(cp.read_text())
+        edit(data)
+        cp.write_text(yaml.safe_dump(data, sort_keys=False))
     cfg = config.load(cp)
     render_units(cfg)
     return Tree(dest, cp, cfg)

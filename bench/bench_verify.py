@@ -1,0 +1,184 @@
+"""How fast is `deploytool verify` (the ExecStartPre check) on the real ftllm 0.1.8.2 install?
+
+One run compares, on the same files (page cache warm, so hashing is measured, not the disk):
+  * `deploytool verify ftllm-dflash --no-cache`   every file hashed (parallel threads, 1 MiB reads)
+  * `sha256sum FILES...`                           the hand-made way (the write-up's verify.sh)
+  * `openssl speed -evp sha256`                    single-core SHA-256 peak: bytes / peak is the floor
+  * `deploytool verify ftllm-dflash`               with the (dev, ino, size, mtime, ctime) cache warm
+Goals: no-cache verify <= 0.5x the sha256sum time and <= 1.3x (bytes / openssl peak) + interpreter start;
+cached verify under 100 ms.
+
+The release is a temp dir whose `current/venv` is a symlink to this interpreter's venv (where ftllm 0.1.8.2 is
+installed with its 516 MB libfastllm_tools.so), with a small chat template, a small model directory and units
+rendered by deploytool. With --nccl PATH (default: the 474 MB libnccl.so.2 of the nvidia-nccl-cu12 wheel if
+tests/support/native.py already fetched it into .cache/), a second round adds that library as the bundled NCCL.
+
+Usage: python bench/bench_verify.py [--repeat N] [--nccl PATH|none] [--strict]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from deploy_tool import config, fingerprint  # noqa: E402
+from deploy_tool.render import render_all  # noqa: E402
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+DEFAULT_NCCL = REPO / ".cache/native/nccl-2.32.3/libnccl.so.2"
+
+
+def timed(argv: list[str], ok: tuple[int, ...] = (0,)) -> float:
+    t = time.perf_counter()
+    r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    dt = time.perf_counter() - t
+    if r.returncode not in ok:
+        raise SystemExit(f"{argv[:4]}... exited {r.returncode}: {r.stderr.strip()[-400:]}")
+    return dt
+
+
+def median_of(n: int, argv: list[str]) -> float:
+    return statistics.median(timed(argv) for _ in range(n))
+
+
+def openssl_peak() -> float:
+    """Single-core SHA-256 peak in bytes/s (the best block size of `openssl speed -evp sha256`)."""
+    out = subprocess.run(["openssl", "speed", "-evp", "sha256", "-seconds", "2"], capture_output=True, text=True,
+                         check=True).stdout
+    line = [ln for ln in out.splitlines() if ln.lower().startswith("sha256")][-1]
+    return max(float(v.rstrip("k")) * 1000 for v in line.split()[1:])
+
+
+def build_release(d: Path, venv: Path, nccl: Path | None) -> Path:
+    rel = d / "opt/releases/r1"
+    (rel / "templates").mkdir(parents=True)
+    (rel / "templates/chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}\n")
+    os.symlink(venv, rel / "venv")
+    os.symlink("releases/r1", d / "opt/current")
+    if nccl is not None:
+        (rel / "nccl").mkdir()
+        os.symlink(nccl, rel / "nccl/libnccl.so.2")
+    model = d / "models/m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}) + "\n")
+    (model / "model.safetensors").write_bytes(b"\0" * 4096)
+    for sub in ("units", "env", "state"):
+        (d / sub).mkdir()
+    backend: dict = {"kind": "ftllm", "device": "cuda", "model": "models/m", "chat_template": "bundle"}
+    if nccl is not None:
+        backend["nccl"] = "bundle"
+    cfg_doc = {"version": 1, "default_backend": "ftllm-dflash",
+               "paths": {"root": "opt", "unit_dir": "units", "env_dir": "env", "state_dir": "state"},
+               "backends": {"ftllm-dflash": backend}}
+    cp = d / "deploytool.yaml"
+    cp.write_text(json.dumps(cfg_doc))  # JSON is YAML
+    cfg = config.load(cp)
+    for f in render_all(cfg):
+        (Path(cfg.paths.unit_dir if f.kind == "unit" else cfg.paths.env_dir) / f.name).write_text(f.content)
+    return cp
+
+
+def deploytool_argv() -> list[str]:
+    script = Path(sys.executable).parent / "deploytool"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "deploy_tool"]
+
+
+def round_(label: str, cp: Path, repeat: int, peak: float, start: float) -> list[tuple[str, bool]]:
+    cfg = config.load(cp)
+    fingerprint.pin(cfg, "ftllm-dflash", "benchmark")
+    items = fingerprint.collect(cfg, "ftllm-dflash", use_cache=False, cache_file=False)
+    files = sorted({i.path for i in items if i.path and HEX64.fullmatch(i.value)})
+    nbytes = sum(os.path.getsize(f) for f in files)
+    for f in files:  # warm the page cache: measure hashing, not the disk
+        with open(f, "rb") as fh:
+            while fh.read(8 << 20):
+                pass
+    dt = deploytool_argv()
+    verify = [*dt, "--config", str(cp), "verify", "ftllm-dflash"]
+    t_sum = median_of(repeat, ["sha256sum", *files])
+    t_nocache = median_of(repeat, [*verify, "--no-cache"])
+    timed(verify)  # fills the cache
+    t_cached = median_of(max(repeat, 5), verify)
+    t_inproc = statistics.median(_inproc(cfg) for _ in range(max(repeat, 5)))
+    floor = nbytes / peak
+    biggest = max(files, key=os.path.getsize)
+    print(f"\n[{label}] {len(files)} files hashed, {nbytes / 1e6:.0f} MB "
+          f"(largest {Path(biggest).name}: {os.path.getsize(biggest) / 1e6:.0f} MB)")
+    print(f"  sha256sum of the same files            {t_sum:7.3f} s")
+    print(f"  deploytool verify --no-cache           {t_nocache:7.3f} s   {t_nocache / t_sum:.2f}x sha256sum")
+    print(f"  bytes / openssl peak                   {floor:7.3f} s   verify = {t_nocache / floor:.2f}x "
+          f"(minus interpreter start: {(t_nocache - start) / floor:.2f}x)")
+    print(f"  deploytool verify (cache warm)         {t_cached:7.3f} s   (in-process verify(): "
+          f"{t_inproc * 1000:.1f} ms)")
+    g1 = t_nocache <= 0.5 * t_sum
+    g2 = t_nocache <= 1.3 * floor + start
+    g3 = t_cached < 0.100
+    print(f"  goal no-cache <= 0.5x sha256sum                              {'PASS' if g1 else 'MISS'} "
+          f"({t_nocache:.3f} <= {0.5 * t_sum:.3f})")
+    print(f"  goal no-cache <= 1.3x bytes/peak + interpreter start         {'PASS' if g2 else 'MISS'} "
+          f"({t_nocache:.3f} <= {1.3 * floor + start:.3f})")
+    print(f"  goal cached verify < 100 ms (whole command)                  {'PASS' if g3 else 'MISS'} "
+          f"({t_cached * 1000:.0f} ms)")
+    return [(f"{label}: no-cache vs sha256sum", g1), (f"{label}: no-cache vs openssl", g2),
+            (f"{label}: cached", g3)]
+
+
+def _inproc(cfg: config.Config) -> float:
+    t = time.perf_counter()
+    r = fingerprint.verify(cfg, "ftllm-dflash")
+    assert r.ok, fingerprint.format_report(r)
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (median); default 3")
+    ap.add_argument("--nccl", default=str(DEFAULT_NCCL), help="a large NCCL library for the second round, or 'none'")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    args = ap.parse_args()
+    sp = Path(sysconfig.get_paths()["purelib"])
+    so = sp / "ftllm/libfastllm_tools.so"
+    if not so.is_file():
+        print(f"ftllm is not installed in {sp}: run `python -m tests.support.backends install`", file=sys.stderr)
+        return 2
+    venv = Path(sys.prefix)
+    print(f"ftllm install: {so.parent} (libfastllm_tools.so {so.stat().st_size / 1e6:.0f} MB); "
+          f"{os.cpu_count()} CPUs")
+    peak = openssl_peak()
+    start = median_of(5, [sys.executable, "-c", "pass"])
+    cli_start = median_of(5, [*deploytool_argv(), "--version"])
+    print(f"openssl speed -evp sha256 single-core peak: {peak / 1e9:.2f} GB/s")
+    print(f"interpreter start (python -c pass): {start * 1000:.0f} ms; deploytool --version: {cli_start * 1000:.0f} ms")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-verify-") as tmp:
+        d = Path(tmp) / "a"
+        d.mkdir()
+        results += round_("ftllm 0.1.8.2 venv", build_release(d, venv, None), args.repeat, peak, start)
+        nccl = None if args.nccl == "none" else Path(args.nccl)
+        if nccl is not None and nccl.is_file():
+            d2 = Path(tmp) / "b"
+            d2.mkdir()
+            results += round_("ftllm venv + bundled NCCL", build_release(d2, venv, nccl), args.repeat, peak, start)
+        elif nccl is not None:
+            print(f"\n(no NCCL round: {nccl} not found; `python -m tests.support.native fetch` provides it)")
+    shutil.rmtree(Path(tmp), ignore_errors=True)
+    missed = [name for name, ok in results if not ok]
+    print("\nall goals met" if not missed else "\nmissed: " + "; ".join(missed))
+    return 1 if (missed and args.strict) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
