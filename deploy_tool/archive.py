@@ -20,10 +20,12 @@ import contextlib
 import hashlib
 import io
 import os
+import queue
 import shutil
 import stat
 import tarfile
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -379,9 +381,11 @@ def open_tar_stream(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             zstandard = _zstandard()
             reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK, read_across_frames=True,
                                                               closefd=False)
+            pre = _Prefetch(_ZstdErrors(reader, zstandard.ZstdError))
             try:
-                yield io.BufferedReader(_ZstdErrors(reader, zstandard.ZstdError), buffer_size=CHUNK)
+                yield io.BufferedReader(pre, buffer_size=CHUNK)
             finally:
+                pre.stop()
                 reader.close()
         elif len(head) == BLOCK and head[257:262] == b"ustar":
             f.seek(0)
@@ -411,6 +415,67 @@ class _ZstdErrors(io.RawIOBase):
             return self._r.readinto(b)
         except self._err as exc:
             raise reject("archive-malformed", f"archive's zstd data is corrupt: {exc}") from exc
+
+
+class _Prefetch(io.RawIOBase):
+    """Decompresses on a background thread (a few MiB ahead) so that decoding overlaps with writing files."""
+
+    _END = object()
+
+    def __init__(self, raw: io.RawIOBase, depth: int = 8) -> None:
+        self._raw = raw
+        self._q: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._pending = memoryview(b"")
+        self._done = False
+        self._t = threading.Thread(target=self._run, name="zstd-prefetch", daemon=True)
+        self._t.start()
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                buf = bytearray(CHUNK)
+                n = self._raw.readinto(buf)
+                if not n:
+                    break
+                if not self._put(memoryview(buf)[:n]):
+                    return
+            self._put(self._END)
+        except BaseException as exc:  # handed to the reading thread
+            self._put(exc)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if not self._pending:
+            if self._done:
+                return 0
+            item = self._q.get()
+            if item is self._END:
+                self._done = True
+                return 0
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+            self._pending = item  # type: ignore[assignment]
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
 
 
 @dataclass(frozen=True)
@@ -553,9 +618,10 @@ class TarReader:
     def _checksum(self, hdr: bytes) -> None:
         want = _num(hdr[148:156], "checksum")
         blanked = hdr[:148] + b" " * 8 + hdr[156:]
-        unsigned = sum(blanked)
-        signed = sum(b - 256 if b > 127 else b for b in blanked)
-        if want not in (unsigned, signed):
+        if want == sum(blanked):
+            return
+        signed = sum(blanked) - 256 * sum(1 for b in blanked if b > 127)  # old tars summed signed chars
+        if want != signed:
             raise reject("archive-malformed", f"tar header checksum mismatch at byte {self.offset - BLOCK}")
 
     def _check_trailing(self) -> None:
@@ -572,6 +638,17 @@ class TarReader:
 
 
 # ---------------------------------------------------------------------------------------------- extractor
+
+def _parents(name: str) -> list[str]:
+    """'a/b/c' -> ['a/b', 'a'] (nearest first), as strings: cheaper than PurePosixPath for every entry."""
+    out = []
+    i = name.rfind("/")
+    while i > 0:
+        name = name[:i]
+        out.append(name)
+        i = name.rfind("/")
+    return out
+
 
 class SafeExtractor:
     """Writes checked entries into a private staging dir it creates; never follows or writes through links."""
@@ -614,10 +691,7 @@ class SafeExtractor:
             check_symlink_target(e.name, e.target)
         if e.name in self.files or e.name in self.links or (e.name in self.dirs and e.kind != "dir"):
             raise reject("duplicate-entry", f"archive lists {e.name} more than once", path=e.name)
-        for parent in PurePosixPath(e.name).parents:
-            p = str(parent)
-            if p == ".":
-                continue
+        for p in _parents(e.name):
             if p in self.links:
                 raise reject("path-through-symlink", f"archive entry {e.name} lies under symlink {p}",
                              path=e.name)
@@ -633,9 +707,8 @@ class SafeExtractor:
                              f"archive unpacks to more than {self.max_total} bytes (limit)", path=e.name)
 
     def _parents(self, name: str) -> None:
-        for parent in reversed(PurePosixPath(name).parents):
-            p = str(parent)
-            if p == "." or p in self.dirs:
+        for p in reversed(_parents(name)):
+            if p in self.dirs:
                 continue
             os.mkdir(self.dest / p, 0o755)
             self.dirs.add(p)
