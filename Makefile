@@ -3,9 +3,9 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.setup-stamp
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -m "not e2e"
 
-.PHONY: setup test demo golden bench lint typecheck rebuild-check clean help
+.PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check clean help
 
 help:
 	@echo "make demo    install, switch and rollback on a sandboxed real systemd with real CPU backends"
@@ -22,6 +22,9 @@ setup: $(STAMP)
 
 test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(VPY) -m pytest -m e2e tests/test_e2e.py
 
 demo: setup
 	bash scripts/demo.sh

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[1]
 DT = [sys.executable, "-m", "deploy_tool"]
