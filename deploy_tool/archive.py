@@ -191,7 +191,7 @@ class _Sink:
         if len(self._buf) >= SINK_BATCH:
             self._drain()
 
-    def _put(self, data: bytes | memoryview) -> None:
+    def _put(self, data: bytes | bytearray | memoryview) -> None:
         if self._zw is not None:
             self._zw.write(data)
         else:
@@ -258,7 +258,7 @@ def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *
                     sink.write(m.source)
                     counter.add(len(m.source))
                 else:
-                    _copy_file_into(m, size, sink, counter)
+                    _copy_file_into(Path(m.source), size, sink, counter)  # type: ignore[arg-type]
                 sink.write(_pad(size))
             sink.write(b"\0" * (2 * BLOCK))
             sink.write(b"\0" * (-sink.written % RECORD))
@@ -274,13 +274,13 @@ def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *
     return out
 
 
-def _copy_file_into(m: Member, size: int, sink: _Sink, counter: ByteCounter) -> None:
+def _copy_file_into(src: Path, size: int, sink: _Sink, counter: ByteCounter) -> None:
     buf, view = _chunk_buffer()
     done = 0
     try:
-        fd = os.open(m.source, os.O_RDONLY | os.O_CLOEXEC)  # type: ignore[arg-type]
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        raise InputError(f"cannot read {m.source}: {exc.strerror}") from exc
+        raise InputError(f"cannot read {src}: {exc.strerror}") from exc
     try:
         while done < size:
             n = os.readv(fd, [view[: min(CHUNK, size - done)]])
@@ -293,7 +293,7 @@ def _copy_file_into(m: Member, size: int, sink: _Sink, counter: ByteCounter) -> 
     finally:
         os.close(fd)
     if done != size or grew:
-        raise InputError(f"{m.source} changed size while it was being archived",
+        raise InputError(f"{src} changed size while it was being archived",
                          hint="stop whatever is writing to it and run again")
 
 

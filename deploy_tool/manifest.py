@@ -404,7 +404,7 @@ def _typed(obj: Mapping[str, Any], key: str, typ: type[T], where: str) -> T:
     ok = type(value) is int if typ is int else isinstance(value, typ)  # bool is not an int here
     if not ok:
         raise reject("wrong-type", f"{where}.{key} must be {typ.__name__}, got {type(value).__name__}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _check_entries(entries: Sequence[FileEntry], *, sorted_required: bool = False) -> None:

@@ -26,7 +26,9 @@ def verify(cctx: click.Context, bundle_path: Path, keys_dir: Path | None, json_o
     An archive is unpacked only into a private temporary directory, which is removed afterwards. Exits 6 with
     a named reason (hash-mismatch, extra-file, signature-invalid, untrusted-key, ...) on any problem.
     """
-    ctx: Ctx = cctx.find_object(Ctx)
+    ctx = cctx.find_object(Ctx)
+    if ctx is None:  # called outside the deploytool group (e.g. embedded): plain defaults
+        ctx = Ctx(config_path=None, json=False, dry_run=False, verbose=False, debug=False)
     if json_out:
         ctx.json = True
     _verify(ctx, bundle_path, keys_dir)
