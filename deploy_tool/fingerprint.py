@@ -16,15 +16,18 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
             binary's hash matches the pin, never on a changed binary: the check runs as root) [binary.build],
             SHA-256 of every shared library beside the binary (libggml*, libllama*, ...) [binary.lib/NAME],
             mmproj size and header hash [mmproj.size, mmproj.header].
-  both      the installed unit file [unit], its drop-ins <unit>.d/*.conf [unit.d/NAME] and the env file
-            [env]; the model: a directory gives its config.json
-            SHA-256 [model.config], every weight file's size [model.weight/NAME] and the SHA-256 of its small
-            metadata files (tokenizer, generation config, custom code) [model.file/NAME]; a single GGUF file
-            gives its size [model.size] and the SHA-256 of its first 1 MiB (the header: architecture,
-            hyper-parameters, tokenizer, chat template) [model.header], plus the sizes of the other parts of a
-            split GGUF [model.split/NAME]; the speculative draft directory likewise [draft.*].
+  both      the installed unit file [unit], its drop-ins <unit>.d/*.conf [unit.d/NAME] and the env file [env];
+            the model: a directory gives its config.json SHA-256 [model.config], every weight file's size
+            [model.weight/NAME] and the SHA-256 of its small metadata files (tokenizer, generation config,
+            custom code) [model.file/NAME]; a single GGUF file gives its size [model.size] and the SHA-256 of
+            its first 1 MiB (the header: architecture, hyper-parameters, tokenizer, chat template)
+            [model.header], plus the sizes of the other parts of a split GGUF [model.split/NAME]; the
+            speculative draft directory likewise [draft.*].
+Not fingerprinted: secrets.env (a hash of a short API key in a world-readable pins file could be guessed),
+drop-ins outside the unit dir (/run/systemd/system, system.control), the system libraries (libc, CUDA driver).
 
-Speed. Files are hashed in parallel threads (hashlib and reads release the GIL), largest first, 1 MiB reads.
+Speed. Files are hashed in parallel threads (hashlib and reads release the GIL), largest first, 1 MiB reads;
+a file of 32 MiB or more gets a second thread that reads ahead while the first one hashes.
 A cache in `<state_dir>/cache/fingerprint-<backend>.json` maps a file's path and (st_dev, st_ino, st_size,
 st_mtime_ns, st_ctime_ns) to the values computed from it, so a start with nothing changed only stats files.
 
@@ -35,9 +38,11 @@ Why the cache can be trusted:
     edited and then given back its old size and mtime still gets a new ctime and misses the cache.
   * Racy entries: timestamps are taken from a coarse clock (one tick, a few ms; whole seconds on some file
     systems), so a change in the same tick as the hash could keep the same ctime. An entry is trusted only
-    if the file's ctime is at least CACHE_RACY_MARGIN_S older than the moment its value was computed (the
-    same rule git uses for its index); younger files are hashed every time until they age. A value is stored
-    only if the file's stat did not change while it was hashed.
+    if the file's ctime is older than the moment its value was computed by a margin larger than the
+    timestamp granularity (the rule git uses for its index): CACHE_RACY_MARGIN_S (0.1 s, for file systems
+    with sub-second timestamps: ext4, xfs, btrfs, tmpfs), or CACHE_COARSE_MARGIN_S (2 s) when the ctime is
+    a whole second, as on file systems with 1 s or 2 s timestamps (ext3, FAT). Younger files are hashed every
+    time until they age. A value is stored only if the file's stat did not change while it was hashed.
   * The cache file is used only when it is owned by root or by the user running verify and is not group- or
     world-writable; a cache file that is missing, unreadable, corrupt, of another format or for other paths
     is ignored (everything is hashed). Writing it is best effort: a read-only or full state dir only costs
@@ -73,7 +78,9 @@ PINS_FORMAT = 1
 CACHE_FORMAT = 1
 CHUNK = 1 << 20
 HEADER_BYTES = 1 << 20  # a GGUF's header hash covers its first 1 MiB
-CACHE_RACY_MARGIN_S = 2.0  # covers 1 s (ext3, HFS+) and 2 s (FAT) timestamp granularity
+PIPE_MIN_BYTES = 32 << 20  # files this large are read by a second thread while the first one hashes
+CACHE_RACY_MARGIN_S = 0.1  # > one coarse-clock tick (1-10 ms) on file systems with sub-second timestamps
+CACHE_COARSE_MARGIN_S = 2.0  # whole-second ctimes: covers 1 s (ext3) and 2 s (FAT) timestamp granularity
 SHORT_HASH = 12
 MISSING = "missing"
 
@@ -180,6 +187,7 @@ class Cache:
     def __init__(self, path: Path | None, *, read: bool = True, racy_margin_s: float = CACHE_RACY_MARGIN_S):
         self.path = path
         self.margin_ns = int(racy_margin_s * 1e9)
+        self.coarse_margin_ns = max(self.margin_ns, int(CACHE_COARSE_MARGIN_S * 1e9))
         self.old: dict[str, Any] = self._load() if (path is not None and read) else {}
         self.new: dict[str, Any] = {}
         self.dirty = False
@@ -213,7 +221,8 @@ class Cache:
         if (not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) or not isinstance(v[1], int)
                 or isinstance(v[1], bool)):
             return None
-        if st.st_ctime_ns + self.margin_ns > v[1]:
+        margin = self.coarse_margin_ns if st.st_ctime_ns % 1_000_000_000 == 0 else self.margin_ns
+        if st.st_ctime_ns + margin > v[1]:
             return None  # racy: the file changed too shortly before the value was computed
         self._keep(path, st, kind, v)
         return v[0]
@@ -270,6 +279,54 @@ def _hash_fd(fd: int, limit: int | None) -> tuple[str, int]:
     return h.hexdigest(), total
 
 
+def _hash_fd_piped(fd: int) -> tuple[str, int]:
+    """SHA-256 of a whole large file with reads and hashing overlapped: a reader thread fills 1 MiB buffers
+    (the copy out of the page cache costs a third of the hashing time) while this thread hashes the previous
+    one; both release the GIL, so a file costs about its hashing time alone when a second core is free."""
+    import queue
+    import threading
+
+    h = hashlib.sha256()
+    free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
+    full: queue.SimpleQueue[tuple[bytearray | None, int]] = queue.SimpleQueue()
+    for _ in range(4):
+        free.put(bytearray(CHUNK))
+    errors: list[OSError] = []
+
+    def reader() -> None:
+        while True:
+            b = free.get()
+            if b is None:
+                return
+            try:
+                n = os.readv(fd, [b])
+            except OSError as exc:
+                errors.append(exc)
+                full.put((None, 0))
+                return
+            full.put((b, n))
+            if not n:
+                return
+
+    t = threading.Thread(target=reader, name="fingerprint-read", daemon=True)
+    t.start()
+    total = 0
+    try:
+        while True:
+            b, n = full.get()
+            if b is None or not n:
+                break
+            h.update(memoryview(b)[:n])
+            total += n
+            free.put(b)
+    finally:
+        free.put(None)  # stops the reader if it still waits for a buffer
+        t.join()
+    if errors:
+        raise errors[0]
+    return h.hexdigest(), total
+
+
 class _Job:
     __slots__ = ("path", "kind", "st", "value", "cached", "fn", "nbytes")
 
@@ -300,7 +357,10 @@ def _run_hash(job: _Job, cache: Cache) -> None:
         if not stat.S_ISREG(st1.st_mode):
             job.value = "not a regular file"
             return
-        digest, n = _hash_fd(fd, None if job.kind == "sha256" else HEADER_BYTES)
+        if job.kind == "sha256" and st1.st_size >= PIPE_MIN_BYTES:
+            digest, n = _hash_fd_piped(fd)
+        else:
+            digest, n = _hash_fd(fd, None if job.kind == "sha256" else HEADER_BYTES)
         st2 = os.fstat(fd)
     except OSError as exc:
         job.value = _err_value(exc)
