@@ -282,7 +282,11 @@ class Manifest:
               native_libs: Mapping[str, str] | None = None, created: str | None = None) -> Manifest:
         """A manifest for these files: sorted, validated, id derived from content, time from SOURCE_DATE_EPOCH."""
         entries = tuple(sorted(files))
-        inputs = json.loads(_canonical(dict(inputs or {})))  # deep copy; fails early on non-JSON values
+        try:
+            inputs = json.loads(_canonical(dict(inputs or {})))  # deep copy; fails early on non-JSON values
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"manifest inputs must be plain JSON values (str, int, bool, null, lists, "
+                             f"objects): {exc}") from exc
         libs = dict(sorted((native_libs or {}).items()))
         _check_entries(entries)
         _check_native_libs(libs)

@@ -187,6 +187,24 @@ def test_parser_rejects_non_canonical_bytes() -> None:
     assert _reject(b"{}") == "missing-key"
 
 
+def test_manifest_inputs_must_be_json() -> None:
+    """Inputs that are not JSON values (a Path, NaN) are an InputError, not a traceback."""
+    with pytest.raises(InputError, match="plain JSON"):
+        _m(inputs={"template": Path("/x")})
+    with pytest.raises(InputError):
+        _m(inputs={"ratio": float("nan")})
+
+
+def test_modules_import_alone_without_cli() -> None:
+    """manifest, archive, bundle and progress import on their own and never pull in the CLI (one-way data flow)."""
+    import subprocess
+    import sys
+
+    for mod in ("deploy_tool.progress", "deploy_tool.manifest", "deploy_tool.archive", "deploy_tool.bundle"):
+        code = f"import sys, {mod}; assert not any(m.startswith('deploy_tool.cli') for m in sys.modules)"
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
 def test_manifest_build_rejects_conflicting_paths() -> None:
     """A file that is also another file's directory cannot be in a manifest."""
     with pytest.raises(BundleError) as ei:
