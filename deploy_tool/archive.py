@@ -248,21 +248,7 @@ def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with open(fd, "wb") as f:
-            sink = _Sink(f, compression, threads)
-            for m in items:
-                size = sizes.get(m.name, 0)
-                sink.write(_tarinfo(m, size, mtime).tobuf(tarfile.GNU_FORMAT, "utf-8", "strict"))
-                if m.kind != "file":
-                    continue
-                if isinstance(m.source, bytes | bytearray):
-                    sink.write(m.source)
-                    counter.add(len(m.source))
-                else:
-                    _copy_file_into(Path(m.source), size, sink, counter)  # type: ignore[arg-type]
-                sink.write(_pad(size))
-            sink.write(b"\0" * (2 * BLOCK))
-            sink.write(b"\0" * (-sink.written % RECORD))
-            sink.close()
+            _write_stream(items, sizes, f, compression=compression, threads=threads, mtime=mtime, counter=counter)
             f.flush()
         os.chmod(tmp, 0o644)
         os.replace(tmp, out)
@@ -272,6 +258,26 @@ def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return out
+
+
+def _write_stream(items: Sequence[Member], sizes: dict[str, int], f: BinaryIO, *, compression: str, threads: int,
+                  mtime: int, counter: ByteCounter) -> None:
+    """The tar byte stream of checked, ordered members, into f (optionally through zstd)."""
+    sink = _Sink(f, compression, threads)
+    for m in items:
+        size = sizes.get(m.name, 0)
+        sink.write(_tarinfo(m, size, mtime).tobuf(tarfile.GNU_FORMAT, "utf-8", "strict"))
+        if m.kind != "file":
+            continue
+        if isinstance(m.source, bytes | bytearray):
+            sink.write(m.source)
+            counter.add(len(m.source))
+        else:
+            _copy_file_into(Path(m.source), size, sink, counter)  # type: ignore[arg-type]
+        sink.write(_pad(size))
+    sink.write(b"\0" * (2 * BLOCK))
+    sink.write(b"\0" * (-sink.written % RECORD))
+    sink.close()
 
 
 def _copy_file_into(src: Path, size: int, sink: _Sink, counter: ByteCounter) -> None:
