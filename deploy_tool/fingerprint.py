@@ -63,6 +63,7 @@ import json
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -191,6 +192,7 @@ class Cache:
         self.old: dict[str, Any] = self._load() if (path is not None and read) else {}
         self.new: dict[str, Any] = {}
         self.dirty = False
+        self._lock = threading.Lock()  # put() is called from the hashing threads
 
     def _load(self) -> dict[str, Any]:
         assert self.path is not None
@@ -234,8 +236,9 @@ class Cache:
         e["values"][kind] = v
 
     def put(self, path: str, st: os.stat_result, kind: str, value: str, computed_at_ns: int) -> None:
-        self._keep(path, st, kind, [value, computed_at_ns])
-        self.dirty = True
+        with self._lock:
+            self._keep(path, st, kind, [value, computed_at_ns])
+            self.dirty = True
 
     def save(self) -> None:
         """Write the entries used in this run (best effort: failures cost only speed)."""
@@ -284,7 +287,6 @@ def _hash_fd_piped(fd: int) -> tuple[str, int]:
     (the copy out of the page cache costs a third of the hashing time) while this thread hashes the previous
     one; both release the GIL, so a file costs about its hashing time alone when a second core is free."""
     import queue
-    import threading
 
     h = hashlib.sha256()
     free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
