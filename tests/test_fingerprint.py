@@ -282,6 +282,43 @@ def test_llamacpp_build_checked_against_config(tree: rt.Tree) -> None:
     assert r.rows[0].actual.endswith("; config says b10064")
 
 
+def test_ftllm_on_a_single_gguf_and_split_gguf_parts(tree: rt.Tree) -> None:
+    """An ftllm model given as one GGUF file pins its size and 1 MiB header; a split GGUF pins every part's size."""
+    m = tree.root / "models"
+    first, second = m / "big-00001-of-00002.gguf", m / "big-00002-of-00002.gguf"
+    shutil.copyfile(m / "tiny-f16.gguf", first)
+    second.write_bytes(b"GGUF" + b"\0" * 60)
+    data = yaml.safe_load(tree.config_path.read_text())
+    data["backends"][FT]["model"] = "models/big-00001-of-00002.gguf"
+    data["backends"][FT].pop("speculative")
+    tree.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    tree.reload()
+    v = fp.pin(tree.cfg, FT, "gguf model").values()
+    assert v["model.size"] == str(first.stat().st_size) and v["model.header"] == sha(first)
+    assert v["model.split/big-00002-of-00002.gguf"] == "64"
+    assert not any(k.startswith(("model.config", "model.weight", "draft.")) for k in v)
+    second.write_bytes(b"GGUF" + b"\0" * 61)
+    r = fp.verify(tree.cfg, FT)
+    assert [(d.item.id, d.expected, d.actual) for d in r.rows] == [("model.split/big-00002-of-00002.gguf", "64", "65")]
+    second.unlink()
+    assert [(d.item.id, d.actual) for d in fp.verify(tree.cfg, FT).rows] == [
+        ("model.split/big-00002-of-00002.gguf", "missing")]
+
+
+def test_table_shortens_hashes_and_long_values() -> None:
+    """The drift table cuts SHA-256 values to 12 hex digits and long paths to their end."""
+    h1, h2 = "a" * 64, "b" * 64
+    item = fp.Item("unit", "unit file x.service", "/etc/systemd/system/x.service", h2)
+    long = fp.Item("python.interpreter", "Python interpreter", None, "/very/long/" + "p" * 80 + "/python3.11")
+    r = fp.VerifyReport(ok=False, rows=[fp.Drift(item, h1, h2), fp.Drift(long, "/usr/bin/python3.11", long.value)],
+                        backend="x", items=(item, long))
+    lines = fp.format_report(r).splitlines()
+    assert lines[0].startswith("x: DRIFT in 2 of 2 fingerprints (not pinned)")
+    assert lines[2].split() == ["unit", "file", "x.service", "a" * 12, "b" * 12]
+    assert lines[3].split()[-1].startswith("...") and lines[3].rstrip().endswith("/python3.11")
+    assert all(len(ln) < 120 for ln in lines)
+
+
 # ------------------------------------------------------------------------------------------- pins file, history
 
 
