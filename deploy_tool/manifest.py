@@ -71,12 +71,12 @@ _CREATED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\Z")
 
 
 def reject(reason: str, message: str, *, hint: str | None = None, path: str | None = None) -> BundleError:
-    """A BundleError carrying a stable `reason` slug (also in details, so --json shows it)."""
+    """A BundleError carrying a stable `reason` slug (in the message's tail, and in details for --json)."""
     assert reason in REASONS, reason
     details: dict[str, str] = {"reason": reason}
     if path is not None:
         details["path"] = path
-    err = BundleError(message, hint=hint, details=details)
+    err = BundleError(f"{message} [{reason}]", hint=hint, details=details)
     err.reason = reason  # type: ignore[attr-defined]
     err.path = path  # type: ignore[attr-defined]
     return err
