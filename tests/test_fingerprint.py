@@ -653,3 +653,55 @@ def test_systemd_refuses_real_llama_server_start_and_starts_it_when_restored(tem
             _starts(sandbox_env, unit, port)
     finally:
         shutil.rmtree(tree.root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------- the fast entry
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\[\d+\.\d+ s, \d+ of \d+ files from cache\]", "[timing]", text)
+
+
+def entry(tree: rt.Tree, *args: str, fast: bool) -> subprocess.CompletedProcess[str]:
+    prog = ["-c", "from deploy_tool.entry import main; main()"] if fast else ["-m", "deploy_tool"]
+    return subprocess.run([sys.executable, *prog, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_fast_entry_answers_exactly_like_the_click_command(tree: rt.Tree) -> None:
+    """deploy_tool.entry's click-free verify gives the same stdout, stderr and exit code in every outcome."""
+    cfgp = str(tree.config_path)
+    broken = tree.root / "broken.yaml"
+    broken.write_text("version: 1\nbackends: [\n")
+
+    def same(*args: str) -> int:
+        a, b = entry(tree, *args, fast=True), entry(tree, *args, fast=False)
+        assert (a.returncode, _norm(a.stdout), a.stderr) == (b.returncode, _norm(b.stdout), b.stderr), (a, b)
+        return a.returncode
+
+    assert same("--config", cfgp, "verify", FT) == 13  # not pinned
+    fp.pin(tree.cfg, FT, "install")
+    assert same("--config", cfgp, "verify", FT) == 0
+    assert same("-c", cfgp, "verify", "ftllm", "--no-cache") == 0
+    flip_byte(tree.site_packages / "ftllm/libfastllm_tools.so", 2222)
+    assert same(f"--config={cfgp}", "verify", FT) == 7
+    assert same("--config", cfgp, "verify", "nosuch") == 3
+    assert same("--config", str(broken), "verify", FT) == 3
+    assert same("--config", str(tree.root / "absent.yaml"), "verify", FT) == 5
+
+
+def test_fast_entry_skips_click_and_hands_everything_else_to_click(tree: rt.Tree) -> None:
+    """verify through the fast entry loads no click; other command lines (pin, --json) still work through click."""
+    fp.pin(tree.cfg, FT, "install")
+    code = ("import sys\n"
+            f"sys.argv = ['deploytool', '--config', {str(tree.config_path)!r}, 'verify', {FT!r}]\n"
+            "from deploy_tool.entry import main\n"
+            "try:\n"
+            "    main()\n"
+            "except SystemExit as e:\n"
+            "    print('EXIT', e.code, 'click' in sys.modules, 'yaml' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.stdout.strip().splitlines()[-1] == "EXIT 0 False True", r.stdout + r.stderr
+    js = entry(tree, "--config", str(tree.config_path), "verify", FT, "--json", fast=True)
+    assert js.returncode == 0 and json.loads(js.stdout)["ok"] is True
+    p = entry(tree, "--config", str(tree.config_path), "pin", FT, "--reason", "again", fast=True)
+    assert p.returncode == 0 and "nothing changed since the last pin" in p.stdout
