@@ -177,7 +177,8 @@ def main() -> int:
     peak = openssl_peak()
     start = best_of(5, [sys.executable, "-c", "pass"])
     cli_start = best_of(5, [*deploytool_argv(), "--version"])
-    print(f"every figure is the best of {args.repeat} runs (5 for the short ones); page cache warm")
+    print(f"every figure is the best of {args.repeat} runs (5 for the short ones); page cache warm; "
+          f"load average at start {os.getloadavg()[0]:.2f} (other work on the machine slows the hashing)")
     print(f"openssl speed -evp sha256 single-core peak: {peak / 1e9:.2f} GB/s")
     print(f"interpreter start (python -c pass): {start * 1000:.0f} ms; deploytool --version: {cli_start * 1000:.0f} ms")
     results = []
@@ -193,6 +194,7 @@ def main() -> int:
         elif nccl is not None:
             print(f"\n(no NCCL round: {nccl} not found; `python -m tests.support.native fetch` provides it)")
     shutil.rmtree(Path(tmp), ignore_errors=True)
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     missed = [name for name, ok in results if not ok]
     print("\nall goals met" if not missed else "\nmissed: " + "; ".join(missed))
     return 1 if (missed and args.strict) else 0
