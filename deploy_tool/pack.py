@@ -31,7 +31,11 @@ LOCK_LINE_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>\S+)\s+--ha
 
 
 def pip_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    # PYTHONPATH & co. would let pip see packages outside the venv being built (for example a source checkout of
+    # deploytool) and skip installing them: the venv must come from the wheels alone.
+    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP", "VIRTUAL_ENV", "PYTHONNOUSERSITE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in drop}
+    env["PYTHONNOUSERSITE"] = "1"
     env.update({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1",
                 "PIP_NO_INPUT": "1"})
     env.update(extra or {})

@@ -67,7 +67,8 @@ def demo(systemd_sandbox):
     for p in (d / "keys").glob("*.pub"):
         shutil.copy(p, keys / p.name)
     yield cfg
-    shutil.rmtree(d, ignore_errors=True)
+    if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def state(cfg: Path) -> dict:

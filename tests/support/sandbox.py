@@ -35,7 +35,10 @@ from deploy_tool.systemd import Systemd
 
 __all__ = ["systemd_sandbox", "sandbox_env", "pytest_sessionstart", "pytest_sessionfinish"]
 
-SANDBOX_PARENT = Path(os.environ.get("DEPLOYTOOL_TEST_SANDBOXES", "/tmp/deploytool-test-sandboxes"))
+# Not under /tmp: a sandbox whose directory lives in /tmp cannot start units with PrivateTmp=yes (systemd then
+# fails to locate their executables, status=203/EXEC), and the rendered backend units use PrivateTmp=yes.
+SANDBOX_PARENT = Path(os.environ.get("DEPLOYTOOL_TEST_SANDBOXES",
+                                     str(Path(__file__).resolve().parents[2] / ".cache" / "test-sandboxes")))
 CGROUP_PREFIX = "deploytool-sandbox-"
 
 
