@@ -11,7 +11,9 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
             SHA-256 [python.binary] (and its libpython, when linked against one [python.libpython]), SHA-256 of
             every native library in the ftllm package, libfastllm_tools.so first [ftllm.lib/NAME], the bundled
             chat template [template] and NCCL [nccl.sha256] when used, and whether that NCCL still holds code
-            for the configured GPU architecture under the arch policy [nccl.arch].
+            for the configured GPU architecture under the arch policy [nccl.arch]; ftllm's Python files and
+            console script against the SHA-256 pip recorded in its RECORD [ftllm.record]; the version of
+            every other distribution in the venv [package/NAME] (the lock, as installed).
   llamacpp  SHA-256 of the binary [binary.sha256], its build as `--version` reports it (run only when the
             binary's hash matches the pin, never on a changed binary: the check runs as root) [binary.build],
             SHA-256 of every shared library beside the binary (libggml*, libllama*, ...) [binary.lib/NAME],
@@ -394,6 +396,31 @@ def _run_derived(job: _Job, cache: Cache) -> None:
 # collection
 
 
+class _RecordCheck:
+    """Files listed in a wheel's RECORD, each with the urlsafe-base64 SHA-256 it was installed with."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: list[tuple[str, str, _Job]]) -> None:
+        self.entries = entries  # (path relative to site-packages, expected b64 digest, hashing job)
+
+    def value(self) -> str:
+        import base64
+
+        bad = []
+        for rel, want, job in self.entries:
+            v = job.value or "unreadable"
+            if not _HEX64.fullmatch(v):
+                bad.append(f"{rel} ({v})")
+            elif base64.urlsafe_b64encode(bytes.fromhex(v)).rstrip(b"=").decode() != want:
+                bad.append(rel)
+        n = len(self.entries)
+        if not bad:
+            return f"all {n} files match RECORD"
+        more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
+        return f"{len(bad)} of {n} files differ from RECORD: {', '.join(bad[:4])}{more}"
+
+
 class _Collector:
     """Items in order; file contents are read later, all at once, in parallel, through the cache."""
 
@@ -424,6 +451,27 @@ class _Collector:
         """A value computed from a file by `fn` (cached like a hash); with `guard`, computed only while the
         item `guard` still has its pinned value (e.g. run a binary only if its hash is the pinned one)."""
         self.specs.append((id, label, str(path), (self._job(str(path), kind, fn), guard)))
+
+    def record(self, id: str, label: str, site_packages: Path, dist_info: Path,
+               keep: Callable[[str], bool]) -> None:
+        """Check the files a wheel installed (those `keep` selects) against the hashes in its RECORD."""
+        entries: list[tuple[str, str, _Job]] = []
+        top = os.path.normpath(site_packages.parent.parent.parent)  # the venv
+        try:
+            lines = (dist_info / "RECORD").read_text("utf-8", errors="replace").splitlines()
+        except OSError as exc:
+            self.value(id, label, dist_info / "RECORD", _err_value(exc))
+            return
+        for line in lines:
+            rel, _, rest = line.partition(",")
+            digest = rest.partition(",")[0]
+            if not digest.startswith("sha256=") or not keep(rel):
+                continue
+            path = os.path.normpath(os.path.join(site_packages, rel))
+            if not path.startswith(top + os.sep):
+                continue  # RECORD entries outside the venv are not ours to check
+            entries.append((rel, digest[len("sha256="):], self._job(path, "sha256")))
+        self.specs.append((id, label, str(dist_info / "RECORD"), _RecordCheck(entries)))
 
     def size(self, id: str, label: str, path: str | os.PathLike[str]) -> None:
         try:
@@ -471,6 +519,8 @@ class _Collector:
                 v = spec
             elif isinstance(spec, _Job):
                 v = spec.value if spec.value is not None else "unreadable"
+            elif isinstance(spec, _RecordCheck):
+                v = spec.value()
             else:
                 job, guard = spec
                 if job.value is None:
@@ -640,6 +690,12 @@ def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
     libs.add("libfastllm_tools.so")  # always listed, so its absence is reported
     for name in sorted(libs, key=lambda n: (n != "libfastllm_tools.so", n)):
         c.sha256(f"ftllm.lib/{name}", f"SHA-256 of {name}", pkg / name)
+    if len(dists) == 1:
+        # the package's Python code and the console script, against the hashes pip installed them with
+        # (native libraries have their own items above; METADATA is the version item)
+        c.record("ftllm.record", "ftllm files vs RECORD", sp, dists[0],
+                 lambda rel: not _is_native_lib(rel.rsplit("/", 1)[-1]) and not rel.startswith(dists[0].name))
+    _collect_packages(c, sp, skip="ftllm")
     _collect_units(c, cfg, b)
     cur = Path(cfg.paths.current)
     if b.use_bundle_chat_template:
@@ -655,6 +711,16 @@ def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
     sp_cfg = b.speculative
     if sp_cfg is not None and sp_cfg.algorithm != "none" and sp_cfg.draft_model:
         _collect_model(c, "draft", "draft", sp_cfg.draft_model, None)
+
+
+def _collect_packages(c: _Collector, sp: Path, *, skip: str) -> None:
+    """Every other distribution installed in the venv, by name and version (from the dist-info names)."""
+    for e in _listdir(sp):
+        if not e.name.endswith(".dist-info"):
+            continue
+        name, _, version = e.name[: -len(".dist-info")].rpartition("-")
+        if name and name.lower() != skip:
+            c.value(f"package/{name.lower()}", f"package {name}", e.path, version)
 
 
 def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:

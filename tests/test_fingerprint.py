@@ -89,6 +89,10 @@ def test_pin_then_verify_passes_and_lists_the_ten_fingerprints(tree: rt.Tree) ->
     assert v["draft.config"] == sha(tree.root / "models/draft/config.json")
     assert v["draft.weight/model.safetensors"] == str((tree.root / "models/draft/model.safetensors").stat().st_size)
     assert v["python.interpreter"] == os.path.realpath(tree.release / "venv/bin/python")
+    n = re.fullmatch(r"all (\d+) files match RECORD", v["ftllm.record"])
+    assert n and int(n.group(1)) > 50, v["ftllm.record"]
+    shortuuid = next(sp.glob("shortuuid-*.dist-info")).name[len("shortuuid-"):-len(".dist-info")]
+    assert v["package/shortuuid"] == shortuuid
     pins = json.loads(fp.pins_path(tree.cfg, FT).read_text())
     assert pins["reason"] == "first install" and pins["release"] == "r1" and pins["backend"] == FT
     r = fp.verify(tree.cfg, FT)
@@ -153,6 +157,8 @@ FT_CASES = {
                                                 _edit(p, lambda b: b.replace(b"64", b"65", 1)))),
     "draft-weight": ("draft.weight/model.safetensors",
                      lambda t, n=FT: (p := t.root / "models/draft/model.safetensors", _edit(p, lambda b: b + b"xx"))),
+    "ftllm-python-file": ("ftllm.record", lambda t, n=FT: (p := t.site_packages / "ftllm/server.py",
+                                                          _edit(p, lambda b: b + b"# patched\n"))),
     "tokenizer": ("model.file/tokenizer_config.json",
                   lambda t, n=FT: (p := t.root / "models/ftllm-model/tokenizer_config.json",
                              _edit(p, lambda b: b.replace(b"2048", b"4096")))),
@@ -180,6 +186,22 @@ def test_ftllm_drift_names_exactly_the_changed_item(tree: rt.Tree, case: str) ->
     path.write_bytes(original)
     assert fp.verify(tree.cfg, FT).ok
     assert fp.verify(tree.cfg, FT, use_cache=False).ok
+
+
+def test_changed_python_file_and_upgraded_package_are_named(tree: rt.Tree) -> None:
+    """A patched ftllm .py file is named against RECORD; a dependency at another version is named with both versions."""
+    fp.pin(tree.cfg, FT, "install")
+    server = tree.site_packages / "ftllm/server.py"
+    original = _edit(server, lambda b: b.replace(b"import", b"import ", 1))
+    r = fp.verify(tree.cfg, FT)
+    assert ids(r) == ["ftllm.record"]
+    assert re.fullmatch(r"1 of \d+ files differ from RECORD: ftllm/server.py", r.rows[0].actual)
+    server.write_bytes(original)
+    dist = next(tree.site_packages.glob("shortuuid-*.dist-info"))
+    old_version = dist.name[len("shortuuid-"):-len(".dist-info")]
+    dist.rename(dist.with_name("shortuuid-99.0.dist-info"))
+    r = fp.verify(tree.cfg, FT)
+    assert [(d.item.id, d.expected, d.actual) for d in r.rows] == [("package/shortuuid", old_version, "99.0")]
 
 
 def test_nccl_without_the_required_arch_is_named(tree: rt.Tree) -> None:

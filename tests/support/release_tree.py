@@ -7,8 +7,9 @@ Layout (relative paths in deploytool.yaml, so a copied tree is self-contained):
     deploytool.yaml
     opt/deploytool/current -> releases/r1
     opt/deploytool/releases/r1/venv/            a real venv (`python -m venv --without-pip`) holding the real
-                                                ftllm dist-info and ftllm/libfastllm_tools-cpu.so, libnuma.so.1
-                                                copied from the dev venv; libfastllm_tools.so is a copy of the
+                                                ftllm package (its Python files, libfastllm_tools-cpu.so,
+                                                libnuma.so.1), dist-info and bin/ftllm copied from the dev venv,
+                                                and shortuuid's dist-info; libfastllm_tools.so is a copy of the
                                                 CPU library (the 516 MB CUDA one is only benchmarked, never
                                                 copied per test)
     opt/deploytool/releases/r1/templates/chat_template.jinja
@@ -125,11 +126,13 @@ def build_template(d: Path) -> Path:
     sp = next((rel / "venv/lib").glob("python3*/site-packages"))
     shutil.copytree(ftllm_dist_info(), sp / ftllm_dist_info().name)
     src = ftllm_dir()
-    (sp / "ftllm").mkdir()
-    for name in ("__init__.py", "libfastllm_tools-cpu.so", "libnuma.so.1"):
-        if (src / name).exists():
-            shutil.copy2(src / name, sp / "ftllm" / name)
+    shutil.copytree(src, sp / "ftllm", ignore=shutil.ignore_patterns("libfastllm_tools.so", "__pycache__"))
     shutil.copy2(src / "libfastllm_tools-cpu.so", sp / "ftllm" / "libfastllm_tools.so")
+    script = dev_site_packages().parents[2] / "bin" / "ftllm"  # as pip wrote it (RECORD holds its hash)
+    if script.is_file():
+        shutil.copy2(script, rel / "venv/bin/ftllm")
+    for dist in sorted(dev_site_packages().glob("shortuuid-*.dist-info"))[:1]:  # one more real distribution
+        shutil.copytree(dist, sp / dist.name)
     (rel / "templates").mkdir()
     (rel / "templates/chat_template.jinja").write_text(TEMPLATE_TEXT)
     (rel / "nccl").mkdir()
