@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -56,21 +57,26 @@ def run(
     input: str | bytes | None = None,
     cwd: str | os.PathLike[str] | None = None,
 ) -> Result:
-    """Run argv to completion and return its exit code and output; raise CommandFailed unless the code is in `ok`."""
+    """Run argv to completion and return its exit code and output; raise CommandFailed unless the code is in `ok`.
+
+    A program killed by a signal is reported like a shell would (128 + signal) and always raises CommandFailed.
+    With `timeout`, the program is killed (SIGKILL) once it runs longer and a DeployError says so.
+    """
     argv = tuple(str(a) for a in argv)
     if not argv:
         raise ValueError("empty argv")
     log.debug("+ %s", shlex.join(argv))
+    if timeout is not None:
+        # `sh` enforces _timeout with a watcher thread that costs ~0.1 s per call; subprocess waits on the pipes
+        # with a deadline instead, at the cost of a plain fork/exec.
+        return _run_subprocess(argv, ok=ok, timeout=timeout, env=env, input=input, cwd=cwd)
     sh = _sh()
     try:
         cmd = sh.Command(argv[0])
     except sh.CommandNotFound as exc:
-        raise MissingTool(f"program not found: {argv[0]}",
-                          hint="install it, or set its path in the config (paths: section)") from exc
+        raise _not_found(argv[0]) from exc
     kwargs: dict[str, object] = {"_ok_code": list(range(256)), "_return_cmd": True, "_tty_out": False,
                                  "_decode_errors": "replace"}
-    if timeout is not None:
-        kwargs["_timeout"] = timeout
     if env is not None:
         kwargs["_env"] = dict(env)
     if input is not None:
@@ -79,8 +85,6 @@ def run(
         kwargs["_cwd"] = str(cwd)
     try:
         proc = cmd(*argv[1:], **kwargs)
-    except sh.TimeoutException as exc:
-        raise DeployError(f"command timed out after {timeout}s: {shlex.join(argv)}") from exc
     except sh.SignalException as exc:  # killed by a signal: report like a shell would
         res = Result(argv, 128 + abs(exc.exit_code), _dec(exc.stdout), _dec(exc.stderr))
         raise CommandFailed(res) from exc
@@ -88,6 +92,37 @@ def run(
         raise MissingTool(f"program not executable: {argv[0]}") from exc
     res = Result(argv, proc.exit_code, _dec(proc.stdout), _dec(proc.stderr))
     if res.returncode not in ok:
+        raise CommandFailed(res)
+    return res
+
+
+def _not_found(prog: str) -> MissingTool:
+    return MissingTool(f"program not found: {prog}",
+                       hint="install it, or set its path in the config (paths: section)")
+
+
+def _run_subprocess(argv: tuple[str, ...], *, ok: Sequence[int], timeout: float, env: Mapping[str, str] | None,
+                    input: str | bytes | None, cwd: str | os.PathLike[str] | None) -> Result:
+    """The timeout path of run(): same resolution (the caller's PATH), errors and Result as the `sh` path."""
+    exe = shutil.which(argv[0]) if os.sep not in argv[0] else argv[0]
+    if exe is None or not os.path.exists(exe):
+        raise _not_found(argv[0])
+    data = input.encode() if isinstance(input, str) else input
+    try:
+        cp = subprocess.run([exe, *argv[1:]], input=data, stdin=subprocess.DEVNULL if data is None else None,
+                            capture_output=True, timeout=timeout, env=dict(env) if env is not None else None,
+                            cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
+        raise DeployError(f"command timed out after {timeout}s: {shlex.join(argv)}") from exc
+    except PermissionError as exc:
+        raise MissingTool(f"program not executable: {argv[0]}") from exc
+    except FileNotFoundError as exc:  # vanished between the lookup and exec, or a broken interpreter line
+        raise _not_found(argv[0]) from exc
+    except OSError as exc:  # e.g. ENOEXEC: not a program at all
+        raise MissingTool(f"program cannot be run: {argv[0]}: {exc.strerror}") from exc
+    rc = cp.returncode
+    res = Result(argv, 128 - rc if rc < 0 else rc, _dec(cp.stdout), _dec(cp.stderr))
+    if rc < 0 or res.returncode not in ok:
         raise CommandFailed(res)
     return res
 
