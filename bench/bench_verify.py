@@ -98,6 +98,19 @@ def build_release(d: Path, venv: Path, nccl: Path | None) -> Path:
     return cp
 
 
+def record_files(cfg: config.Config) -> set[str]:
+    """The files verify checks against ftllm's RECORD (Python files, console script), for sha256sum too."""
+    sp = Path(sysconfig.get_paths()["purelib"].replace(sys.prefix, str(Path(cfg.paths.current) / "venv"), 1))
+    dist = next(sp.glob("ftllm-*.dist-info"))
+    out = set()
+    for line in (dist / "RECORD").read_text().splitlines():
+        rel, _, rest = line.partition(",")
+        name = rel.rsplit("/", 1)[-1]
+        if rest.startswith("sha256=") and not rel.startswith(dist.name) and not (name.endswith(".so") or ".so." in name):
+            out.add(os.path.normpath(sp / rel))
+    return out
+
+
 def deploytool_argv() -> list[str]:
     script = Path(sys.executable).parent / "deploytool"
     return [str(script)] if script.exists() else [sys.executable, "-m", "deploy_tool"]
@@ -107,7 +120,7 @@ def round_(label: str, cp: Path, repeat: int, peak: float, start: float) -> list
     cfg = config.load(cp)
     fingerprint.pin(cfg, "ftllm-dflash", "benchmark")
     items = fingerprint.collect(cfg, "ftllm-dflash", use_cache=False, cache_file=False)
-    files = sorted({i.path for i in items if i.path and HEX64.fullmatch(i.value)})
+    files = sorted({i.path for i in items if i.path and HEX64.fullmatch(i.value)} | record_files(cfg))
     nbytes = sum(os.path.getsize(f) for f in files)
     for f in files:  # warm the page cache: measure hashing, not the disk
         with open(f, "rb") as fh:
