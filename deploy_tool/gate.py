@@ -10,7 +10,7 @@ from typing import Any
 
 from deploy_tool import health
 from deploy_tool.config import Backend, Config
-from deploy_tool.errors import HealthError
+from deploy_tool.errors import DeployError, HealthError, RuntimeTruthError
 from deploy_tool.systemd import Systemd
 
 
@@ -86,5 +86,71 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
         raise
     on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
     st = sd.show(b.unit)
-    return GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, total_s=time.monotonic() - t0,
-                      content=smoke.content, completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
+    report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
+                        completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
+    truth = runtime_truth(cfg, b, st.main_pid, journal_text=lambda: sd.journal(b.unit, invocation=invocation,
+                                                                                 lines=2000))
+    report.runtime = truth.get("rows", [])
+    fails = truth.get("failures", [])
+    if fails:
+        raise RuntimeTruthError(f"{b.name} is up but did not load what was pinned: " + "; ".join(fails),
+                                hint="the running process maps libraries from other paths or with other hashes "
+                                     "than the release (e.g. the system NCCL instead of the bundle's)",
+                                details={"reason": "runtime-truth", "runtime": truth})
+    for w in truth.get("warnings", []):
+        on_event(f"{b.name}: warning: {w}")
+    report.total_s = time.monotonic() - t0
+    return report
+
+
+def release_pins(cfg: Config) -> dict[str, Any]:
+    """runtime.Pin per native library the release knows (venv libraries from the MANIFEST, the bundled NCCL)."""
+    import os
+    from pathlib import Path
+
+    from deploy_tool import runtime
+    from deploy_tool.manifest import Manifest
+
+    cur = Path(cfg.paths.current)
+    try:
+        man = Manifest.from_bytes((cur / "MANIFEST").read_bytes())
+    except (OSError, DeployError):
+        return {}
+    families = ("libfastllm_tools", "libggml", "libllama", "libnccl", "libcudart", "libcublas")
+    pins: dict[str, Any] = {}
+    for rel, sha in man.native_libs.items():
+        name = rel.rsplit("/", 1)[-1]
+        if name.startswith(families):
+            pins[name] = runtime.Pin(os.path.realpath(cur / "venv" / rel), sha)
+    nccl = man.by_path().get("nccl/libnccl.so.2")
+    if nccl is not None:
+        pins["nccl"] = runtime.Pin(os.path.realpath(cur / "nccl" / "libnccl.so.2"), nccl.sha256)
+    return pins
+
+
+def host_pid(cfg: Config, pid: int) -> int:
+    """The host PID of a unit's MainPID (they differ when systemd runs in the sandbox's PID namespace)."""
+    if not pid or not cfg.systemd.sandbox:
+        return pid
+    from deploy_tool.sandbox import Sandbox
+
+    return Sandbox(cfg.systemd.sandbox).host_pid(pid)
+
+
+def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Callable[[], str]) -> dict[str, Any]:
+    """What the running process actually loaded and what its log says fits; never raises."""
+    from deploy_tool import runtime
+
+    try:
+        pid = host_pid(cfg, main_pid)
+        log = journal_text()
+        ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
+        rep = runtime.inspect_runtime(pid, kind=b.kind, pins=release_pins(cfg), log_text=log,
+                                      device_profile=b.device, configured_ctx=ctx)
+    except Exception as exc:  # the check must never turn into a crash of the gate
+        return {"status": "unknown", "rows": [], "failures": [], "warnings": [f"could not determine: {exc}"]}
+    out = rep.to_json()
+    out["rows"] = rep.to_rows()
+    out["failures"] = [f"{f.check} {f.subject}: {f.message}" for f in rep.failures()]
+    out["warnings"] = [f"{f.check} {f.subject}: {f.message}" for f in rep.findings if f.status == runtime.WARN]
+    return out

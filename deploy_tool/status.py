@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -74,21 +73,19 @@ def _health(cfg: Config, active: str | None) -> dict[str, Any]:
 
 def _runtime(cfg: Config, name: str, pid: int) -> dict[str, Any]:
     if not pid:
-        return {"status": "unknown", "detail": "no main process"}
-    try:
-        from deploy_tool import runtime
-        from deploy_tool.systemd import for_config
+        return {"status": "unknown", "rows": [], "detail": "no main process"}
+    from deploy_tool.gate import runtime_truth
+    from deploy_tool.systemd import for_config
 
-        b = cfg.backends[name]
-        log = ""
-        with contextlib.suppress(DeployError):
-            log = for_config(cfg).journal(b.unit, lines=400)
-        ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
-        rep = runtime.inspect_runtime(pid, kind=b.kind, pins={}, log_text=log, device_profile=b.device,
-                                      configured_ctx=ctx)
-        return rep.to_json()
-    except Exception as exc:  # status must always print
-        return {"status": "unknown", "detail": f"could not determine: {exc}"}
+    b = cfg.backends[name]
+
+    def journal() -> str:
+        try:
+            return for_config(cfg).journal(b.unit, lines=2000)
+        except DeployError:
+            return ""
+
+    return runtime_truth(cfg, b, pid, journal_text=journal)
 
 
 def format_status(rep: dict[str, Any]) -> str:

