@@ -799,6 +799,9 @@ def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, st
         _collect_ftllm(c, cfg, b)
     else:
         _collect_llamacpp(c, cfg, b)
+    from deploy_tool import selfcheck  # the deploytool that runs this check is pinned as well (tool.*)
+
+    selfcheck.collect(c, cfg)
     items, stats = c.finish()
     seen: set[str] = set()
     for it in items:

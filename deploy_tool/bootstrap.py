@@ -1,0 +1,455 @@
+#!/usr/bin/env python3
+# ruff: noqa: UP031, B904, SIM114, SIM115
+"""deploytool bootstrap: a box with nothing but python3 (3.11 or newer) installs a bundle with no network.
+
+    python3 BUNDLE_DIR/bootstrap [--config PATH] [--keys DIR] [--staging-dir DIR] [INSTALL OPTIONS...]
+
+`pack` writes this file (deploy_tool/bootstrap.py) to the root of every bundle as `bootstrap`, mode 0755,
+listed in the MANIFEST like every other file. It runs in this order and stops at the first problem:
+
+1. The interpreter must be CPython 3.11 or newer. This file parses on Python 2.7 and every 3.x (no f-strings,
+   no annotations, no keyword-only arguments), so an old python3 gets this message, not a SyntaxError.
+2. The bundle's MANIFEST lists deploytool's wheels under tool/wheels/ (deploytool's own wheel and its
+   dependencies'). Each is copied into a private staging directory and the copy's size and SHA-256 are
+   checked against the MANIFEST. The MANIFEST's Ed25519 signature cannot be checked yet (that needs the
+   `cryptography` wheel being installed), so this step catches a damaged copy; the signature is step 4.
+3. A venv is created in staging with `python3 -m venv --without-pip` (no ensurepip, which Debian and Ubuntu
+   ship separately as python3-venv) and the wheels are unpacked into it by the stdlib installer below:
+   every file is checked against its wheel's RECORD, console scripts are generated, a new RECORD lists the
+   SHA-256 of every installed file. Wheels for another Python or machine are refused by their tags.
+4. The staged deploytool checks the bundle for real (`bundle verify`: signature by a trusted key, then every
+   file's size, mode and hash) and that every directory `install` writes to is writable, then runs
+   `deploytool install BUNDLE_DIR`. install lays deploytool's own venv into the release from the same wheels;
+   the units' ExecStartPre runs that one through `current`.
+5. The staging directory is removed, whatever happened.
+
+Nothing is written outside the staging directory before the checks of step 4 have passed. Exit codes are
+deploytool's (deploy_tool/errors.py): 2 usage, 6 bundle, 16 interpreter too old, 17 OS, else install's own.
+The same module, imported, is install's wheel installer for the release's tool venv (`install_wheels`).
+"""
+
+import base64
+import csv
+import hashlib
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+MIN_PYTHON = (3, 11)
+TOOL_WHEELS = "tool/wheels/"
+EXIT_USAGE, EXIT_BUNDLE, EXIT_TOO_OLD, EXIT_OS = 2, 6, 16, 17
+WHEEL_NAME = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-(?P<build>\d[^-]*))?"
+                        r"-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
+CHUNK = 1 << 20
+# Environment a child Python must not inherit: it would see other packages than the venv's own.
+DROP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV",
+            "PYTHONINSPECT", "PYTHONEXECUTABLE")
+
+
+class Refused(Exception):
+    """A problem the person can fix; `code` is the exit code, `hint` what to do."""
+
+    def __init__(self, message, code, hint=None):
+        Exception.__init__(self, message)
+        self.message = message
+        self.code = code
+        self.hint = hint
+
+
+def check_python(version_info=None, implementation=None):
+    """Refuse an interpreter older than MIN_PYTHON (or not CPython: the bundle's wheels are CPython's)."""
+    v = tuple(version_info or sys.version_info)[:3]
+    impl = implementation or platform.python_implementation()
+    if tuple(v[:2]) < MIN_PYTHON:
+        raise Refused("this python3 is %s; deploytool needs Python %d.%d or newer"
+                      % (".".join(str(x) for x in v), MIN_PYTHON[0], MIN_PYTHON[1]), EXIT_TOO_OLD,
+                      hint="run the bootstrap with a newer interpreter: python3.11 BUNDLE/bootstrap (on Debian 12 "
+                           "and Ubuntu 24.04 the system python3 is new enough)")
+    if impl != "CPython":
+        raise Refused("this python3 is %s; the bundle's wheels are built for CPython" % impl, EXIT_TOO_OLD,
+                      hint="run the bootstrap with the system's CPython, e.g. /usr/bin/python3")
+
+
+# ------------------------------------------------------------------------------------------------ the bundle
+
+def read_manifest(bundle_dir):
+    """The MANIFEST's files as {path: (size, mode, sha256)}, plus the bundle id (strict enough to be safe)."""
+    path = os.path.join(bundle_dir, "MANIFEST")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64 << 20)
+    except OSError as exc:
+        raise Refused("%s is not a bundle directory: %s: %s" % (bundle_dir, path, exc.strerror), EXIT_BUNDLE,
+                      hint="run the bootstrap that is inside an unpacked bundle directory")
+    try:
+        obj = json.loads(data.decode("ascii"))
+        files = {}
+        for e in obj["files"]:
+            files[e["path"]] = (int(e["size"]), int(e["mode"]), str(e["sha256"]))
+        bundle_id = str(obj["bundle_id"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Refused("%s is not a valid MANIFEST (%s)" % (path, exc), EXIT_BUNDLE,
+                      hint="the bundle is damaged; copy it again from where it was packed")
+    return files, bundle_id
+
+
+def tool_wheels(bundle_dir, files):
+    """The MANIFEST's tool wheels, refusing a bundle without them or with unlisted extra wheels."""
+    wheels = sorted(p for p in files if p.startswith(TOOL_WHEELS) and p.endswith(".whl"))
+    if not any(os.path.basename(p).startswith("deploytool-") for p in wheels):
+        raise Refused("bundle %s carries no deploytool wheels (%s in its MANIFEST)"
+                      % (bundle_dir, TOOL_WHEELS + "deploytool-*.whl"), EXIT_BUNDLE,
+                      hint="pack the bundle with bundle.tool_wheels_dir set (`deploytool lock` fills it); "
+                           "on a box that already has deploytool, run `deploytool install BUNDLE` instead")
+    d = os.path.join(bundle_dir, TOOL_WHEELS)
+    try:
+        present = sorted(TOOL_WHEELS + n for n in os.listdir(d))
+    except OSError as exc:
+        raise Refused("cannot list %s: %s" % (d, exc.strerror), EXIT_BUNDLE)
+    extra = [p for p in present if p not in files]
+    if extra:
+        raise Refused("%s holds files its MANIFEST does not list: %s" % (d, ", ".join(extra)), EXIT_BUNDLE,
+                      hint="the bundle was changed after packing; copy it again from where it was packed")
+    return wheels
+
+
+def copy_checked(src, dst, size, sha256):
+    """Copy src to a new file dst, hashing what was written; refuse a size or hash other than the MANIFEST's."""
+    h = hashlib.sha256()
+    n = 0
+    try:
+        fin = open(src, "rb")
+    except OSError as exc:
+        raise Refused("cannot read %s: %s" % (src, exc.strerror), EXIT_BUNDLE)
+    with fin, open(dst, "xb") as fout:
+        while True:
+            chunk = fin.read(CHUNK)
+            if not chunk:
+                break
+            h.update(chunk)
+            fout.write(chunk)
+            n += len(chunk)
+    if n != size or h.hexdigest() != sha256:
+        raise Refused("%s does not match the MANIFEST (size %d, sha256 %s; the MANIFEST says size %d, sha256 %s)"
+                      % (src, n, h.hexdigest()[:12], size, sha256[:12]), EXIT_BUNDLE,
+                      hint="the bundle is damaged or was changed; copy it again from where it was packed")
+
+
+# ------------------------------------------------------------------------------------------------ wheels
+
+def _b64(digest):
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+
+def wheel_supported(filename, version_info=None, machine=None):
+    """None if a wheel's tags fit this interpreter and machine, else why not."""
+    m = WHEEL_NAME.match(filename)
+    if not m:
+        return "not a wheel file name"
+    vi = tuple(version_info or sys.version_info)
+    machine = machine or platform.machine()
+    cp = "cp%d%d" % (vi[0], vi[1])
+    abis = m.group("abi").split(".")
+    ok_py = False
+    for t in m.group("py").split("."):
+        mt = re.match(r"^(py|cp)(\d)(\d*)$", t)
+        if not mt or int(mt.group(2)) != vi[0]:
+            continue
+        minor = int(mt.group(3)) if mt.group(3) else None
+        if mt.group(1) == "py" and (minor is None or minor <= vi[1]):
+            ok_py = True
+        elif mt.group(1) == "cp" and (t == cp or ("abi3" in abis and minor is not None and minor <= vi[1])):
+            ok_py = True
+    if not ok_py:
+        return "built for %s, this is CPython %d.%d" % (m.group("py"), vi[0], vi[1])
+    if not any(a in ("none", "abi3", cp) for a in abis):
+        return "built for the ABI %s, this is %s" % (m.group("abi"), cp)
+    plats = m.group("plat").split(".")
+    if "any" not in plats and not any(p.startswith(("linux", "manylinux", "musllinux")) and p.endswith(machine)
+                                      for p in plats):
+        return "built for %s, this machine is linux %s" % (m.group("plat"), machine)
+    return None
+
+
+def _safe_rel(name, what):
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        raise Refused("%s: unsafe path %r" % (what, name), EXIT_BUNDLE)
+    return name
+
+
+def _script(python, module, attr):
+    top = attr.split(".")[0]
+    return ("#!%s\n# -*- coding: utf-8 -*-\n# generated by the deploytool wheel installer\nimport re\nimport sys\n"
+            "from %s import %s\nif __name__ == \"__main__\":\n"
+            "    sys.argv[0] = re.sub(r\"(-script\\.pyw|\\.exe)?$\", \"\", sys.argv[0])\n"
+            "    sys.exit(%s())\n" % (python, module, top, attr)).encode("utf-8")
+
+
+def install_wheel(whl, venv, python_path=None):
+    """Unpack one wheel into the venv (purelib/platlib -> site-packages, scripts -> bin); return the files.
+
+    Every member is checked against the wheel's own RECORD (sha256 and size) before it is written; files are
+    created exclusively (two wheels never overwrite each other). python_path is the interpreter written into
+    script shebangs (default: the venv's bin/python, where it is now).
+    """
+    name = os.path.basename(whl)
+    why = wheel_supported(name)
+    if why:
+        raise Refused("tool wheel %s cannot be installed here: %s" % (name, why), EXIT_BUNDLE,
+                      hint="pack the bundle with the box's Python (bundle.python) on the box's kind of machine")
+    vi = sys.version_info
+    sp = os.path.join(venv, "lib", "python%d.%d" % (vi[0], vi[1]), "site-packages")
+    bindir = os.path.join(venv, "bin")
+    python_path = python_path or os.path.join(venv, "bin", "python")
+    try:
+        z = zipfile.ZipFile(whl)
+    except (OSError, zipfile.BadZipfile) as exc:
+        raise Refused("tool wheel %s is not a valid zip file: %s" % (name, exc), EXIT_BUNDLE)
+    with z:
+        infos = [i for i in z.infolist() if not i.filename.endswith("/")]
+        for i in infos:
+            _safe_rel(i.filename, name)
+        records = [i.filename for i in infos if re.match(r"^[^/]+\.dist-info/RECORD$", i.filename)]
+        if len(records) != 1:
+            raise Refused("tool wheel %s has %d .dist-info/RECORD files (one expected)" % (name, len(records)),
+                          EXIT_BUNDLE)
+        dist_info = records[0].split("/")[0]
+        data_dir = dist_info[: -len(".dist-info")] + ".data"
+        expected = {}
+        for row in csv.reader(io.StringIO(z.read(records[0]).decode("utf-8"))):
+            if row and len(row) >= 2 and row[1]:
+                algo, _, digest = row[1].partition("=")
+                expected[row[0]] = (algo, digest, row[2] if len(row) > 2 else "")
+        installed = []
+        for i in infos:
+            rel = i.filename
+            if rel in (records[0], dist_info + "/RECORD.jws", dist_info + "/RECORD.p7s"):
+                continue
+            data = z.read(i)
+            want = expected.get(rel)
+            if want is None or want[0] != "sha256":
+                raise Refused("tool wheel %s: %s is not listed with a sha256 in its RECORD" % (name, rel),
+                              EXIT_BUNDLE)
+            if _b64(hashlib.sha256(data).digest()) != want[1] or (want[2] and int(want[2]) != len(data)):
+                raise Refused("tool wheel %s: %s does not match its RECORD" % (name, rel), EXIT_BUNDLE,
+                              hint="the wheel is damaged; run `deploytool lock` and pack again")
+            executable = bool((i.external_attr >> 16) & 0o111)
+            if rel.startswith(data_dir + "/"):
+                scheme, _, rest = rel[len(data_dir) + 1:].partition("/")
+                if scheme in ("purelib", "platlib"):
+                    dest = os.path.join(sp, rest)
+                elif scheme == "scripts":
+                    dest = os.path.join(bindir, rest)
+                    if data.startswith(b"#!python"):
+                        data = b"#!" + python_path.encode() + data[len(b"#!python"):].lstrip(b"w")
+                    executable = True
+                elif scheme == "headers":
+                    dest = os.path.join(venv, "include", "site", "python%d.%d" % (vi[0], vi[1]),
+                                        dist_info.split("-")[0], rest)
+                elif scheme == "data":
+                    dest = os.path.join(venv, rest)
+                else:
+                    raise Refused("tool wheel %s: unknown .data scheme %r" % (name, scheme), EXIT_BUNDLE)
+            else:
+                dest = os.path.join(sp, rel)
+            installed.append(_write_new(dest, data, 0o755 if executable else 0o644))
+        eps = os.path.join(dist_info, "entry_points.txt").replace(os.sep, "/")
+        if eps in z.namelist():
+            for script, target in _console_scripts(z.read(eps).decode("utf-8")):
+                module, _, attr = target.partition(":")
+                installed.append(_write_new(os.path.join(bindir, script), _script(python_path, module, attr),
+                                            0o755))
+    di = os.path.join(sp, dist_info)
+    installed.append(_write_new(os.path.join(di, "INSTALLER"), b"deploytool-bootstrap\n", 0o644))
+    rows = []
+    for p, sha, size in installed:
+        rows.append("%s,sha256=%s,%d" % (_csv_path(os.path.relpath(p, sp)), sha, size))
+    rows.append("%s,," % (dist_info + "/RECORD"))
+    _write_new(os.path.join(di, "RECORD"), ("\n".join(sorted(rows)) + "\n").encode("utf-8"), 0o644)
+    return [p for p, _, _ in installed]
+
+
+def _csv_path(p):
+    return '"%s"' % p.replace('"', '""') if ("," in p or '"' in p) else p
+
+
+def _console_scripts(text):
+    """(name, "module:attr") of [console_scripts] and [gui_scripts] in an entry_points.txt."""
+    out = []
+    section = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]").strip()
+            continue
+        if section in ("console_scripts", "gui_scripts") and "=" in line:
+            k, _, v = line.partition("=")
+            v = v.split("[")[0].strip()
+            if not re.match(r"^[A-Za-z0-9_.\-]+$", k.strip()) or not re.match(r"^[\w.]+:[\w.]+$", v):
+                raise Refused("entry point %r is not `name = module:attr`" % line, EXIT_BUNDLE)
+            out.append((k.strip(), v))
+    return out
+
+
+def _write_new(path, data, mode):
+    d = os.path.dirname(path)
+    if not os.path.isdir(d):
+        os.makedirs(d, 0o755)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return path, _b64(hashlib.sha256(data).digest()), len(data)
+
+
+def install_wheels(wheels, venv, python_path=None):
+    """Install every wheel into an existing venv (no dependency resolution: the wheel set is the closure)."""
+    out = []
+    for w in sorted(wheels):
+        out.extend(install_wheel(w, venv, python_path))
+    return out
+
+
+def create_venv(python, venv):
+    """`python -m venv --without-pip venv` with an environment that cannot point it elsewhere."""
+    _run([python, "-m", "venv", "--without-pip", venv], "creating the tool venv")
+
+
+def child_env():
+    env = dict((k, v) for k, v in os.environ.items() if k not in DROP_ENV and not k.startswith("PIP_"))
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def _run(argv, what):
+    try:
+        r = subprocess.run(argv, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    except OSError as exc:
+        raise Refused("%s: cannot run %s: %s" % (what, argv[0], exc.strerror), EXIT_OS)
+    if r.returncode != 0:
+        tail = r.stdout.decode("utf-8", "replace").strip().splitlines()[-5:]
+        raise Refused("%s failed (exit %d): %s%s" % (what, r.returncode, " ".join(argv),
+                                                    "".join("\n  " + t for t in tail)), EXIT_OS)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+USAGE = """usage: python3 BUNDLE_DIR/bootstrap [--config PATH] [--keys DIR] [--staging-dir DIR] [INSTALL OPTIONS...]
+
+Installs the bundle this file is in, with no network: deploytool's own venv from the bundle's wheels (checked
+against the MANIFEST), the bundle's signature and files checked by that deploytool, then `deploytool install`.
+
+  --config PATH      the box's deploytool.yaml (default: $DEPLOYTOOL_CONFIG, else /etc/deploytool/deploytool.yaml)
+  --keys DIR         trusted public keys (*.pub) to check the bundle with (default: paths.keys_dir of the config)
+  --staging-dir DIR  where the temporary tool venv goes (default: $TMPDIR or /tmp); removed afterwards
+  INSTALL OPTIONS    passed on to `deploytool install` (e.g. --no-start, --json)
+"""
+
+
+def parse_args(argv):
+    opts = {"config": os.environ.get("DEPLOYTOOL_CONFIG") or "/etc/deploytool/deploytool.yaml", "keys": None,
+            "staging": None, "rest": []}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            sys.stdout.write(USAGE)
+            sys.exit(0)
+        key = {"--config": "config", "-c": "config", "--keys": "keys", "--staging-dir": "staging"}.get(
+            a.split("=", 1)[0])
+        if key is not None:
+            if "=" in a:
+                opts[key] = a.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                i += 1
+                opts[key] = argv[i]
+            else:
+                raise Refused("%s needs a value" % a, EXIT_USAGE, hint="python3 BUNDLE/bootstrap --help")
+        else:
+            opts["rest"].append(a)
+        i += 1
+    return opts
+
+
+def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(), log=None):
+    """Steps 2-5 of the module doc; returns the exit code of `deploytool install`."""
+    log = log or (lambda s: sys.stderr.write("bootstrap: " + s + "\n"))
+    bundle_dir = os.path.abspath(bundle_dir)
+    config = os.path.abspath(config)
+    files, bundle_id = read_manifest(bundle_dir)
+    wheels = tool_wheels(bundle_dir, files)
+    if not os.path.isfile(config):
+        raise Refused("config %s not found" % config, EXIT_USAGE,
+                      hint="put the box's deploytool.yaml there, or pass --config PATH")
+    try:
+        staging = tempfile.mkdtemp(prefix="deploytool-bootstrap-", dir=staging_parent)
+    except OSError as exc:
+        raise Refused("cannot create a staging directory in %s: %s"
+                      % (staging_parent or tempfile.gettempdir(), exc.strerror), EXIT_OS,
+                      hint="pass --staging-dir DIR on a writable file system")
+    try:
+        log("bundle %s: checking %d tool wheels against the MANIFEST" % (bundle_id, len(wheels)))
+        wdir = os.path.join(staging, "wheels")
+        os.mkdir(wdir, 0o700)
+        copies = []
+        for p in wheels:
+            size, _, sha = files[p]
+            dst = os.path.join(wdir, os.path.basename(p))
+            copy_checked(os.path.join(bundle_dir, p), dst, size, sha)
+            copies.append(dst)
+        venv = os.path.join(staging, "venv")
+        log("creating deploytool's venv in %s (no network)" % staging)
+        create_venv(sys.executable, venv)
+        install_wheels(copies, venv)
+        tool = os.path.join(venv, "bin", "deploytool")
+        vpy = os.path.join(venv, "bin", "python")
+        base = [tool, "--config", config]
+        log("checking the bundle's signature and files")
+        keys_args = ["--keys", os.path.abspath(keys)] if keys else []
+        verify = base + ["bundle", "verify", bundle_dir] + keys_args
+        code = subprocess.call(verify, env=child_env())
+        if code != 0:
+            return code
+        code = subprocess.call([vpy, "-m", "deploy_tool.selfcheck", "preflight", "--config", config],
+                               env=child_env())
+        if code != 0:
+            return code
+        log("installing")
+        return subprocess.call(base + ["install", bundle_dir] + keys_args + list(install_args), env=child_env())
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        check_python()
+        opts = parse_args(argv)
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = bootstrap(here, opts["config"], keys=opts["keys"], staging_parent=opts["staging"],
+                         install_args=opts["rest"])
+    except Refused as exc:
+        sys.stderr.write("error: %s\n" % exc.message + ("hint: %s\n" % exc.hint if exc.hint else ""))
+        code = exc.code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

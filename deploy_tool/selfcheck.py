@@ -1,0 +1,171 @@
+"""deploytool checks itself: the deploytool the units' ExecStartPre runs is pinned like the backend it guards.
+
+`collect(c, cfg)` adds these fingerprint items to every backend's set (fingerprint._collect calls it), so
+`deploytool verify` reports a changed verifier (a stray `pip install -U`, an edited module, an added .pth file)
+with exit 7 like any other drift:
+
+  tool.path            the real path of paths.deploytool (normally {current}/tool/bin/deploytool, a link into
+                       the release's own tool venv)
+  tool.script          SHA-256 of that console script
+  tool.pyvenv          SHA-256 of the tool venv's pyvenv.cfg (interpreter home, include-system-site-packages)
+  tool.python          the real path of the tool venv's interpreter
+  tool.files/NAME      every file the distribution NAME installed into the tool venv against the SHA-256 its
+                       RECORD lists (deploytool's own package first, then its dependencies)
+  tool.record/NAME     SHA-256 of that RECORD itself, so a file changed together with its RECORD line is
+                       reported too
+  tool.site/ENTRY      every top-level entry of the tool venv's site-packages (a new package, module or .pth
+                       file, which Python would run at start-up, shows up by name)
+
+The values are taken at install (pin) and compared before every start; the hashing goes through the
+fingerprint cache, so an unchanged tool venv costs one stat per file.
+
+`preflight(cfg)` is the write check `python3 BUNDLE/bootstrap` runs before `install`: every directory install
+writes to (releases, state, env files, units) must be writable, else one OSFailure names them all and nothing
+is written. `python -m deploy_tool.selfcheck preflight --config PATH` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from deploy_tool.config import Config
+from deploy_tool.errors import OSFailure
+
+if TYPE_CHECKING:
+    from deploy_tool.fingerprint import _Collector
+
+OWN_DIST = "deploytool"
+
+
+def tool_path(cfg: Config) -> Path:
+    from deploy_tool.render import expand
+
+    return Path(expand(cfg, cfg.paths.deploytool))
+
+
+def tool_venv(script: str | os.PathLike[str]) -> Path | None:
+    """The venv a console script lives in (…/venv/bin/deploytool -> …/venv), or None."""
+    real = Path(os.path.realpath(script))
+    venv = real.parent.parent
+    if real.parent.name == "bin" and (venv / "pyvenv.cfg").is_file():
+        return venv
+    return None
+
+
+def _dists(sp: Path) -> list[tuple[str, Path]]:
+    """(normalized name, dist-info dir) of every distribution in site-packages, deploytool's own first."""
+    out = []
+    try:
+        entries = sorted(os.scandir(sp), key=lambda e: e.name)
+    except OSError:
+        return []
+    for e in entries:
+        if e.name.endswith(".dist-info") and e.is_dir():
+            name = e.name[: -len(".dist-info")].rpartition("-")[0].lower().replace("_", "-").replace(".", "-")
+            out.append((name, Path(e.path)))
+    return sorted(out, key=lambda d: (d[0] != OWN_DIST, d[0]))
+
+
+def collect(c: _Collector, cfg: Config) -> None:
+    """Add the tool.* items (see the module doc) to a fingerprint collection."""
+    from deploy_tool.fingerprint import MISSING, _read_kv, _site_packages
+
+    script = tool_path(cfg)
+    if not os.path.lexists(script):
+        c.value("tool.path", "deploytool (paths.deploytool)", script, MISSING)
+        return
+    c.value("tool.path", "deploytool (paths.deploytool)", script, os.path.realpath(script))
+    c.sha256("tool.script", "deploytool console script", os.path.realpath(script))
+    venv = tool_venv(script)
+    if venv is None:
+        return
+    c.sha256("tool.pyvenv", "deploytool venv pyvenv.cfg", venv / "pyvenv.cfg")
+    py = venv / "bin" / "python"
+    c.value("tool.python", "deploytool venv interpreter", py,
+            os.path.realpath(py) if os.path.lexists(py) else MISSING)
+    pcfg = _read_kv(venv / "pyvenv.cfg") or {}
+    sp = _site_packages(venv, pcfg.get("version") or pcfg.get("version_info"))
+    dists = _dists(sp)
+    if not any(name == OWN_DIST for name, _ in dists):
+        c.value(f"tool.files/{OWN_DIST}", "deploytool's own files vs RECORD", sp / "deploytool-*.dist-info",
+                MISSING)
+    for name, di in dists:
+        label = "deploytool's own files" if name == OWN_DIST else f"deploytool dependency {name}'s files"
+        c.record(f"tool.files/{name}", f"{label} vs RECORD", sp, di, lambda rel: True)
+        c.sha256(f"tool.record/{name}", f"{name} RECORD in the deploytool venv", di / "RECORD")
+    try:
+        names = sorted(e.name for e in os.scandir(sp) if e.name != "__pycache__")
+    except OSError as exc:
+        c.value("tool.site", "deploytool venv site-packages", sp, exc.strerror or "unreadable")
+        return
+    for n in names:
+        c.value(f"tool.site/{n}", f"deploytool venv site-packages entry {n}", sp / n, "present")
+
+
+# ------------------------------------------------------------------------------------------------ preflight
+
+def write_targets(cfg: Config) -> list[Path]:
+    p = cfg.paths
+    return [Path(p.releases_dir), Path(p.state_dir), Path(p.env_dir), Path(p.unit_dir)]
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why install could not write under `path`, or None."""
+    anc = _nearest_existing(path)
+    if not anc.is_dir():
+        return f"{anc} is not a directory"
+    try:
+        ro = bool(os.statvfs(anc).f_flag & os.ST_RDONLY)
+    except OSError as exc:
+        return f"{anc}: {exc.strerror}"
+    if ro:
+        return f"{anc} is on a read-only file system"
+    if not os.access(anc, os.W_OK | os.X_OK):
+        return f"{anc} is not writable by this user (uid {os.getuid()})"
+    return None
+
+
+def preflight(cfg: Config) -> list[Path]:
+    """Raise OSFailure naming every target directory install could not write; return the targets."""
+    targets = write_targets(cfg)
+    bad = [(t, why) for t in targets if (why := _unwritable(t)) is not None]
+    if bad:
+        raise OSFailure("install could not write to " + "; ".join(f"{t} ({why})" for t, why in bad),
+                        hint="run as root, or remount the file system read-write, or point paths.* in the "
+                             "config at writable directories; nothing was written")
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m deploy_tool.selfcheck preflight --config PATH`: exit 0, or the DeployError's code."""
+    import argparse
+
+    from deploy_tool import config as config_mod
+    from deploy_tool.errors import DeployError
+
+    ap = argparse.ArgumentParser(prog="python -m deploy_tool.selfcheck")
+    ap.add_argument("command", choices=["preflight"])
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args(argv)
+    try:
+        cfg = config_mod.load(args.config)
+        targets = preflight(cfg)
+    except DeployError as exc:
+        sys.stderr.write(f"error: {exc.message}\n" + (f"hint: {exc.hint}\n" if exc.hint else ""))
+        return int(exc.exit_code)
+    sys.stdout.write("writable: " + ", ".join(str(t) for t in targets) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
