@@ -195,8 +195,9 @@ def finish_venv(python: str, venv: Path) -> None:
 
 
 def relocate_venv(venv: Path, old: str, new: str) -> int:
-    """Rewrite the venv prefix in bin/ text files and pyvenv.cfg (shebangs, activate scripts); returns count."""
-    n = 0
+    """Rewrite the venv prefix in bin/ text files and pyvenv.cfg (shebangs, activate scripts), and the RECORD
+    lines of the rewritten files, so RECORD stays true and two builds at different places give the same bytes."""
+    changed: dict[Path, bytes] = {}
     targets = [venv / "pyvenv.cfg"] + sorted((venv / "bin").iterdir())
     for p in targets:
         if p.is_symlink() or not p.is_file():
@@ -205,9 +206,39 @@ def relocate_venv(venv: Path, old: str, new: str) -> int:
         if b"\0" in data[:4096] or old.encode() not in data:
             continue
         st = p.stat()
-        atomic_write(p, data.replace(old.encode(), new.encode()), st.st_mode & 0o7777)
-        n += 1
-    return n
+        data = data.replace(old.encode(), new.encode())
+        atomic_write(p, data, st.st_mode & 0o7777)
+        changed[p.resolve()] = data
+    if changed:
+        _fix_records(venv, changed)
+    return len(changed)
+
+
+def _record_hash(data: bytes) -> str:
+    import base64
+
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _fix_records(venv: Path, changed: dict[Path, bytes]) -> None:
+    import csv
+    import io
+
+    for record in sorted(venv.glob("lib/python*/site-packages/*.dist-info/RECORD")):
+        site = record.parent.parent
+        rows = list(csv.reader(io.StringIO(record.read_text("utf-8"))))
+        dirty = False
+        for row in rows:
+            if len(row) != 3:
+                continue
+            target = (site / row[0]).resolve()
+            if target in changed:
+                row[1], row[2] = _record_hash(changed[target]), str(len(changed[target]))
+                dirty = True
+        if dirty:
+            out = io.StringIO()
+            csv.writer(out, lineterminator="\n").writerows(rows)
+            atomic_write(record, out.getvalue().encode(), record.stat().st_mode & 0o7777)
 
 
 def patch_template(cfg: Config) -> tuple[bytes, bytes, dict[str, Any]] | None:
@@ -330,9 +361,18 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
             ents.append(bundle.Entry(f"tool/wheels/{p.name}", p, 0o644))
         if tool:
             inputs["tool_wheels"] = sorted(p.name for p in tool)
+        # `python3 BUNDLE/bootstrap` on a box with no deploytool (deploy_tool/bootstrap.py, stdlib only)
+        ents.append(bundle.Entry("bootstrap", bootstrap_script(), 0o755))
         log("bundle: hashing, signing and archiving")
         return bundle.write_bundle(ents, out_dir, name=cfg.bundle.name, inputs=inputs, native_libs=native,
                                    key_path=key_path, archive=True, progress=progress)
+
+
+def bootstrap_script() -> bytes:
+    """The bundle's `bootstrap` entry point: deploy_tool/bootstrap.py as shipped in deploytool's own wheel."""
+    from importlib.resources import files
+
+    return files("deploy_tool").joinpath("bootstrap.py").read_bytes()
 
 
 def tool_wheels(cfg: Config) -> list[Path]:

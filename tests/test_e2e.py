@@ -371,3 +371,20 @@ def test_foreign_library_loaded_fails_the_gate(installed, systemd_sandbox):
         assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
     finally:
         _clear_dropin(systemd_sandbox, d, installed)
+
+
+def test_pack_twice_is_byte_identical(demo):
+    """Packing the same inputs again (venv rebuilt from the wheels) gives the same bundle id and archive bytes."""
+    first = next((demo.parent / "artifacts").glob("*.tar.zst"))
+    out = demo.parent / "artifacts-again"
+    r = dt(demo, "--json", "pack", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    second = next(out.glob("*.tar.zst"))
+    assert second.name == first.name
+    from deploy_tool.manifest import hash_file
+
+    assert hash_file(second) == hash_file(first)
+    assert (out / first.name.removesuffix(".tar.zst") / "MANIFEST").read_bytes() == \
+        (first.parent / first.name.removesuffix(".tar.zst") / "MANIFEST").read_bytes()
+    if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
+        shutil.rmtree(out)
