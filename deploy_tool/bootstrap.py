@@ -92,7 +92,7 @@ def read_manifest(bundle_dir):
         obj = json.loads(data.decode("ascii"))
         files = {}
         for e in obj["files"]:
-            files[e["path"]] = (int(e["size"]), int(e["mode"]), str(e["sha256"]))
+            files[e["path"]] = (int(e["size"]), int(str(e["mode"]), 8), str(e["sha256"]))
         bundle_id = str(obj["bundle_id"])
     except (ValueError, KeyError, TypeError) as exc:
         raise Refused("%s is not a valid MANIFEST (%s)" % (path, exc), EXIT_BUNDLE,
@@ -178,6 +178,20 @@ def wheel_supported(filename, version_info=None, machine=None):
     return None
 
 
+def venv_version(venv):
+    """(major, minor) of the interpreter a venv was made with, from its pyvenv.cfg."""
+    try:
+        with open(os.path.join(venv, "pyvenv.cfg")) as f:
+            for line in f:
+                k, _, v = line.partition("=")
+                if k.strip() in ("version", "version_info"):
+                    parts = v.strip().split(".")
+                    return int(parts[0]), int(parts[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    raise Refused("%s has no readable pyvenv.cfg with the Python version" % venv, EXIT_OS)
+
+
 def _safe_rel(name, what):
     parts = name.split("/")
     if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
@@ -201,14 +215,14 @@ def install_wheel(whl, venv, python_path=None):
     script shebangs (default: the venv's bin/python, where it is now).
     """
     name = os.path.basename(whl)
-    why = wheel_supported(name)
+    vi = venv_version(venv)
+    why = wheel_supported(name, vi)
     if why:
         raise Refused("tool wheel %s cannot be installed here: %s" % (name, why), EXIT_BUNDLE,
                       hint="pack the bundle with the box's Python (bundle.python) on the box's kind of machine")
-    vi = sys.version_info
     sp = os.path.join(venv, "lib", "python%d.%d" % (vi[0], vi[1]), "site-packages")
     bindir = os.path.join(venv, "bin")
-    python_path = python_path or os.path.join(venv, "bin", "python")
+    python_path = python_path or os.path.join(os.path.abspath(venv), "bin", "python")
     try:
         z = zipfile.ZipFile(whl)
     except (OSError, zipfile.BadZipfile) as exc:
@@ -424,7 +438,7 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
         code = subprocess.call(verify, env=child_env())
         if code != 0:
             return code
-        code = subprocess.call([vpy, "-m", "deploy_tool.selfcheck", "preflight", "--config", config],
+        code = subprocess.call([vpy, "-I", "-m", "deploy_tool.selfcheck", "preflight", "--config", config],
                                env=child_env())
         if code != 0:
             return code

@@ -25,7 +25,7 @@ from typing import Any
 
 from deploy_tool import systemd as systemd_mod
 from deploy_tool.config import Config
-from deploy_tool.errors import BundleError, DeployError, InputError, InstallError
+from deploy_tool.errors import BundleError, DeployError, ExitCode, InputError, InstallError
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
 from deploy_tool.state import Operation, State, Store, now_iso
 
@@ -167,9 +167,12 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
                 if isinstance(exc, DeployError):
                     store.record("install", ok=False, release=rid, reason=exc.message.splitlines()[0])
                     if not isinstance(exc, InstallError):
-                        raise InstallError(f"install of {rid} failed: {exc.message}",
+                        err = InstallError(f"install of {rid} failed: {exc.message}",
                                            hint=exc.hint or "nothing was left half-installed; fix the cause "
-                                           "and run deploytool install again") from exc
+                                           "and run deploytool install again")
+                        if exc.exit_code == ExitCode.OS:  # disk full, permission denied: the box needs fixing
+                            err.exit_code = ExitCode.OS
+                        raise err from exc
                 raise
             res.seconds = time.monotonic() - t0
             return res
@@ -323,14 +326,18 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
 
 def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:
     """deploytool's own venv inside the release, from the bundle's tool wheels, with no network."""
-    from deploy_tool import pack, proc
+    from deploy_tool import bootstrap, pack, proc
 
     tool = stage / "tool" / "venv"
     wheels = stage / "tool" / "wheels"
-    proc.run([cfg.bundle.python, "-m", "venv", str(tool)], env=pack.pip_env(), timeout=600)
-    names = sorted(str(p) for p in wheels.glob("*.whl"))
-    proc.run([str(tool / "bin" / "python"), "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
-              "--no-deps", "--no-compile", *names], env=pack.pip_env(), timeout=1200)
+    # no pip and no ensurepip (Debian/Ubuntu ship it separately): the stdlib wheel installer the bundle's
+    # `bootstrap` uses, which checks every file against its wheel's RECORD and writes a RECORD verify pins
+    proc.run([cfg.bundle.python, "-m", "venv", "--without-pip", str(tool)], env=pack.pip_env(), timeout=600)
+    try:
+        bootstrap.install_wheels([str(p) for p in wheels.glob("*.whl")], str(tool),
+                                 python_path=str(final / "tool" / "venv" / "bin" / "python"))
+    except bootstrap.Refused as exc:
+        raise BundleError(f"deploytool's own venv: {exc.message}", hint=exc.hint) from None
     pack.relocate_venv(tool, str(tool), str(final / "tool" / "venv"))
     bindir = stage / "tool" / "bin"
     bindir.mkdir(exist_ok=True)
@@ -339,20 +346,27 @@ def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:
 
 
 def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Systemd, log: Log) -> None:
-    """Undo an install that was killed midway: restore the previous release's units, current and pins."""
+    """Undo an install that was killed midway: restore the previous release's units, current and pins.
+
+    Runs under the state lock, so no other install is using releases/.verify-* or .staging-* right now."""
     op = st.operation
     assert op is not None and op.kind == "install"
     rid = op.release
     releases = Path(cfg.paths.releases_dir)
-    if rid:
-        shutil.rmtree(releases / f".staging-{rid}", ignore_errors=True)
+    if releases.is_dir():  # the killed run's private verify dir and staging copy
+        for p in releases.iterdir():
+            if p.name.startswith(".verify-") or (rid and p.name == f".staging-{rid}"):
+                shutil.rmtree(p, ignore_errors=True)
     prev = op.previous_release
     cur = Path(cfg.paths.current)
+    target = cfg.backends.get(op.to_backend or "")
+    # from "started" on, the target runs the new release's units and environment: a plain start would keep it
+    started_new = op.step in ("started", "healthy")
     if prev and (releases / prev).is_dir():
         atomic_symlink(os.path.relpath(releases / prev, cur.parent), cur)
-        for d, target in (("env", Path(cfg.paths.env_dir)), ("units", Path(cfg.paths.unit_dir))):
+        for d, dest in (("env", Path(cfg.paths.env_dir)), ("units", Path(cfg.paths.unit_dir))):
             for f in sorted((releases / prev / d).iterdir()):
-                atomic_write(target / f.name, f.read_bytes(), 0o644)
+                atomic_write(dest / f.name, f.read_bytes(), 0o644)
         try:
             from deploy_tool import fingerprint
 
@@ -361,13 +375,31 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
                                 store=store)
         except ImportError:
             pass
-    else:  # a fresh box: leave no half-installed units
-        for name in sorted(cfg.backends):
-            b = cfg.backends[name]
+        if started_new and target is not None and target.name != op.from_backend:
             with contextlib.suppress(DeployError):
-                sd.stop(b.unit)
-            sd.remove_file(b.unit)
-            (Path(cfg.paths.env_dir) / f"{name}.env").unlink(missing_ok=True)
+                sd.stop(target.unit)
+    else:  # a fresh box: leave no half-installed units
+        names = {f"{n}.env" for n in cfg.backends}
+        units = {cfg.backends[n].unit for n in cfg.backends}
+        if rid and (releases / rid).is_dir():
+            names |= {f.name for f in (releases / rid / "env").iterdir()} if (releases / rid / "env").is_dir() \
+                else set()
+            units |= {f.name for f in (releases / rid / "units").iterdir()} if (releases / rid / "units").is_dir() \
+                else set()
+        if cfg.serve.api_key_file:
+            from deploy_tool.render import SECRETS_ENV
+
+            names.add(SECRETS_ENV)
+        for unit in sorted(units):
+            with contextlib.suppress(DeployError):
+                sd.stop(unit)
+            if sd.unit_path(unit).exists():
+                with contextlib.suppress(DeployError):
+                    sd.disable(unit)
+            sd.remove_file(unit)
+        for name in sorted(names):
+            (Path(cfg.paths.env_dir) / name).unlink(missing_ok=True)
+        for name in sorted(cfg.backends):
             (Path(cfg.paths.state_dir) / "pins" / f"{name}.json").unlink(missing_ok=True)
         if cur.is_symlink():
             cur.unlink()
@@ -376,8 +408,14 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
     with contextlib.suppress(DeployError):
         sd.daemon_reload()
     if op.from_backend and op.from_backend in cfg.backends and prev:
+        unit = cfg.backends[op.from_backend].unit
         with contextlib.suppress(DeployError):
-            sd.start(cfg.backends[op.from_backend].unit)
+            sd.reset_failed(unit)
+            (sd.restart if started_new else sd.start)(unit)
+    elif started_new and target is not None:
+        with contextlib.suppress(DeployError):
+            sd.stop(target.unit)
     store.save(replace(st, operation=None, release=prev, active_backend=op.from_backend if prev else None))
     store.record("recover", ok=True, interrupted="install", step=op.step, release=rid, outcome="undone")
-    log(f"undid the interrupted install of {rid}")
+    log(f"undid the interrupted install of {rid}" + (f"; release {prev} is back" if prev else
+                                                    "; the box holds no release"))
