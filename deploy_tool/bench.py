@@ -617,9 +617,11 @@ def now_iso() -> str:
 def run_bench(ep: Endpoint, *, backend: str, release: str, kinds: Sequence[str] | None = None, runs: int = DEFAULT_RUNS,
               max_tokens: int = DEFAULT_MAX_TOKENS, prompts: Mapping[str, Sequence[str]] | None = None,
               prefix_rounds: int = 0, prefix_tokens: int = 4096, needle_lengths: Sequence[int] = (),
-              on_event: OnEvent = lambda s: None, clock: Clock = time.perf_counter) -> BenchResult:
+              warmup: int = 0, on_event: OnEvent = lambda s: None,
+              clock: Clock = time.perf_counter) -> BenchResult:
     """The write-up's method: `runs` requests per kind (cycling through the kind's prompts), medians per kind;
-    then the prefix-cache rounds and the needle lengths, if asked for."""
+    then the prefix-cache rounds and the needle lengths, if asked for. `warmup` short requests go first and
+    are not counted (a freshly started server's first answers are slow)."""
     if runs < 1:
         raise InputError(f"--runs must be at least 1 (got {runs})")
     if max_tokens < 2:
@@ -637,7 +639,10 @@ def run_bench(ep: Endpoint, *, backend: str, release: str, kinds: Sequence[str] 
                          settings={"kinds": kinds_list, "runs": runs, "max_tokens": max_tokens, "temperature": 0,
                                    "timeout_s": ep.timeout, "prompts": "built-in" if prompts is PROMPTS else "file",
                                    "prefix_rounds": prefix_rounds, "prefix_tokens": prefix_tokens,
-                                   "needle": list(needle_lengths)})
+                                   "needle": list(needle_lengths), "warmup": warmup})
+    for i in range(warmup):
+        w = stream_chat(ep, _user(prompts[kinds_list[0]][0]), kind="warmup", index=i, max_tokens=16, clock=clock)
+        on_event(f"warm-up {i + 1}/{warmup}: {'ok' if w.ok else w.error}")
     total = len(kinds_list) * runs
     done = 0
     for kind in kinds_list:
@@ -808,7 +813,7 @@ def endpoint_for(cfg: Any, *, timeout: float = DEFAULT_TIMEOUT) -> Endpoint:
 
 
 def perf_gate(cfg: Any, backend_name: str, release: str, *, fraction: float, max_tokens: int = 128,
-              runs: int = 1, timeout: float = 60.0, on_event: OnEvent = lambda s: None,
+              runs: int = 1, warmup: int = 1, timeout: float = 60.0, on_event: OnEvent = lambda s: None,
               endpoint: Endpoint | None = None) -> tuple[bool, dict[str, Any], str]:
     """A short bench (`runs` per kind, `max_tokens`) compared with the stored baseline of (release, backend).
 
@@ -826,7 +831,7 @@ def perf_gate(cfg: Any, backend_name: str, release: str, *, fraction: float, max
     kinds = [k for k in base["figures"] if k in PROMPTS] or list(DEFAULT_KINDS)
     ep = endpoint or endpoint_for(cfg, timeout=timeout)
     res = run_bench(ep, backend=backend_name, release=release, kinds=kinds, runs=runs, max_tokens=max_tokens,
-                    on_event=on_event)
+                    warmup=warmup, on_event=on_event)
     cmp = compare(res.figures(), base["figures"])
     low = {k: c for k, c in cmp.items() if c["ratio"] is not None and c["ratio"] < fraction}
     failed = [r for r in res.requests if not r.ok]

@@ -48,6 +48,8 @@ def _lengths(value: str | None) -> list[int]:
 @click.option("--chart", "chart_path", type=click.Path(path_type=Path), default=None,
               help="Write a PNG bar chart of tokens/s: the stored baselines of every release and backend, "
                    "and this run.")
+@click.option("--warmup", type=int, default=0, show_default=True,
+              help="Short requests sent first and not counted (a freshly started server is slow at first).")
 @click.option("--release", default=None, help="Release the figures belong to (default: the installed one).")
 @click.option("--timeout", type=float, default=120.0, show_default=True,
               help="Seconds without data before a request counts as stalled (reported; the run goes on).")
@@ -55,7 +57,7 @@ def _lengths(value: str | None) -> list[int]:
 @pass_ctx
 def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_tokens: int, prefix_rounds: int,
           prefix_tokens: int, needle: str | None, prompts_file: Path | None, compare: bool, save_baseline: bool,
-          chart_path: Path | None, release: str | None, timeout: float, json_out: bool) -> None:
+          chart_path: Path | None, warmup: int, release: str | None, timeout: float, json_out: bool) -> None:
     """Benchmark the live service: streaming chat requests at temperature 0, medians per prompt kind.
 
     \b
@@ -104,7 +106,7 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
 
     result = b.run_bench(ep, backend=name, release=rel, kinds=kind_list, runs=runs, max_tokens=max_tokens,
                          prompts=prompts, prefix_rounds=prefix_rounds, prefix_tokens=prefix_tokens,
-                         needle_lengths=lengths, on_event=on_event)
+                         needle_lengths=lengths, warmup=warmup, on_event=on_event)
     data = result.to_json()
     comparison = None
     notes: list[str] = []
