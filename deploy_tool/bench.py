@@ -111,14 +111,25 @@ def tokens_per_second(tokens: int | None, seconds: float | None) -> float | None
     return tokens / seconds
 
 
-def decode_rate(tokens: int | None, t_first: float | None, t_last: float | None) -> float | None:
-    """Generation speed after the first token: tokens over the time from the first to the last content piece.
+MIN_DECODE_S = 0.005  # a shorter first-to-last span is one burst of packed pieces, not a measurable rate
 
-    The same quantity llama.cpp reports as `timings.predicted_per_second` (predicted_n / predicted_ms).
+
+def decode_rate(tokens: int | None, t_first: float | None, t_last: float | None,
+                pieces: int | None = None) -> float | None:
+    """Generation speed after the first piece: the tokens that came after it over the time from the first to
+    the last content piece (the quantity llama.cpp reports as `timings.predicted_per_second`).
+
+    Servers may pack several tokens into one piece (ftllm does, most of all with speculative decoding); the
+    first piece is then taken to hold an average share, tokens / pieces. None with fewer than two pieces or a
+    span under MIN_DECODE_S (everything arrived in one burst).
     """
-    if tokens is None or t_first is None or t_last is None or tokens < 2:
+    pieces = tokens if pieces is None else pieces
+    if tokens is None or t_first is None or t_last is None or pieces is None or pieces < 2 or tokens < 2:
         return None
-    return tokens_per_second(tokens, t_last - t_first)
+    span = t_last - t_first
+    if span < MIN_DECODE_S:
+        return None
+    return tokens * (pieces - 1) / pieces / span
 
 
 def ttft(t_send: float, t_first: float | None) -> float | None:
@@ -242,6 +253,7 @@ class Endpoint:
     model: str
     api_key: str | None = None
     timeout: float = DEFAULT_TIMEOUT  # seconds without any data before a request counts as stalled
+    max_request_s: float | None = None  # whole-request limit (a server trickling data slowly); None: no limit
 
     @property
     def chat_url(self) -> str:
@@ -359,6 +371,9 @@ def stream_chat(ep: Endpoint, messages: list[dict[str, str]], *, kind: str = "",
                 line = resp.readline()
                 if not line:
                     break
+                if ep.max_request_s is not None and clock() - t_send > ep.max_request_s:
+                    res.error = f"exceeded {ep.max_request_s:g}s for the request after {res.pieces} pieces"
+                    break
                 line = line.strip()
                 if not line.startswith(b"data:"):
                     continue
@@ -427,9 +442,43 @@ def stream_chat(ep: Endpoint, messages: list[dict[str, str]], *, kind: str = "",
         res.tokens_estimated = True
     if t_first is not None and t_last is not None:
         res.decode_s = t_last - t_first
-    res.tokens_per_s = decode_rate(res.completion_tokens, t_first, t_last)
+    res.tokens_per_s = decode_rate(res.completion_tokens, t_first, t_last, res.pieces)
     res.e2e_tokens_per_s = tokens_per_second(res.completion_tokens, res.total_s)
     return res
+
+
+_SPEC_METRICS = {"llamacpp:spec_decode_num_draft_tokens_total": "draft_tokens",
+                 "llamacpp:spec_decode_num_accepted_tokens_total": "accepted"}
+
+
+def read_spec_metrics(ep: Endpoint, *, timeout: float = 5.0) -> dict[str, float] | None:
+    """llama-server's speculative-decoding counters from `/metrics` (started with --metrics); None when the
+    server has no such endpoint or reports no such counters (ftllm, llama-server without --metrics)."""
+    req = urllib.request.Request(ep.base_url.rstrip("/") + "/metrics", headers=_headers(ep))
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            text = resp.read(1 << 20).decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _SPEC_METRICS:
+            try:
+                out[_SPEC_METRICS[name]] = float(value.strip())
+            except ValueError:
+                continue
+    return out if len(out) == len(_SPEC_METRICS) else None
+
+
+def metrics_acceptance(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict | None:
+    """Draft tokens and accepted tokens between two /metrics readings, and their ratio."""
+    if not before or not after:
+        return None
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted"] - before["accepted"]
+    return {"draft_tokens": int(drafted), "accepted": int(accepted), "acceptance": acceptance(int(drafted),
+                                                                                             int(accepted))}
 
 
 # --------------------------------------------------------------------------------------------- summaries
@@ -444,6 +493,7 @@ class KindSummary:
     e2e_tokens_per_s: float | None
     completion_tokens: float | None
     acceptance: float | None
+    cached_tokens: float | None  # median prompt tokens served from the server's cache (a repeated prompt)
     estimated: bool  # some token counts were counted from pieces (no usage)
     partial: bool  # some requests failed or stalled; their figures are left out of the medians if any succeeded
 
@@ -462,6 +512,7 @@ def summarize(kind: str, results: Sequence[RequestResult]) -> KindSummary:
         e2e_tokens_per_s=median(r.e2e_tokens_per_s for r in good),
         completion_tokens=median(r.completion_tokens for r in good),
         acceptance=acceptance(drafted, accepted) if any(r.draft_n is not None for r in good) else None,
+        cached_tokens=median(r.cached_tokens for r in good),
         estimated=any(r.tokens_estimated for r in good), partial=any(not r.ok for r in results))
 
 
@@ -510,6 +561,7 @@ class BenchResult:
     kinds: dict[str, KindSummary] = field(default_factory=dict)
     prefix: PrefixResult | None = None
     needle: list[NeedleResult] = field(default_factory=list)
+    spec_metrics: dict[str, Any] | None = None  # draft acceptance from /metrics over the kinds' requests
     seconds: float = 0.0
 
     @property
@@ -535,7 +587,7 @@ class BenchResult:
                 "kinds": {k: s.to_json() for k, s in self.kinds.items()},
                 "requests": [r.to_json() for r in self.requests],
                 "prefix": self.prefix.to_json() if self.prefix else None,
-                "needle": [n.to_json() for n in self.needle]}
+                "needle": [n.to_json() for n in self.needle], "spec_metrics": self.spec_metrics}
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -645,6 +697,7 @@ def run_bench(ep: Endpoint, *, backend: str, release: str, kinds: Sequence[str] 
         on_event(f"warm-up {i + 1}/{warmup}: {'ok' if w.ok else w.error}")
     total = len(kinds_list) * runs
     done = 0
+    metrics_before = read_spec_metrics(ep)
     for kind in kinds_list:
         kind_results: list[RequestResult] = []
         for i in range(runs):
@@ -658,6 +711,8 @@ def run_bench(ep: Endpoint, *, backend: str, release: str, kinds: Sequence[str] 
                      f"ttft {_fmt_s(r.ttft_s)}, {mark}{r.completion_tokens} tokens{note}")
         result.requests.extend(kind_results)
         result.kinds[kind] = summarize(kind, kind_results)
+    if metrics_before is not None:
+        result.spec_metrics = metrics_acceptance(metrics_before, read_spec_metrics(ep))
     tpw: float | None = None
     if prefix_rounds or needle_lengths:
         tpw = calibrate(ep, clock=clock)
@@ -746,12 +801,17 @@ def list_baselines(state_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def compare(current: Mapping[str, Mapping[str, Any]], baseline: Mapping[str, Mapping[str, Any]]) -> dict[str, dict]:
-    """Per kind in `current`: decode tokens/s and TTFT now and in the baseline, and their ratios."""
+    """Per kind in `current`: tokens/s now and in the baseline and their ratio, TTFT likewise.
+
+    The decode rate is compared when both sides have one (`metric: decode`); otherwise the end-to-end rate
+    (`metric: e2e`, e.g. a server that sent everything in one burst)."""
     out: dict[str, dict[str, Any]] = {}
     for kind, cur in current.items():
         base = baseline.get(kind) or {}
-        out[kind] = {"tokens_per_s": cur.get("tokens_per_s"), "baseline_tokens_per_s": base.get("tokens_per_s"),
-                     "ratio": ratio(cur.get("tokens_per_s"), base.get("tokens_per_s")),
+        metric = "decode" if cur.get("tokens_per_s") and base.get("tokens_per_s") else "e2e"
+        key = "tokens_per_s" if metric == "decode" else "e2e_tokens_per_s"
+        out[kind] = {"metric": metric, "tokens_per_s": cur.get(key), "baseline_tokens_per_s": base.get(key),
+                     "ratio": ratio(cur.get(key), base.get(key)),
                      "ttft_s": cur.get("ttft_s"), "baseline_ttft_s": base.get("ttft_s"),
                      "ttft_ratio": ratio(cur.get("ttft_s"), base.get("ttft_s")),
                      "estimated": bool(cur.get("estimated") or base.get("estimated")),
@@ -767,7 +827,8 @@ def format_table(result: BenchResult, comparison: Mapping[str, Mapping[str, Any]
     lines = [f"bench {result.backend} (release {result.release}) at {result.base_url}, model {result.model}: "
              f"{result.settings['runs']} run(s) per kind, max_tokens {result.settings['max_tokens']}, "
              f"temperature 0, medians"]
-    head = f"{'kind':<10} {'ok':>5} {'tok/s':>9} {'ttft':>9} {'e2e tok/s':>10} {'tokens':>7} {'accept':>7}"
+    head = (f"{'kind':<10} {'ok':>5} {'tok/s':>9} {'ttft':>9} {'e2e tok/s':>10} {'tokens':>7} {'cached':>7} "
+            f"{'accept':>7}")
     if comparison:
         head += f" {'baseline':>9} {'change':>8}"
     lines.append(head)
@@ -775,19 +836,28 @@ def format_table(result: BenchResult, comparison: Mapping[str, Mapping[str, Any]
         m = ("~" if s.estimated else "") + ("!" if s.partial else "")
         row = (f"{kind:<10} {f'{s.ok}/{s.requests}':>5} {m + _fmt_num(s.tokens_per_s):>9} "
                f"{_fmt_s(s.ttft_s):>9} {m + _fmt_num(s.e2e_tokens_per_s):>10} "
-               f"{m + _fmt_num(s.completion_tokens, 0):>7} "
+               f"{m + _fmt_num(s.completion_tokens, 0):>7} {_fmt_num(s.cached_tokens, 0):>7} "
                f"{'-' if s.acceptance is None else f'{s.acceptance * 100:.1f}%':>7}")
         if comparison:
             c = comparison.get(kind) or {}
             r = c.get("ratio")
-            row += (f" {_fmt_num(c.get('baseline_tokens_per_s')):>9} "
+            star = "*" if c.get("metric") == "e2e" else ""
+            row += (f" {star + _fmt_num(c.get('baseline_tokens_per_s')):>9} "
                     f"{'-' if r is None else f'{(r - 1) * 100:+.1f}%':>8}")
         lines.append(row)
+    if comparison and any(c.get("metric") == "e2e" for c in comparison.values()):
+        lines.append("  * compared end to end: a decode rate was missing on one side (pieces sent in one burst)")
     failed = [r for r in result.requests if not r.ok]
     for r in failed:
         lines.append(f"  ! {r.kind} #{r.index + 1}: {r.error} (partial: {r.completion_tokens} tokens kept)")
+    if any((s.cached_tokens or 0) > 0 for s in result.kinds.values()):
+        lines.append("  cached: prompt tokens the server took from its cache (a repeated prompt): ttft is warm")
     if result.estimated:
         lines.append("  ~ estimated: the server sent no usage; tokens counted from the stream's pieces")
+    sm = result.spec_metrics
+    if sm and sm.get("draft_tokens"):
+        lines.append(f"draft acceptance (/metrics): {sm['acceptance'] * 100:.1f}% of {sm['draft_tokens']} drafted "
+                     "tokens")
     if result.prefix:
         p = result.prefix
         lines.append(f"prefix cache: {p.prefix_tokens} prompt tokens, {len(p.rounds)} rounds: first ttft "
@@ -804,12 +874,12 @@ def format_table(result: BenchResult, comparison: Mapping[str, Mapping[str, Any]
 
 # --------------------------------------------------------------------------------------------- gate
 
-def endpoint_for(cfg: Any, *, timeout: float = DEFAULT_TIMEOUT) -> Endpoint:
+def endpoint_for(cfg: Any, *, timeout: float = DEFAULT_TIMEOUT, max_request_s: float | None = None) -> Endpoint:
     """The live service of `cfg` (serve.host/port/model_name, the API key from serve.api_key_file)."""
     from deploy_tool import gate
 
     return Endpoint(base_url=gate.base_url(cfg), model=cfg.serve.model_name, api_key=gate.api_key(cfg),
-                    timeout=timeout)
+                    timeout=timeout, max_request_s=max_request_s)
 
 
 def perf_gate(cfg: Any, backend_name: str, release: str, *, fraction: float, max_tokens: int = 128,
@@ -838,8 +908,9 @@ def perf_gate(cfg: Any, backend_name: str, release: str, *, fraction: float, max
     parts = []
     for k, c in cmp.items():
         est = "~" if c["estimated"] else ""
-        parts.append(f"{k} {est}{_fmt_num(c['tokens_per_s'])} tok/s vs baseline {_fmt_num(c['baseline_tokens_per_s'])}"
-                     f" ({_fmt_num(c['ratio'], 2)})")
+        e2e = " e2e" if c["metric"] == "e2e" else ""
+        parts.append(f"{k} {est}{_fmt_num(c['tokens_per_s'])}{e2e} tok/s vs baseline "
+                     f"{_fmt_num(c['baseline_tokens_per_s'])} ({_fmt_num(c['ratio'], 2)})")
     figures = {"fraction": fraction, "release": release, "backend": backend_name, "kinds": cmp,
                "failed": [f"{r.kind}: {r.error}" for r in failed], "baseline_started": base.get("started")}
     ok = not low and not failed

@@ -6,6 +6,7 @@ as upper case). Enough for labels such as `ftllm-dflash @ r2026.11` and values s
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import zlib
@@ -138,13 +139,22 @@ def encode_png(width: int, height: int, filtered_rows: bytes) -> bytes:
             + _chunk(b"IEND", b""))
 
 
+def nice_top(v: float) -> float:
+    """The smallest 4 x (1, 2, 2.5 or 5 x 10^k) that is at least `v`: the axis top with round grid steps."""
+    step = v / 4
+    mag = 10 ** math.floor(math.log10(step))
+    for m in (1, 2, 2.5, 5, 10):
+        if m * mag >= step - 1e-12:
+            return 4 * m * mag
+    return 4 * 10 * mag  # pragma: no cover
+
+
 def bar_chart(groups: Sequence[tuple[str, Mapping[str, float | None]]], *, title: str = "",
               unit: str = "", series: Sequence[str] | None = None) -> bytes:
     """A grouped bar chart as PNG bytes: one group per (label, {series: value}), one colour per series."""
     names = list(series) if series else list(dict.fromkeys(k for _, vals in groups for k in vals))
     values = [v for _, vals in groups for v in vals.values() if v is not None]
-    vmax = max(values) if values else 1.0
-    vmax = vmax * 1.15 if vmax > 0 else 1.0
+    vmax = nice_top(max(values) * 1.1 if values and max(values) > 0 else 1.0)
     bar_w, gap = 34, 30
     group_w = max(1, len(names)) * bar_w
     label_w = max([text_width(lbl, 1) for lbl, _ in groups] + [0])
@@ -168,7 +178,7 @@ def bar_chart(groups: Sequence[tuple[str, Mapping[str, float | None]]], *, title
         v = vmax * k / 4
         y = y0 - int(plot_h * k / 4)
         c.rect(left, y, left + plot_w, y + 1, GREY)
-        lbl = f"{v:.0f}" if vmax >= 10 else f"{v:.2f}"
+        lbl = f"{v:g}"
         c.text(left - 6 - text_width(lbl, 1), y - 3, lbl, scale=1)
     c.rect(left, top, left + 1, y0 + 1, BLACK)
     c.rect(left, y0, left + plot_w, y0 + 1, BLACK)

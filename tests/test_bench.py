@@ -24,6 +24,7 @@ from tests.support.bench_stub import MODEL as STUB_MODEL
 from tests.support.bench_stub import stub_server
 from tests.support.configs import load_example
 from tests.support.tiny_model import write_model
+from tests.test_e2e import demo, installed  # noqa: F401  (session fixtures: packed bundle, real install)
 
 NAME = "bench-m"
 
@@ -76,7 +77,10 @@ def test_median_rate_and_ttft_math() -> None:
     assert bench.tokens_per_second(512, 2.0) == 256.0
     assert bench.tokens_per_second(512, 0.0) is None
     assert bench.tokens_per_second(None, 1.0) is None
-    assert bench.decode_rate(101, 10.0, 10.5) == pytest.approx(202.0)
+    assert bench.decode_rate(101, 10.0, 10.5) == pytest.approx(200.0)  # 100 tokens after the first
+    assert bench.decode_rate(32, 0.0, 0.016, pieces=5) == pytest.approx(1600.0)  # packed: 4/5 after the first
+    assert bench.decode_rate(100, 1.0, 1.001, pieces=3) is None  # one burst: no measurable span
+    assert bench.decode_rate(50, 1.0, 2.0, pieces=1) is None
     assert bench.decode_rate(1, 10.0, 10.0) is None
     assert bench.ttft(100.0, 100.25) == pytest.approx(0.25)
     assert bench.ttft(100.0, None) is None
@@ -218,9 +222,10 @@ def test_needle_lengths_on_llamacpp_and_recall_logic(llama: backends.Server) -> 
 
 
 def test_draft_acceptance_from_llamacpp_timings(models: dict[str, Path], tmp_path: Path) -> None:
-    """llama-server drafting with the model itself reports draft_n/draft_n_accepted; acceptance is near 100%."""
+    """llama-server drafting with the model itself reports draft_n/draft_n_accepted; acceptance is near 100%,
+    and the /metrics counters over the run agree exactly with the per-request timings."""
     with live("llamacpp", models["24m"], tmp_path,
-              extra=("-md", str(models["24m"]), "--spec-type", "draft-simple")) as srv:
+              extra=("-md", str(models["24m"]), "--spec-type", "draft-simple", "--metrics")) as srv:
         res = bench.run_bench(bench.Endpoint(srv.base_url, NAME, timeout=60), backend="llamacpp", release="t",
                               kinds=["code"], runs=1, max_tokens=64)
     r = res.requests[0]
@@ -228,6 +233,9 @@ def test_draft_acceptance_from_llamacpp_timings(models: dict[str, Path], tmp_pat
                                          f"acceptance {r.acceptance:.1%}, {r.tokens_per_s:.1f} tok/s"])
     assert r.draft_n and r.draft_n > 0
     assert res.kinds["code"].acceptance is not None and res.kinds["code"].acceptance > 0.9
+    assert res.spec_metrics == {"draft_tokens": r.draft_n, "accepted": r.draft_accepted,
+                                "acceptance": r.acceptance}
+    assert "draft acceptance (/metrics)" in bench.format_table(res)
 
 
 # --------------------------------------------------------------------------------------------- faults
@@ -249,6 +257,15 @@ def test_stall_mid_stream_times_out_and_the_run_goes_on() -> None:
     table = bench.format_table(res)
     assert "!" in table.splitlines()[2] and "stalled" in table
     assert res.to_json()["partial"] is True and res.to_json()["requests"][0]["partial"] is True
+
+
+def test_whole_request_limit_cuts_a_trickling_server() -> None:
+    """A server that keeps sending, but too slowly for the whole-request limit, is cut off and marked partial."""
+    with stub_server(token_delay=0.25) as s:
+        ep = bench.Endpoint(s.base_url, STUB_MODEL, timeout=5, max_request_s=1.0)
+        r = bench.stream_chat(ep, [{"role": "user", "content": "hi"}], max_tokens=40)
+    assert not r.ok and r.partial and r.error.startswith("exceeded 1s for the request after ")
+    assert 2 <= r.pieces <= 5 and r.total_s is not None and r.total_s < 2
 
 
 def test_no_usage_marks_token_counts_estimated() -> None:
@@ -296,7 +313,9 @@ def test_baseline_save_load_compare(tmp_path: Path) -> None:
     base = bench.load_baseline(tmp_path, "r1", "llamacpp-tensor")
     assert base is not None and base["figures"]["code"]["tokens_per_s"] == pytest.approx(fast.kinds["code"].tokens_per_s)
     cmp = bench.compare(slow.figures(), base["figures"])
-    assert cmp["code"]["ratio"] < 0.6, cmp
+    assert cmp["code"]["ratio"] < 0.6 and cmp["code"]["metric"] == "decode", cmp
+    burst = {"code": {"tokens_per_s": None, "e2e_tokens_per_s": 50.0}}
+    assert bench.compare(burst, {"code": {"tokens_per_s": 90.0, "e2e_tokens_per_s": 100.0}})["code"]["ratio"] == 0.5
     assert "change" in bench.format_table(slow, cmp)
     assert bench.load_baseline(tmp_path, "r2", "llamacpp-tensor") is None
     with pytest.raises(PerformanceError, match="baseline not saved: 1 of 1 requests failed or stalled"):
@@ -405,3 +424,45 @@ def test_cli_save_compare_chart_json_and_stall_exit(tmp_path: Path) -> None:
         assert "stalled: no data for 1s after 3 pieces" in out and "1 request(s) failed or stalled" in err
         code, out, err = _cli(["bench", "ftllm", "--kinds", "poetry"], cfg_path)
         assert code == ExitCode.INPUT and "unknown prompt kind 'poetry'" in err
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+_CLI_WITH_BENCH = ("from deploy_tool.cli import main\n"
+                   "from deploy_tool.cli.bench import bench\n"
+                   "'bench' in main.commands or main.add_command(bench)\n"
+                   "main()")
+
+
+@pytest.mark.sandbox
+@pytest.mark.backends
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_bench_the_installed_service_with_backend_and_release_from_state(installed: Path) -> None:  # noqa: F811
+    """Against the service a real install runs under sandboxed systemd: BACKEND and release default to what
+    state.json records, the baseline lands in <state_dir>/bench/<release>/<backend>.json, and perf_gate on the
+    same service passes against it."""
+    import subprocess
+    import sys
+
+    from deploy_tool import config
+
+    cfg = config.load(installed)
+    st = json.loads((Path(cfg.paths.state_dir) / "state.json").read_text())
+    r = subprocess.run([sys.executable, "-c", _CLI_WITH_BENCH, "--config", str(installed), "bench", "--runs", "1",
+                        "--max-tokens", "256", "--save-baseline", "--json"], capture_output=True, text=True,
+                       timeout=300, cwd=installed.parent,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(r.stdout)
+    assert (data["backend"], data["release"]) == (st["active_backend"], st["release"]) and st["release"]
+    assert data["model"] == cfg.serve.model_name and data["base_url"].endswith(f":{cfg.serve.port}")
+    saved = Path(cfg.paths.state_dir) / "bench" / st["release"] / f"{st['active_backend']}.json"
+    assert data["baseline_saved"] == str(saved) and saved.is_file()
+    assert all(k["ok"] == 1 and k["tokens_per_s"] for k in data["kinds"].values())
+    ok, figures, msg = bench.perf_gate(cfg, st["active_backend"], st["release"], fraction=0.2, max_tokens=256)
+    show("installed service:", [f"{k}: {v['tokens_per_s']:.1f} tok/s" for k, v in data["figures"].items()] + [msg])
+    assert ok, msg
+    assert set(figures["kinds"]) == {"code", "math", "prose"}
+    # the tiny model through ftllm can arrive in one burst: then the gate compares end to end, never nothing
+    assert all(k["ratio"] is not None and k["metric"] in ("decode", "e2e") for k in figures["kinds"].values())

@@ -48,7 +48,9 @@ def _lengths(value: str | None) -> list[int]:
 @click.option("--chart", "chart_path", type=click.Path(path_type=Path), default=None,
               help="Write a PNG bar chart of tokens/s: the stored baselines of every release and backend, "
                    "and this run.")
-@click.option("--warmup", type=int, default=0, show_default=True,
+@click.option("--request-limit", type=float, default=None,
+              help="Seconds a whole request may take (a server trickling data slowly); default: no limit.")
+@click.option("--warmup", type=int, default=1, show_default=True,
               help="Short requests sent first and not counted (a freshly started server is slow at first).")
 @click.option("--release", default=None, help="Release the figures belong to (default: the installed one).")
 @click.option("--timeout", type=float, default=120.0, show_default=True,
@@ -57,7 +59,7 @@ def _lengths(value: str | None) -> list[int]:
 @pass_ctx
 def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_tokens: int, prefix_rounds: int,
           prefix_tokens: int, needle: str | None, prompts_file: Path | None, compare: bool, save_baseline: bool,
-          chart_path: Path | None, warmup: int, release: str | None, timeout: float, json_out: bool) -> None:
+          chart_path: Path | None, request_limit: float | None, warmup: int, release: str | None, timeout: float, json_out: bool) -> None:
     """Benchmark the live service: streaming chat requests at temperature 0, medians per prompt kind.
 
     \b
@@ -91,7 +93,7 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
     prompts = b.load_prompts(prompts_file) if prompts_file else b.PROMPTS
     kind_list = b.select_kinds(prompts, _csv(kinds))
     lengths = _lengths(needle)
-    ep = b.endpoint_for(cfg, timeout=timeout)
+    ep = b.endpoint_for(cfg, timeout=timeout, max_request_s=request_limit)
     if ctx.dry_run:
         ctx.emit({"would_bench": name, "release": rel, "url": ep.base_url, "kinds": kind_list, "runs": runs},
                  f"would bench {name} (release {rel}) at {ep.base_url}: {', '.join(kind_list)} x {runs}, "
