@@ -370,7 +370,7 @@ against the MANIFEST), the bundle's signature and files checked by that deployto
   --config PATH      the box's deploytool.yaml (default: $DEPLOYTOOL_CONFIG, else /etc/deploytool/deploytool.yaml)
   --keys DIR         trusted public keys (*.pub) to check the bundle with (default: paths.keys_dir of the config)
   --staging-dir DIR  where the temporary tool venv goes (default: $TMPDIR or /tmp); removed afterwards
-  INSTALL OPTIONS    passed on to `deploytool install` (e.g. --no-start, --json)
+  INSTALL OPTIONS    passed on to `deploytool install` (e.g. --no-start, --rebuild)
 """
 
 
@@ -435,11 +435,12 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
         log("checking the bundle's signature and files")
         keys_args = ["--keys", os.path.abspath(keys)] if keys else []
         verify = base + ["bundle", "verify", bundle_dir] + keys_args
-        code = subprocess.call(verify, env=child_env())
+        # the checks report on stderr: stdout is left to install
+        code = subprocess.call(verify, env=child_env(), stdout=sys.stderr)
         if code != 0:
             return code
         code = subprocess.call([vpy, "-I", "-m", "deploy_tool.selfcheck", "preflight", "--config", config],
-                               env=child_env())
+                               env=child_env(), stdout=sys.stderr)
         if code != 0:
             return code
         log("installing")

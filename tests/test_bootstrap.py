@@ -186,7 +186,7 @@ def test_read_only_target_is_refused_before_anything_is_written(fresh):
                wrap=["unshare", "--net", "--mount", "--", "sh", "-c", script, "sh", str(root)])
     assert r.returncode == 17, r.stdout + r.stderr
     assert "read-only file system" in r.stderr and str(root / "opt" / "deploytool" / "releases") in r.stderr
-    assert "OK: signed by trusted key" in r.stdout  # the real signature check ran first, in staging
+    assert "OK: signed by trusted key" in r.stderr  # the real signature check ran first, from staging
     _nothing_written(fresh, before)
 
 
