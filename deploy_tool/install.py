@@ -25,7 +25,7 @@ from typing import Any
 
 from deploy_tool import systemd as systemd_mod
 from deploy_tool.config import Config
-from deploy_tool.errors import BundleError, DeployError, ExitCode, InputError, InstallError
+from deploy_tool.errors import BundleError, DeployError, ExitCode, InputError, InstallError, RollbackFailed
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
 from deploy_tool.state import Operation, State, Store, now_iso
 
@@ -134,10 +134,16 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             Switcher(cfg, log=log, sd=sd)._recover_locked(st)
             st = store.load()
         releases.mkdir(parents=True, exist_ok=True)
-        staging_root = Path(tempfile.mkdtemp(prefix=".verify-", dir=releases))
+        try:
+            staging_root = Path(tempfile.mkdtemp(prefix=".verify-", dir=releases))
+        except OSError as exc:
+            raise os_error(exc, f"cannot create a staging directory in {releases}") from None
         try:
             log(f"verifying {path}")
-            vb = bundle_mod.verify_bundle(path, keys, staging=staging_root / "b")
+            try:
+                vb = bundle_mod.verify_bundle(path, keys, staging=staging_root / "b")
+            except OSError as exc:  # e.g. no space left for the verified copy
+                raise os_error(exc, f"cannot unpack {path} under {releases} to verify it") from None
             man = vb.manifest
             rid = man.bundle_id
             final = releases / rid
@@ -164,6 +170,8 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
                     with contextlib.suppress(DeployError):
                         sd.start(cfg.backends[prev].unit)
                 store.save(replace(st, operation=None))
+                if isinstance(exc, OSError):  # disk full and the like, from any step: a clean error, exit 17
+                    exc = os_error(exc, f"install of {rid}")
                 if isinstance(exc, DeployError):
                     store.record("install", ok=False, release=rid, reason=exc.message.splitlines()[0])
                     if not isinstance(exc, InstallError):
@@ -173,6 +181,7 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
                         if exc.exit_code == ExitCode.OS:  # disk full, permission denied: the box needs fixing
                             err.exit_code = ExitCode.OS
                         raise err from exc
+                    raise exc from None
                 raise
             res.seconds = time.monotonic() - t0
             return res
@@ -408,10 +417,21 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
     with contextlib.suppress(DeployError):
         sd.daemon_reload()
     if op.from_backend and op.from_backend in cfg.backends and prev:
-        unit = cfg.backends[op.from_backend].unit
-        with contextlib.suppress(DeployError):
-            sd.reset_failed(unit)
-            (sd.restart if started_new else sd.start)(unit)
+        b = cfg.backends[op.from_backend]
+        try:
+            if started_new or not sd.show(b.unit).is_active:  # (re)started: serving again only once it is healthy
+                from deploy_tool.gate import run_gate
+
+                sd.reset_failed(b.unit)
+                (sd.restart if started_new else sd.start)(b.unit)
+                run_gate(cfg, sd, b, invocation=sd.show(b.unit).invocation_id or None, on_event=log)
+        except DeployError as exc:
+            store.save(replace(st, operation=None, release=prev, active_backend=None))
+            store.record("recover", ok=False, interrupted="install", step=op.step, release=rid,
+                         outcome="rollback-failed", reason=exc.message.splitlines()[0])
+            raise RollbackFailed(f"undid the interrupted install of {rid}, but {b.name} of release {prev} did not "
+                                 f"come back: {exc.message}", hint=f"see `journalctl -u {b.unit}` and "
+                                 "`deploytool status`") from None
     elif started_new and target is not None:
         with contextlib.suppress(DeployError):
             sd.stop(target.unit)
