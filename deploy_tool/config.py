@@ -192,6 +192,7 @@ class BackendBase:
     env: tuple[tuple[str, str], ...]
     extra_args: tuple[str, ...]
     description: str | None
+    start_timeout_s: float | None
 
     @property
     def unit(self) -> str:
@@ -248,6 +249,8 @@ class _BackendCommon:
     description: str | None = _doc("unit Description=", default=None)
     model_config: str | None = _doc("the model's config.json (capacity math; default <model>/config.json)",
                                     default=None)
+    start_timeout_s: float | None = _doc("this backend's own time to become ready (default: "
+                                         "health.start_timeout_s)", _positive, default=None)
 
 
 @dataclass(frozen=True)
@@ -477,7 +480,7 @@ def _backend_from_raw(name: str, raw: Any) -> Backend:
     threads = r.threads if r.threads is not None else (1 if r.device == "cpu" else None)
     common = dict(name=name, kind=kind, aliases=r.aliases, device=r.device, model=r.model, threads=threads,
                   env=tuple(sorted(r.env.items())), extra_args=r.extra_args, description=r.description,
-                  model_config=r.model_config)
+                  model_config=r.model_config, start_timeout_s=r.start_timeout_s)
     if kind == "ftllm":
         return FtllmBackend(**common, executable=r.executable, tp=r.tp, max_batch=r.max_batch, tokens=r.tokens,
                             gpu_mem_ratio=r.gpu_mem_ratio, kv_cache_dtype=r.kv_cache_dtype,

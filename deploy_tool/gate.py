@@ -69,7 +69,8 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
             return ""
 
     rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key,  # type: ignore[arg-type]
-                            timeout=timeout if timeout is not None else cfg.health.start_timeout_s,
+                            timeout=timeout if timeout is not None else (b.start_timeout_s
+                                                                          or cfg.health.start_timeout_s),
                             interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit),
                             journal_tail=journal)
     on_event(f"{b.name}: ready after {rep.seconds:.1f}s")

@@ -174,7 +174,7 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
         secrets_file=f"{cfg.paths.env_dir}/{SECRETS_ENV}" if cfg.serve.api_key_file else None,
         gpus=list(cfg.host.gpus) if b.device == "cuda" else [],
         description=b.description or f"{b.kind} inference server {b.name}",
-        timeout_start=int(cfg.health.start_timeout_s),
+        timeout_start=int(b.start_timeout_s or cfg.health.start_timeout_s),
     )
     unit = _render("backend.service.j2", **ctx)
     envf = _render("backend.env.j2", version=__version__, b=b, lines=env_lines)

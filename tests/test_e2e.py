@@ -108,6 +108,22 @@ def installed(demo, systemd_sandbox):
     return demo
 
 
+@pytest.fixture(autouse=True)
+def _ftllm_serving(request):
+    """Each test that uses the installed box starts from ftllm-dflash serving (a failed test must not cascade)."""
+    if "installed" not in request.fixturenames:
+        yield
+        return
+    cfg = request.getfixturevalue("installed")
+    env = request.getfixturevalue("systemd_sandbox")
+    if state(cfg).get("operation"):
+        dt(cfg, "recover")
+    if active_units(env) != {"ftllm-dflash.service"} or state(cfg)["active_backend"] != "ftllm-dflash":
+        r = dt(cfg, "switch", "ftllm")
+        assert r.returncode == 0, r.stdout + r.stderr
+    yield
+
+
 def test_install_serves_default_backend_and_second_install_is_noop(installed, systemd_sandbox):
     """install starts ftllm-dflash behind the gate; the same bundle again changes nothing and says so."""
     st = state(installed)
@@ -179,7 +195,7 @@ def test_switch_failure_rolls_back(installed, systemd_sandbox, case, dropin, rea
         cfg = installed
         if case == "never-ready":
             data = yaml.safe_load(cfg.read_text())
-            data["health"]["start_timeout_s"] = 3
+            data["backends"]["llamacpp-tensor"]["start_timeout_s"] = 3
             cfg = cfg.with_name("short-timeout.yaml")
             cfg.write_text(yaml.safe_dump(data, sort_keys=False))
         t0 = time.monotonic()
@@ -380,7 +396,17 @@ def test_pack_twice_is_byte_identical(demo):
     r = dt(demo, "--json", "pack", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     second = next(out.glob("*.tar.zst"))
-    assert second.name == first.name
+    if second.name != first.name:  # say what differs
+        from deploy_tool.manifest import Manifest
+
+        def files(p: Path) -> dict:
+            m = Manifest.from_bytes((p.parent / p.name.removesuffix(".tar.zst") / "MANIFEST").read_bytes())
+            return {f.path: f.sha256 for f in m.files} | {"lib:" + k: v for k, v in m.native_libs.items()} \
+                | {"input:" + k: str(v) for k, v in m.inputs.items()}
+
+        a, b = files(first), files(second)
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        raise AssertionError(f"packs differ in: {diff}")
     from deploy_tool.manifest import hash_file
 
     assert hash_file(second) == hash_file(first)
