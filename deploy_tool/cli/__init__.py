@@ -123,7 +123,7 @@ def _register() -> None:
     import importlib
 
     for mod, attr in (("sandbox", "sandbox"), ("keys", "keygen"), ("bundle", "bundle"), ("verify", "verify"),
-                      ("verify", "pin")):
+                      ("verify", "pin"), ("bench", "bench")):
         try:
             m = importlib.import_module(f"deploy_tool.cli.{mod}")
         except ImportError:
