@@ -9,18 +9,20 @@ listed in the MANIFEST like every other file. It runs in this order and stops at
 
 1. The interpreter must be CPython 3.11 or newer. This file parses on Python 2.7 and every 3.x (no f-strings,
    no annotations, no keyword-only arguments), so an old python3 gets this message, not a SyntaxError.
-2. The bundle's MANIFEST lists deploytool's wheels under tool/wheels/ (deploytool's own wheel and its
-   dependencies'). Each is copied into a private staging directory and the copy's size and SHA-256 are
-   checked against the MANIFEST. The MANIFEST's Ed25519 signature cannot be checked yet (that needs the
-   `cryptography` wheel being installed), so this step catches a damaged copy; the signature is step 4.
-3. A venv is created in staging with `python3 -m venv --without-pip` (no ensurepip, which Debian and Ubuntu
-   ship separately as python3-venv) and the wheels are unpacked into it by the stdlib installer below:
-   every file is checked against its wheel's RECORD, console scripts are generated, a new RECORD lists the
-   SHA-256 of every installed file. Wheels for another Python or machine are refused by their tags.
-4. The staged deploytool checks the bundle for real (`bundle verify`: signature by a trusted key, then every
-   file's size, mode and hash) and that every directory `install` writes to is writable, then runs
-   `deploytool install BUNDLE_DIR`. install lays deploytool's own venv into the release from the same wheels;
-   the units' ExecStartPre runs that one through `current`.
+2. The MANIFEST's Ed25519 signature is checked against the box's trusted keys (--keys DIR, else paths.keys_dir
+   of the config, else /etc/deploytool/keys) with the pure-Python verifier below (RFC 8032), because the
+   `cryptography` wheel is itself among what the bundle carries: no code from the bundle runs before this.
+   The MANIFEST bytes that were verified are the ones parsed.
+3. The MANIFEST lists deploytool's wheels under tool/wheels/ (deploytool's own wheel and its dependencies').
+   Each is copied into a private staging directory and the copy's size and SHA-256 are checked against the
+   MANIFEST. A venv is created in staging with `python3 -m venv --without-pip` (no ensurepip, which Debian
+   and Ubuntu ship separately as python3-venv) and the copies are unpacked into it by the stdlib installer
+   below: every file is checked against its wheel's RECORD, console scripts are generated, a new RECORD lists
+   the SHA-256 of every installed file. Wheels for another Python or machine are refused by their tags.
+4. The staged deploytool checks the whole bundle again (`bundle verify`: signature with `cryptography`, then
+   every file's size, mode and hash, no extra files) and that every directory `install` writes to is
+   writable, then runs `deploytool install BUNDLE_DIR`. install lays deploytool's own venv into the release
+   from the same wheels; the units' ExecStartPre runs that one through `current`.
 5. The staging directory is removed, whatever happened.
 
 Nothing is written outside the staging directory before the checks of step 4 have passed. Exit codes are
@@ -44,6 +46,7 @@ import zipfile
 
 MIN_PYTHON = (3, 11)
 TOOL_WHEELS = "tool/wheels/"
+DEFAULT_KEYS_DIR = "/etc/deploytool/keys"
 EXIT_USAGE, EXIT_BUNDLE, EXIT_TOO_OLD, EXIT_OS = 2, 6, 16, 17
 WHEEL_NAME = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-(?P<build>\d[^-]*))?"
                         r"-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
@@ -79,15 +82,24 @@ def check_python(version_info=None, implementation=None):
 
 # ------------------------------------------------------------------------------------------------ the bundle
 
-def read_manifest(bundle_dir):
-    """The MANIFEST's files as {path: (size, mode, sha256)}, plus the bundle id (strict enough to be safe)."""
-    path = os.path.join(bundle_dir, "MANIFEST")
+def _read(path, limit, what):
     try:
         with open(path, "rb") as f:
-            data = f.read(64 << 20)
+            return f.read(limit + 1)[: limit + 1]
     except OSError as exc:
-        raise Refused("%s is not a bundle directory: %s: %s" % (bundle_dir, path, exc.strerror), EXIT_BUNDLE,
+        raise Refused("%s: %s: %s" % (what, path, exc.strerror), EXIT_BUNDLE,
                       hint="run the bootstrap that is inside an unpacked bundle directory")
+
+
+def read_manifest(bundle_dir):
+    """The MANIFEST's exact bytes and MANIFEST.sig's, read once (what is verified is what is parsed)."""
+    data = _read(os.path.join(bundle_dir, "MANIFEST"), 64 << 20, "%s is not a bundle directory" % bundle_dir)
+    sig = _read(os.path.join(bundle_dir, "MANIFEST.sig"), 4096, "signature-missing: the bundle has no signature")
+    return data, sig
+
+
+def parse_manifest(data, where="MANIFEST"):
+    """The MANIFEST's files as {path: (size, mode, sha256)}, plus the bundle id."""
     try:
         obj = json.loads(data.decode("ascii"))
         files = {}
@@ -95,9 +107,156 @@ def read_manifest(bundle_dir):
             files[e["path"]] = (int(e["size"]), int(str(e["mode"]), 8), str(e["sha256"]))
         bundle_id = str(obj["bundle_id"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise Refused("%s is not a valid MANIFEST (%s)" % (path, exc), EXIT_BUNDLE,
+        raise Refused("%s is not a valid MANIFEST (%s)" % (where, exc), EXIT_BUNDLE,
                       hint="the bundle is damaged; copy it again from where it was packed")
     return files, bundle_id
+
+
+# ------------------------------------------------------------------------------------------------ Ed25519
+# Signature verification after RFC 8032 (section 5.1.7), in plain integers: the bundle's signature is checked
+# before any code the bundle carries runs (the `cryptography` wheel is among what it carries). Public data only,
+# so constant time does not matter here; deploytool itself verifies again with `cryptography`.
+
+_P = 2 ** 255 - 19
+_L = 2 ** 252 + 27742317777372353535851937790883648493
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+_SQRT_M1 = pow(2, (_P - 1) // 4, _P)
+_SPKI_ED25519 = bytes(bytearray([0x30, 0x2A, 0x30, 0x05, 0x06, 0x03, 0x2B, 0x65, 0x70, 0x03, 0x21, 0x00]))
+
+
+def _ed_add(p, q):
+    a = (p[1] - p[0]) * (q[1] - q[0]) % _P
+    b = (p[1] + p[0]) * (q[1] + q[0]) % _P
+    c = 2 * p[3] * q[3] * _D % _P
+    d = 2 * p[2] * q[2] % _P
+    e, f, g, h = b - a, d - c, d + c, b + a
+    return (e * f % _P, g * h % _P, f * g % _P, e * h % _P)
+
+
+def _ed_mul(s, p):
+    q = (0, 1, 1, 0)
+    while s > 0:
+        if s & 1:
+            q = _ed_add(q, p)
+        p = _ed_add(p, p)
+        s >>= 1
+    return q
+
+
+def _ed_decompress(b):
+    y = int.from_bytes(b, "little")
+    sign = y >> 255
+    y &= (1 << 255) - 1
+    if y >= _P:
+        return None
+    x2 = (y * y - 1) * pow(_D * y * y + 1, _P - 2, _P) % _P
+    if x2 == 0:
+        if sign:
+            return None
+        return (0, y, 1, 0)
+    x = pow(x2, (_P + 3) // 8, _P)
+    if (x * x - x2) % _P:
+        x = x * _SQRT_M1 % _P
+    if (x * x - x2) % _P:
+        return None
+    if (x & 1) != sign:
+        x = _P - x
+    return (x, y, 1, x * y % _P)
+
+
+def _base_point():
+    return _ed_decompress((4 * pow(5, _P - 2, _P) % _P).to_bytes(32, "little"))
+
+
+def ed25519_verify(public, message, signature):
+    """True if `signature` (64 bytes) is a valid Ed25519 signature of `message` by `public` (32 bytes)."""
+    if len(public) != 32 or len(signature) != 64:
+        return False
+    a = _ed_decompress(public)
+    r = _ed_decompress(signature[:32])
+    s = int.from_bytes(signature[32:], "little")
+    if a is None or r is None or s >= _L:
+        return False
+    h = int.from_bytes(hashlib.sha512(signature[:32] + public + message).digest(), "little") % _L
+    sb = _ed_mul(s, _base_point())
+    rha = _ed_add(r, _ed_mul(h, a))
+    return (sb[0] * rha[2] - rha[0] * sb[2]) % _P == 0 and (sb[1] * rha[2] - rha[1] * sb[2]) % _P == 0
+
+
+def load_public_keys(keys_dir):
+    """{key_id: raw 32-byte key} of the Ed25519 PEM public keys (*.pub) in keys_dir."""
+    try:
+        names = sorted(n for n in os.listdir(keys_dir) if n.endswith(".pub"))
+    except OSError as exc:
+        raise Refused("no-trusted-keys: trusted keys directory %s: %s" % (keys_dir, exc.strerror), EXIT_BUNDLE,
+                      hint="copy the signer's .pub file there, or pass --keys DIR")
+    keys = {}
+    for n in names:
+        p = os.path.join(keys_dir, n)
+        try:
+            with open(p) as f:
+                text = f.read(8192)
+            body = text.split("-----BEGIN PUBLIC KEY-----")[1].split("-----END PUBLIC KEY-----")[0]
+            der = base64.b64decode("".join(body.split()))
+        except (OSError, IndexError, ValueError):
+            der = b""
+        if len(der) != 44 or der[:12] != _SPKI_ED25519:
+            raise Refused("trusted-key-invalid: trusted key %s is not an Ed25519 PEM public key" % p, EXIT_BUNDLE,
+                          hint="remove or replace that file")
+        keys[hashlib.sha256(der[12:]).hexdigest()[:16]] = der[12:]
+    if not keys:
+        raise Refused("no-trusted-keys: no trusted public keys (*.pub) in %s" % keys_dir, EXIT_BUNDLE,
+                      hint="copy the signer's .pub file there, or pass --keys DIR")
+    return keys
+
+
+def check_signature(manifest, sig, keys_dir):
+    """Check MANIFEST.sig over exactly these MANIFEST bytes against the trusted keys; return the key id."""
+    try:
+        obj = json.loads(sig.decode("ascii"))
+        kid = obj["key_id"]
+        raw = base64.b64decode(obj["signature"])
+        if obj["algorithm"] != "ed25519" or len(raw) != 64 or not re.match(r"^[0-9a-f]{16}$", kid):
+            raise ValueError("not an ed25519 signature")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Refused("signature-malformed: MANIFEST.sig is not a deploytool signature (%s)" % exc, EXIT_BUNDLE)
+    keys = load_public_keys(keys_dir)
+    if kid not in keys:
+        raise Refused("untrusted-key: the bundle is signed by key %s, which is not among the trusted keys in %s (%s)"
+                      % (kid, keys_dir, ", ".join(sorted(keys))), EXIT_BUNDLE,
+                      hint="if you trust the signer, copy their .pub file into the keys directory")
+    if not ed25519_verify(keys[kid], manifest, raw):
+        raise Refused("signature-invalid: the MANIFEST signature does not verify with trusted key %s: the "
+                      "MANIFEST or its signature was altered" % kid, EXIT_BUNDLE,
+                      hint="copy the bundle again from where it was packed")
+    return kid
+
+
+def keys_dir_from_config(config):
+    """paths.keys_dir of a deploytool.yaml (block style, as `deploytool init` writes it), else the default.
+
+    A config this scan misreads points at a directory without the signer's key, which is refused, never
+    trusted: deploytool's own `bundle verify` reads the config properly right after.
+    """
+    value = None
+    try:
+        with open(config) as f:
+            lines = f.read(1 << 20).splitlines()
+    except OSError:
+        lines = []
+    in_paths = False
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line[0].isspace():
+            in_paths = line.split("#")[0].strip() == "paths:"
+            continue
+        m = re.match(r"^\s+keys_dir:\s*(.*?)\s*(#.*)?$", line)
+        if in_paths and m and m.group(1):
+            value = m.group(1).strip("'\"")
+    if not value:
+        return DEFAULT_KEYS_DIR
+    return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(config)), value))
 
 
 def tool_wheels(bundle_dir, files):
@@ -404,11 +563,15 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
     log = log or (lambda s: sys.stderr.write("bootstrap: " + s + "\n"))
     bundle_dir = os.path.abspath(bundle_dir)
     config = os.path.abspath(config)
-    files, bundle_id = read_manifest(bundle_dir)
-    wheels = tool_wheels(bundle_dir, files)
     if not os.path.isfile(config):
         raise Refused("config %s not found" % config, EXIT_USAGE,
                       hint="put the box's deploytool.yaml there, or pass --config PATH")
+    manifest, sig = read_manifest(bundle_dir)
+    keys_dir = os.path.abspath(keys) if keys else keys_dir_from_config(config)
+    kid = check_signature(manifest, sig, keys_dir)
+    files, bundle_id = parse_manifest(manifest, os.path.join(bundle_dir, "MANIFEST"))
+    log("bundle %s: MANIFEST signed by trusted key %s (%s)" % (bundle_id, kid, keys_dir))
+    wheels = tool_wheels(bundle_dir, files)
     try:
         staging = tempfile.mkdtemp(prefix="deploytool-bootstrap-", dir=staging_parent)
     except OSError as exc:

@@ -9,6 +9,8 @@ ExecStartPre calling the deploytool the bootstrap installed. No GPU here: the cp
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -176,6 +178,48 @@ def test_damaged_tool_wheel_is_refused_before_install(fresh):
         shutil.rmtree(bad)
 
 
+def test_untrusted_signer_is_refused_before_any_bundle_code_runs(fresh, tmp_path):
+    """MANIFEST.sig by a key the box does not trust: exit 6 untrusted-key from the stdlib check, no venv made."""
+    from deploy_tool import manifest
+
+    manifest.generate_keypair(tmp_path / "other.key", tmp_path / "other.pub")
+    bad = fresh["box"] / "other-signer"
+    shutil.copytree(fresh["bundle"], bad)
+    try:
+        (bad / "MANIFEST.sig").write_bytes(manifest.sign((bad / "MANIFEST").read_bytes(), tmp_path / "other.key"))
+        before = tree(fresh["root"])
+        r = on_box(fresh["box"], [SYSTEM_PYTHON, str(bad / "bootstrap"), "--config", str(fresh["cfg"]),
+                                  "--no-start"])
+        assert r.returncode == 6, r.stdout + r.stderr
+        assert "untrusted-key" in r.stderr and "creating deploytool's venv" not in r.stderr
+        _nothing_written(fresh, before)
+    finally:
+        shutil.rmtree(bad)
+
+
+def test_wheel_swapped_with_its_manifest_line_is_refused_by_the_signature(fresh):
+    """A tool wheel changed and its MANIFEST hash updated to match: the signature fails first (exit 6)."""
+    bad = fresh["box"] / "swapped"
+    shutil.copytree(fresh["bundle"], bad)
+    try:
+        whl = next((bad / "tool" / "wheels").glob("click-*.whl"))
+        old = hashlib.sha256(whl.read_bytes()).hexdigest()
+        data = bytearray(whl.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        whl.write_bytes(bytes(data))
+        man = (bad / "MANIFEST").read_bytes()
+        assert old.encode() in man
+        (bad / "MANIFEST").write_bytes(man.replace(old.encode(), hashlib.sha256(data).hexdigest().encode()))
+        before = tree(fresh["root"])
+        r = on_box(fresh["box"], [SYSTEM_PYTHON, str(bad / "bootstrap"), "--config", str(fresh["cfg"]),
+                                  "--no-start"])
+        assert r.returncode == 6, r.stdout + r.stderr
+        assert "signature-invalid" in r.stderr and "creating deploytool's venv" not in r.stderr
+        _nothing_written(fresh, before)
+    finally:
+        shutil.rmtree(bad)
+
+
 def test_read_only_target_is_refused_before_anything_is_written(fresh):
     """The box's paths on a read-only mount: bundle verified, then exit 17 naming them; nothing written."""
     root = fresh["root"]
@@ -208,6 +252,40 @@ def test_unsupported_wheel_and_record_mismatch_are_refused(tmp_path):
     assert "demo.py does not match its RECORD" in ei.value.message
 
 
+def test_stdlib_ed25519_agrees_with_cryptography(tmp_path):
+    """The bootstrap's pure-Python Ed25519 check: RFC 8032 vector 1, and the same verdicts as `cryptography`."""
+    from deploy_tool import manifest
+
+    pk = bytes.fromhex("d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a")
+    sig = bytes.fromhex("e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e3970"
+                        "1cf9b46bd25bf5f0595bbe24655141438e7a100b")
+    assert bootstrap.ed25519_verify(pk, b"", sig)
+    assert not bootstrap.ed25519_verify(pk, b"\0", sig)
+    manifest.generate_keypair(tmp_path / "k.key", tmp_path / "keys" / "k.pub")
+    for n in range(8):
+        msg = os.urandom(n * 37)
+        s = manifest.sign(msg, tmp_path / "k.key")
+        assert bootstrap.check_signature(msg, s, str(tmp_path / "keys")) == \
+            manifest.verify_signature(msg, s, tmp_path / "keys")
+        with pytest.raises(bootstrap.Refused, match="signature-invalid"):
+            bootstrap.check_signature(msg + b"x", s, str(tmp_path / "keys"))
+        body = json.loads(s)
+        raw = bytearray(base64.b64decode(body["signature"]))
+        raw[n] ^= 1
+        body["signature"] = base64.b64encode(bytes(raw)).decode()
+        assert not bootstrap.ed25519_verify(bootstrap.load_public_keys(str(tmp_path / "keys"))[body["key_id"]],
+                                            msg, bytes(raw))
+
+
+def test_keys_dir_comes_from_the_config(tmp_path):
+    """--keys is optional: paths.keys_dir of the config (relative to it), else /etc/deploytool/keys."""
+    c = tmp_path / "deploytool.yaml"
+    c.write_text("version: 1\nserve:\n  keys_dir: nope\npaths:\n  root: r  # x\n  keys_dir: 'k/keys'  # trusted\n")
+    assert bootstrap.keys_dir_from_config(str(c)) == str(tmp_path / "k" / "keys")
+    c.write_text("version: 1\npaths:\n  root: /opt/deploytool\n")
+    assert bootstrap.keys_dir_from_config(str(c)) == "/etc/deploytool/keys"
+
+
 # ------------------------------------------------------------------------------------------------ the real thing
 
 
@@ -236,7 +314,8 @@ def test_bootstrap_installs_the_release_with_its_own_deploytool(bootstrapped):
     assert not (real.parent / "pip").exists()  # no pip, no ensurepip needed on the box
     unit = (f["env"].unit_dir / "ftllm-dflash.service").read_text()
     pre = next(ln for ln in unit.splitlines() if ln.startswith("ExecStartPre="))
-    assert pre == f"ExecStartPre={cur}/tool/bin/deploytool --config {f['cfg']} verify ftllm-dflash"
+    # systemd's exec prefixes (+ full privileges, - ignore failure, ...) aside, the command is the release's tool
+    assert pre.split("=", 1)[1].lstrip("+!@:") == f"{cur}/tool/bin/deploytool --config {f['cfg']} verify ftllm-dflash"
     r = on_box(f["box"], [str(tool), "--version"])
     assert r.returncode == 0 and "deploytool" in r.stdout
 
