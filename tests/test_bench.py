@@ -148,27 +148,32 @@ def test_bad_prompt_files_are_one_clear_input_error(tmp_path: Path, content: byt
 # --------------------------------------------------------------------------------------------- real servers
 
 def test_llamacpp_client_figures_agree_with_server_timings(llama: backends.Server) -> None:
-    """Against real llama-server: usage tokens = timings.predicted_n = max_tokens, and the client's decode
-    rate, TTFT and total time agree with the server's own timings within a few percent."""
+    """Against real llama-server: usage tokens = timings.predicted_n = max_tokens; the client's total time and
+    (median) decode rate agree with the server's own timings within a few percent, each request's within 10%
+    (the first piece's delivery jitters when the 2 cores are busy), and TTFT comes after the server's prefill."""
     ep = bench.Endpoint(llama.base_url, NAME, timeout=60)
     res = bench.run_bench(ep, backend="llamacpp", release="test", runs=3, max_tokens=256)
-    rows = []
+    rows, rate_ratios, total_ratios = [], [], []
     for r in res.requests:
         t = r.server_timings
         assert r.ok and t is not None and not r.tokens_estimated
         assert r.completion_tokens == t["predicted_n"] == 256
+        assert r.prompt_tokens == t["prompt_n"] + t["cache_n"]
         server_rate = t["predicted_per_second"]
         server_total = (t["prompt_ms"] + t["predicted_ms"]) / 1000
+        rate_ratios.append(r.tokens_per_s / server_rate)
+        total_ratios.append(r.total_s / server_total)
         rows.append(f"{r.kind:<6} client {r.tokens_per_s:7.1f} tok/s vs server {server_rate:7.1f} "
-                    f"({(r.tokens_per_s / server_rate - 1) * 100:+.1f}%); ttft {r.ttft_s * 1000:6.1f} ms vs "
+                    f"({(rate_ratios[-1] - 1) * 100:+.1f}%); ttft {r.ttft_s * 1000:6.1f} ms vs "
                     f"prompt_ms {t['prompt_ms']:6.1f}; total {r.total_s:.3f}s vs server {server_total:.3f}s "
-                    f"({(r.total_s / server_total - 1) * 100:+.1f}%)")
-        assert r.tokens_per_s == pytest.approx(server_rate, rel=0.05)
-        assert r.total_s == pytest.approx(server_total, rel=0.08)
+                    f"({(total_ratios[-1] - 1) * 100:+.1f}%)")
         assert r.ttft_s * 1000 >= t["prompt_ms"] * 0.95  # the first token comes after the prefill
-        assert r.prompt_tokens == t["prompt_n"] + t["cache_n"]
     show("llama-server 24M F16, 256 tokens (client vs server timings):", rows)
     print(bench.format_table(res))
+    assert bench.median(rate_ratios) == pytest.approx(1.0, abs=0.05), rows
+    assert all(abs(x - 1) < 0.10 for x in rate_ratios), rows
+    assert all(1.0 <= x < 1.08 for x in total_ratios), rows  # the client also waits for the network
+    assert bench.median(total_ratios) < 1.03, rows
     assert set(res.kinds) == {"code", "math", "prose"} and not res.partial and not res.estimated
 
 
