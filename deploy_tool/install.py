@@ -13,6 +13,7 @@ with no half-installed units.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -25,7 +26,15 @@ from typing import Any
 
 from deploy_tool import systemd as systemd_mod
 from deploy_tool.config import Config
-from deploy_tool.errors import BundleError, DeployError, ExitCode, InputError, InstallError, RollbackFailed
+from deploy_tool.errors import (
+    BundleError,
+    DeployError,
+    ExitCode,
+    InputError,
+    InstallError,
+    OSFailure,
+    RollbackFailed,
+)
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
 from deploy_tool.state import Operation, State, Store, now_iso
 
@@ -221,7 +230,13 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         stage = releases / f".staging-{rid}"
         shutil.rmtree(stage, ignore_errors=True)
         try:
-            shutil.copytree(vb.root, stage, symlinks=False)
+            if getattr(vb, "extracted", False) and vb.root.resolve().parent.parent == releases.resolve():
+                os.rename(vb.root, stage)  # the private verified copy, on the same file system: no second copy
+            else:  # a bundle directory verified in place: copy it
+                shutil.copytree(vb.root, stage, symlinks=False)
+        except shutil.Error as exc:  # copytree's list of per-file errors
+            shutil.rmtree(stage, ignore_errors=True)
+            raise _copy_error(exc, f"cannot lay down release {rid} under {releases}") from None
         except OSError as exc:
             shutil.rmtree(stage, ignore_errors=True)
             raise os_error(exc, f"cannot lay down release {rid} under {releases}") from None
@@ -331,6 +346,16 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
                          message=f"release {rid} installed" + (f"; {target.name} is serving "
                                                              f"{cfg.serve.model_name!r} on port {cfg.serve.port}"
                                                              if start else ""))
+
+
+def _copy_error(exc: shutil.Error, what: str) -> DeployError:
+    """One readable error from shutil.copytree's list of (src, dst, reason) tuples."""
+    errs = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
+    reasons = [str(e[2]) for e in errs if isinstance(e, tuple) and len(e) == 3]
+    if any("No space left" in r for r in reasons):
+        return os_error(OSError(errno.ENOSPC, "No space left on device"), what)
+    first = reasons[0] if reasons else str(exc)
+    return OSFailure(f"{what}: {len(reasons)} files could not be copied; the first: {first[:300]}")
 
 
 def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:

@@ -1,0 +1,251 @@
+"""`deploytool install` under faults, with real parts only: a real signed cpu-demo bundle (ftllm 0.1.8.2 and
+llama-server on a tiny model), a real sandboxed systemd of this module's own, the CLI run as a user runs it.
+
+kill -9 at each install step (DEPLOYTOOL_FAULT=kill:<step> makes the CLI SIGKILL itself there), on a fresh box
+and on a box whose previous release serves; a full disk (a small tmpfs mounted over the install root in a private
+mount namespace); a bundle signed by a key the box does not trust. No GPU exists here: both backends run on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deploy_tool.sandbox import Sandbox
+from deploy_tool.systemd import Systemd
+from tests.support.demo_box import Box, active_units, bundle_in, chat, dt, make_demo, pack, variant
+from tests.support.sandbox import SandboxEnv, free_port, new_run_dir
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written",
+             "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
+
+
+@pytest.fixture(scope="module")
+def sbx():
+    """A sandboxed systemd for this module only (its units never meet another suite's box)."""
+    root = new_run_dir("install-faults")
+    sb = Sandbox(root / "sandbox")
+    try:
+        sb.up()
+        yield SandboxEnv(sb, Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir))
+    finally:
+        sb.down()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def box(sbx):
+    """Two bundles of one cpu-demo box (B differs from A in one env var of ftllm-dflash) and one signed by a key
+    the box does not trust."""
+    d = REPO / ".cache" / f"install-faults-{os.getpid()}"
+    cfg = make_demo(d, sandbox_dir=sbx.sandbox.dir, unit_dir=sbx.unit_dir, port=free_port())
+    a = bundle_in(d / "artifacts")
+    cfg_b = variant(cfg, "deploytool-b.yaml", {"DEPLOYTOOL_TEST_RELEASE": "b"})
+    b = pack(cfg_b, d / "artifacts-b")
+    r = dt(cfg, "keygen", "--out", str(d / "rogue-keys"))
+    assert r.returncode == 0, r.stderr
+    rogue = pack(cfg, d / "artifacts-rogue", key=d / "rogue-keys" / "deploytool.key")
+    assert len({a.name, b.name}) == 2
+    yield {"cfg": cfg, "cfg_b": cfg_b, "a": a, "b": b, "rogue": rogue, "box": Box(cfg), "dir": d}
+    Box(cfg).reset(sbx.systemd)
+    if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _port(cfg: Path) -> int:
+    import yaml
+
+    return yaml.safe_load(cfg.read_text())["serve"]["port"]
+
+
+def _rid(bundle: Path) -> str:
+    return bundle.name.split(".tar")[0].rsplit("-", 1)[1]
+
+
+@pytest.fixture()
+def fresh(box, sbx):
+    """The box with nothing installed (before and after the test)."""
+    box["box"].reset(sbx.systemd)
+    yield box
+    box["box"].reset(sbx.systemd)
+
+
+@pytest.fixture()
+def with_a(box, sbx):
+    """The box with release A installed and ftllm-dflash serving it."""
+    bx: Box = box["box"]
+    st = bx.state()
+    if st.get("release") != _rid(box["a"]) or st.get("operation") or active_units(sbx.systemd) != \
+            {"ftllm-dflash.service"} or bx.current_release() != _rid(box["a"]):
+        bx.reset(sbx.systemd)
+        r = dt(box["cfg"], "install", str(box["a"]))
+        assert r.returncode == 0, r.stdout + r.stderr
+    return box
+
+
+def _kill_install(cfg: Path, bundle: Path, step: str) -> None:
+    r = dt(cfg, "install", str(bundle), env={"DEPLOYTOOL_FAULT": f"kill:{step}"})
+    assert r.returncode == -9, f"install was not killed at {step}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+
+
+def _status_reports(cfg: Path, step: str) -> None:
+    import json
+
+    s = dt(cfg, "--json", "status")
+    op = json.loads(s.stdout)["interrupted"]
+    assert op["kind"] == "install" and op["step"] == step, op
+    s = dt(cfg, "status")
+    assert "install" in s.stdout and step in s.stdout, s.stdout
+
+
+@pytest.mark.parametrize("step", ALL_STEPS)
+def test_fresh_box_kill_then_recover_leaves_nothing(fresh, sbx, step):
+    """kill -9 of install on a fresh box at STEP: status names it; recover leaves no units, env, current, release."""
+    bx: Box = fresh["box"]
+    _kill_install(fresh["cfg"], fresh["a"], step)
+    _status_reports(fresh["cfg"], step)
+    r = dt(fresh["cfg"], "recover")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert bx.traces() == {"units": [], "env": [], "current": [], "releases": [], "pins": []}
+    assert active_units(sbx.systemd) == set()
+    st = bx.state()
+    assert st["operation"] is None and st["release"] is None and st["active_backend"] is None
+    last = bx.history()[-1]
+    assert last["event"] == "recover" and last["interrupted"] == "install" and last["step"] == step, last
+    assert not list(sbx.unit_dir.glob("*.wants/ftllm-dflash.service"))
+
+
+@pytest.mark.parametrize("step", ["venv-ready", "units-written", "started"])
+def test_fresh_box_kill_then_install_again_completes(fresh, sbx, step):
+    """kill -9 of install on a fresh box at STEP; running install again finishes the job: ftllm-dflash serves."""
+    bx: Box = fresh["box"]
+    _kill_install(fresh["cfg"], fresh["a"], step)
+    r = dt(fresh["cfg"], "install", str(fresh["a"]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "interrupted install" in r.stderr
+    st = bx.state()
+    assert st["operation"] is None and st["release"] == _rid(fresh["a"]) and st["active_backend"] == "ftllm-dflash"
+    assert bx.release_entries() == [_rid(fresh["a"])] and bx.current_release() == _rid(fresh["a"])
+    assert active_units(sbx.systemd) == {"ftllm-dflash.service"}
+    assert chat(_port(fresh["cfg"]))["choices"][0]["message"]["content"]
+
+
+def _env_of_running(sbx, unit: str) -> str:
+    """The environment of the unit's running main process (what it was really started with)."""
+    pid = sbx.systemd.show(unit).main_pid
+    assert pid, f"{unit} has no main process"
+    host = sbx.sandbox.host_pid(pid)
+    return Path(f"/proc/{host}/environ").read_bytes().decode(errors="replace")
+
+
+@pytest.mark.parametrize("step", ["venv-ready", "release-laid-down", "units-written", "current-flipped", "pinned",
+                                  "daemon-reloaded", "started", "healthy"])
+def test_previous_release_serves_after_kill_and_recover(with_a, sbx, step):
+    """kill -9 of an upgrade A->B at STEP: status names it; recover brings A back: current -> A, A's units, A
+    serving (its process runs A's environment), B's release dir gone."""
+    bx: Box = with_a["box"]
+    a, b = _rid(with_a["a"]), _rid(with_a["b"])
+    unit_a = (bx.unit_dir / "ftllm-dflash.service").read_bytes()
+    env_a = (bx.env_dir / "ftllm-dflash.env").read_bytes()
+    _kill_install(with_a["cfg_b"], with_a["b"], step)
+    _status_reports(with_a["cfg_b"], step)
+    r = dt(with_a["cfg_b"], "recover")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = bx.state()
+    assert st["operation"] is None and st["release"] == a and st["active_backend"] == "ftllm-dflash"
+    assert bx.current_release() == a and bx.release_entries() == [a], bx.release_entries()
+    assert b not in bx.release_entries()
+    assert (bx.unit_dir / "ftllm-dflash.service").read_bytes() == unit_a
+    assert (bx.env_dir / "ftllm-dflash.env").read_bytes() == env_a
+    assert active_units(sbx.systemd) == {"ftllm-dflash.service"}
+    assert "DEPLOYTOOL_TEST_RELEASE" not in _env_of_running(sbx, "ftllm-dflash.service")
+    assert chat(_port(with_a["cfg"]))["choices"][0]["message"]["content"]
+    r = dt(with_a["cfg"], "verify", "ftllm-dflash")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_upgrade_killed_then_install_again_completes(with_a, sbx):
+    """kill -9 of an upgrade A->B after the units were written; install B again undoes, then installs B."""
+    bx: Box = with_a["box"]
+    b = _rid(with_a["b"])
+    _kill_install(with_a["cfg_b"], with_a["b"], "units-written")
+    r = dt(with_a["cfg_b"], "install", str(with_a["b"]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = bx.state()
+    assert st["operation"] is None and st["release"] == b and st["previous_release"] == _rid(with_a["a"])
+    assert bx.current_release() == b
+    assert "DEPLOYTOOL_TEST_RELEASE=b" in _env_of_running(sbx, "ftllm-dflash.service")
+    assert chat(_port(with_a["cfg"]))["choices"][0]["message"]["content"]
+
+
+def test_untrusted_key_is_refused_before_anything_is_written(fresh, sbx):
+    """A bundle signed by a key the box does not trust: exit 6 naming the signature, nothing laid down."""
+    bx: Box = fresh["box"]
+    r = dt(fresh["cfg"], "install", str(fresh["rogue"]))
+    assert r.returncode == 6, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert "key" in r.stderr.lower() or "signature" in r.stderr.lower(), r.stderr
+    assert bx.traces() == {"units": [], "env": [], "current": [], "releases": [], "pins": []}
+    assert not bx.state().get("operation")
+    assert not [e for e in bx.history() if e.get("ok")]
+
+
+def test_untrusted_key_leaves_a_serving_release_alone(with_a, sbx):
+    """The untrusted bundle on a box with A serving: exit 6; A's units, current, process untouched."""
+    bx: Box = with_a["box"]
+    before = {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")}
+    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
+    r = dt(with_a["cfg"], "install", str(with_a["rogue"]))
+    assert r.returncode == 6, r.stdout + r.stderr
+    assert {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")} == before
+    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
+    assert bx.current_release() == _rid(with_a["a"]) and bx.release_entries() == [_rid(with_a["a"])]
+
+
+def _in_full_disk(root: Path, size: str) -> list[str]:
+    """Wrap a command so it runs in a private mount namespace with a `size` tmpfs over `root`."""
+    script = 'mkdir -p "$1" && mount -t tmpfs -o size="$2" deploytool-test-full "$1" && shift 2 && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", str(root), size]
+
+
+@pytest.mark.parametrize("size,where", [("2m", "verifying"), ("800m", "laying down"), ("1300m", "unpacking")])
+def test_full_disk_is_a_clean_error(fresh, sbx, size, where):
+    """The install root on a small tmpfs (full while WHERE, the bundle being 0.5 GB and the venv 1.4 GB): exit 17
+    'no space left', no unit or env written, no state torn, the tmpfs gone with the command's mount namespace."""
+    bx: Box = fresh["box"]
+    r = dt(fresh["cfg"], "install", str(fresh["a"]), wrap=_in_full_disk(bx.root, size))
+    assert r.returncode == 17, r.stdout + r.stderr
+    assert "no space left" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    t = bx.traces()
+    assert t["units"] == [] and t["env"] == [] and t["pins"] == [], t
+    assert not [n for n in os.listdir(sbx.unit_dir) if "ftllm" in n or "llamacpp" in n], os.listdir(sbx.unit_dir)
+    st = bx.state()
+    assert st.get("operation") is None and st.get("release") is None
+    # the tmpfs lived in the command's own mount namespace: nothing of it is visible here
+    assert "deploytool-test-full" not in Path("/proc/self/mounts").read_text()
+    assert bx.release_entries() == []
+    assert subprocess.run(["findmnt", str(bx.root)], capture_output=True).returncode != 0
+
+
+def test_full_disk_on_upgrade_keeps_previous_release(with_a, sbx):
+    """Upgrade A->B with the releases dir full: exit 17; A keeps serving, unit files and current untouched."""
+    bx: Box = with_a["box"]
+    before = {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")}
+    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
+    # a tmpfs over releases/ in the install's own mount namespace: B's verify and lay-down run out of space there
+    a = _rid(with_a["a"])
+    r = dt(with_a["cfg_b"], "install", str(with_a["b"]), wrap=_in_full_disk(bx.releases, "20m"))
+    assert r.returncode == 17, r.stdout + r.stderr
+    assert "no space left" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")} == before
+    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
+    assert bx.current_release() == a and bx.release_entries() == [a]
+    assert bx.state()["operation"] is None and bx.state()["release"] == a
