@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.setup-stamp
-PYTEST_ARGS ?= -m "not e2e"
+PYTEST_ARGS ?=
 
 .PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check clean help
 
