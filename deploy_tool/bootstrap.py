@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 MIN_PYTHON = (3, 11)
@@ -561,6 +562,7 @@ def parse_args(argv):
 def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(), log=None):
     """Steps 2-5 of the module doc; returns the exit code of `deploytool install`."""
     log = log or (lambda s: sys.stderr.write("bootstrap: " + s + "\n"))
+    t0 = time.monotonic()
     bundle_dir = os.path.abspath(bundle_dir)
     config = os.path.abspath(config)
     if not os.path.isfile(config):
@@ -570,7 +572,8 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
     keys_dir = os.path.abspath(keys) if keys else keys_dir_from_config(config)
     kid = check_signature(manifest, sig, keys_dir)
     files, bundle_id = parse_manifest(manifest, os.path.join(bundle_dir, "MANIFEST"))
-    log("bundle %s: MANIFEST signed by trusted key %s (%s)" % (bundle_id, kid, keys_dir))
+    log("bundle %s: MANIFEST signed by trusted key %s (%s) [%.2f s]" % (bundle_id, kid, keys_dir,
+                                                                      time.monotonic() - t0))
     wheels = tool_wheels(bundle_dir, files)
     try:
         staging = tempfile.mkdtemp(prefix="deploytool-bootstrap-", dir=staging_parent)
@@ -592,6 +595,7 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
         log("creating deploytool's venv in %s (no network)" % staging)
         create_venv(sys.executable, venv)
         install_wheels(copies, venv)
+        log("deploytool's venv ready [%.2f s]" % (time.monotonic() - t0))
         tool = os.path.join(venv, "bin", "deploytool")
         vpy = os.path.join(venv, "bin", "python")
         base = [tool, "--config", config]
@@ -606,8 +610,10 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
                                env=child_env(), stdout=sys.stderr)
         if code != 0:
             return code
-        log("installing")
-        return subprocess.call(base + ["install", bundle_dir] + keys_args + list(install_args), env=child_env())
+        log("installing [%.2f s]" % (time.monotonic() - t0))
+        code = subprocess.call(base + ["install", bundle_dir] + keys_args + list(install_args), env=child_env())
+        log("install exited %d [%.2f s in all]" % (code, time.monotonic() - t0))
+        return code
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
