@@ -19,20 +19,21 @@ with exit 7 like any other drift:
 The values are taken at install (pin) and compared before every start; the hashing goes through the
 fingerprint cache, so an unchanged tool venv costs one stat per file.
 
-`preflight(cfg)` is the write check `python3 BUNDLE/bootstrap` runs before `install`: every directory install
-writes to (releases, state, env files, units) must be writable, else one OSFailure names them all and nothing
-is written. `python -m deploy_tool.selfcheck preflight --config PATH` runs it from the command line.
+`preflight(cfg)` is the check `python3 BUNDLE/bootstrap` runs before `install`: bundle.python must exist on the
+box (MissingTool), and every directory install writes to (releases, state, env files, units) must be writable,
+else one OSFailure names them all; nothing is written either way. `python -m deploy_tool.selfcheck preflight --config PATH` runs it from the command line.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy_tool.config import Config
-from deploy_tool.errors import OSFailure
+from deploy_tool.errors import MissingTool, OSFailure
 
 if TYPE_CHECKING:
     from deploy_tool.fingerprint import _Collector
@@ -136,7 +137,14 @@ def _unwritable(path: Path) -> str | None:
 
 
 def preflight(cfg: Config) -> list[Path]:
-    """Raise OSFailure naming every target directory install could not write; return the targets."""
+    """Raise MissingTool if bundle.python (the interpreter install builds the release's venvs with) is not on
+    this box, OSFailure naming every target directory install could not write; return the targets."""
+    py = cfg.bundle.python
+    found = shutil.which(py) if os.sep not in py else (py if os.access(py, os.X_OK) and os.path.isfile(py) else None)
+    if not found:
+        raise MissingTool(f"bundle.python {py} is not on this box; install builds the release's venvs with it",
+                          hint="set bundle.python to this box's python3 (3.11 or newer), the one the bundle's "
+                               "wheels were locked for")
     targets = write_targets(cfg)
     bad = [(t, why) for t in targets if (why := _unwritable(t)) is not None]
     if bad:

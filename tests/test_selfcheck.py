@@ -146,3 +146,16 @@ def test_preflight_names_every_unwritable_target(box, tmp_path: Path) -> None:
     assert ei.value.exit_code == ExitCode.OS
     assert str(tmp_path / "blocker" / "s") in ei.value.message and str(tmp_path / "blocker" / "e") in ei.value.message
     assert "is not a directory" in ei.value.message
+
+
+def test_preflight_refuses_a_missing_bundle_python(box) -> None:
+    """bundle.python absent on the box: exit 16 naming it, before any target is looked at."""
+    import dataclasses
+
+    from deploy_tool.errors import MissingTool
+
+    cfg, venv, sp = box
+    bad = dataclasses.replace(cfg, bundle=dataclasses.replace(cfg.bundle, python="/usr/bin/python3.99"))
+    with pytest.raises(MissingTool) as ei:
+        selfcheck.preflight(bad)
+    assert ei.value.exit_code == ExitCode.MISSING_TOOL and "/usr/bin/python3.99" in ei.value.message
