@@ -125,6 +125,9 @@ class HealthCfg:
     interval_s: float = _doc("poll interval while waiting", _positive, default=0.5)
     smoke_timeout_s: float = _doc("timeout of the smoke chat completion", _positive, default=120.0)
     smoke_max_tokens: int = _doc("max_tokens of the smoke chat completion", _positive, default=16)
+    perf_gate_fraction: float | None = _doc("after health, a short bench must reach this fraction of the stored "
+                                            "baseline's tokens/s (`deploytool bench --save-baseline`), else the "
+                                            "switch rolls back; null: off", _ratio, default=None)
 
 
 @dataclass(frozen=True)

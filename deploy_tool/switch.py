@@ -30,6 +30,7 @@ from deploy_tool.errors import (
     DeployError,
     DriftError,
     HealthError,
+    PerformanceError,
     RollbackFailed,
     RolledBack,
     StateError,
@@ -120,6 +121,18 @@ class Switcher:
             raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}",
                              hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ...")
 
+    def _perf_gate(self, target: Backend, release: str | None) -> None:
+        frac = self.cfg.health.perf_gate_fraction
+        if frac is None or not release:
+            return
+        from deploy_tool import bench
+
+        ok, figures, message = bench.perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
+        self.log(f"{target.name}: performance gate: {message}")
+        if not ok:
+            raise PerformanceError(f"{target.name} is below {frac:.0%} of its baseline: {message}",
+                                   details={"reason": "performance", "figures": figures})
+
     def _start_and_gate(self, b: Backend) -> GateReport:
         self.sd.reset_failed(b.unit)
         self.sd.start(b.unit)
@@ -175,6 +188,7 @@ class Switcher:
                 inv = self.sd.show(target.unit).invocation_id or None
                 st = self._step(st, "gate")
                 gate = run_gate(self.cfg, self.sd, target, invocation=inv, on_event=self.log)
+                self._perf_gate(target, st.release)
                 st = self._step(st, "committing")
                 self._commit(st, target)
             except DeployError as exc:

@@ -414,3 +414,27 @@ def test_pack_twice_is_byte_identical(demo):
         (first.parent / first.name.removesuffix(".tar.zst") / "MANIFEST").read_bytes()
     if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
         shutil.rmtree(out)
+
+
+def test_performance_gate_rolls_back_a_slowed_backend(installed, systemd_sandbox):
+    """With health.perf_gate_fraction set, a llamacpp-tensor throttled to a few % CPU (CPUQuota= drop-in) falls
+    below its stored baseline after passing health: the switch rolls back (exit 10) with the figures."""
+    assert dt(installed, "switch", "llamacpp").returncode == 0
+    r = dt(installed, "bench", "--kinds", "code", "--runs", "1", "--max-tokens", "64", "--save-baseline")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert dt(installed, "switch", "ftllm").returncode == 0
+    data = yaml.safe_load(installed.read_text())
+    data["health"]["perf_gate_fraction"] = 0.5
+    cfg = installed.with_name("perf-gate.yaml")
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+    d = _dropin(systemd_sandbox, "llamacpp-tensor.service", "[Service]\nCPUQuota=2%\n", installed)
+    try:
+        r = dt(cfg, "switch", "llamacpp")
+        assert r.returncode == 10, r.stdout + r.stderr
+        assert "baseline" in r.stderr
+        assert history(installed)[-1]["outcome"] == "rolled-back"
+        assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
+    finally:
+        _clear_dropin(systemd_sandbox, d, installed)
+    r = dt(cfg, "switch", "llamacpp")  # unthrottled it passes the same gate
+    assert r.returncode == 0, r.stdout + r.stderr
