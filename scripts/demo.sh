@@ -40,7 +40,9 @@ run status
 
 say "5. switch to llama.cpp (the rollback target), then back"
 run switch llamacpp || exit 1
+run bench --kinds code,prose --runs 1 --max-tokens 64 || exit 1
 run switch ftllm || exit 1
+run status --deep
 
 say "6. an injected failure: llamacpp-tensor crashes at start; the switch rolls back to ftllm-dflash"
 mkdir -p "$W/sandbox/etc-systemd-system/llamacpp-tensor.service.d"
