@@ -367,12 +367,15 @@ def _script(python, module, attr):
             "    sys.exit(%s())\n" % (python, module, top, attr)).encode("utf-8")
 
 
-def install_wheel(whl, venv, python_path=None):
+def install_wheel(whl, venv, python_path=None, compile_pyc=True):
     """Unpack one wheel into the venv (purelib/platlib -> site-packages, scripts -> bin); return the files.
 
     Every member is checked against the wheel's own RECORD (sha256 and size) before it is written; files are
     created exclusively (two wheels never overwrite each other). python_path is the interpreter written into
-    script shebangs (default: the venv's bin/python, where it is now).
+    script shebangs (default: the venv's bin/python, where it is now; install passes the release's final path).
+    The modules are byte-compiled by the venv's own interpreter as checked-hash .pyc files (Python checks them
+    against their source's hash at import, never by timestamp) and listed in the new RECORD with their hashes,
+    so a .pyc planted or swapped in __pycache__ is drift like any other file.
     """
     name = os.path.basename(whl)
     vi = venv_version(venv)
@@ -443,12 +446,42 @@ def install_wheel(whl, venv, python_path=None):
                                             0o755))
     di = os.path.join(sp, dist_info)
     installed.append(_write_new(os.path.join(di, "INSTALLER"), b"deploytool-bootstrap\n", 0o644))
+    if compile_pyc:
+        final_sp = sp if python_path is None else os.path.join(
+            os.path.dirname(os.path.dirname(python_path)), "lib", "python%d.%d" % (vi[0], vi[1]), "site-packages")
+        pycs = _compile(venv, sp, final_sp, [p for p, _, _ in installed if p.endswith(".py")], vi)
+        # a .pyc the wheel shipped itself was just rewritten: RECORD lists what is on disk now, once
+        rewritten = set(p for p, _, _ in pycs)
+        installed = [e for e in installed if e[0] not in rewritten] + pycs
     rows = []
     for p, sha, size in installed:
         rows.append("%s,sha256=%s,%d" % (_csv_path(os.path.relpath(p, sp)), sha, size))
     rows.append("%s,," % (dist_info + "/RECORD"))
     _write_new(os.path.join(di, "RECORD"), ("\n".join(sorted(rows)) + "\n").encode("utf-8"), 0o644)
     return [p for p, _, _ in installed]
+
+
+def _compile(venv, sp, final_sp, py_files, vi):
+    """Byte-compile py_files with the venv's interpreter (checked-hash); return the .pyc files as installed."""
+    if not py_files:
+        return []
+    argv = [os.path.join(venv, "bin", "python"), "-I", "-m", "compileall", "-qq", "--invalidation-mode",
+            "checked-hash", "-s", os.path.abspath(sp), "-p", final_sp, "-i", "-"]
+    try:
+        subprocess.run(argv, input="\n".join(os.path.abspath(p) for p in py_files).encode(), env=child_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    except OSError as exc:
+        raise Refused("byte-compiling the tool venv: cannot run %s: %s" % (argv[0], exc.strerror), EXIT_OS)
+    out = []
+    tag = "cpython-%d%d" % (vi[0], vi[1])
+    for p in py_files:  # a module that does not compile gets no .pyc (and could not be imported either)
+        d, base = os.path.split(p)
+        pyc = os.path.join(d, "__pycache__", "%s.%s.pyc" % (base[:-3], tag))
+        if os.path.isfile(pyc):
+            with open(pyc, "rb") as f:
+                data = f.read()
+            out.append((pyc, _b64(hashlib.sha256(data).digest()), len(data)))
+    return out
 
 
 def _csv_path(p):

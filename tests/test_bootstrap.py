@@ -329,14 +329,21 @@ def test_backend_starts_with_the_bootstrapped_verifier(bootstrapped):
     assert r.returncode == 0, r.stdout + r.stderr
     sd = f["env"].systemd
     assert sd.show("ftllm-dflash.service").active_state == "active"
+    # the unit as systemd loaded it runs the bootstrapped deploytool before the server...
+    show = subprocess.run(f["env"].sandbox.exec_argv("systemctl", "show", "-p", "ExecStartPre",
+                                                     "ftllm-dflash.service"), capture_output=True, text=True,
+                          timeout=60).stdout
+    assert f"path={tool} ;" in show and f"argv[]={tool} --config {f['cfg']} verify ftllm-dflash ;" in show, show
+    # ...and its verify line is in the unit's journal (journald reads _CMDLINE from /proc when the line arrives,
+    # so a process that already exited has none: where it is there, it must be the bootstrapped tool)
     j = subprocess.run(f["env"].sandbox.exec_argv("journalctl", "-u", "ftllm-dflash.service", "-o", "json",
                                                   "--no-pager"), capture_output=True, text=True, timeout=60)
     entries = [json.loads(ln) for ln in j.stdout.splitlines() if ln.strip()]
-    hits = [e for e in entries if "ftllm-dflash: all" in str(e.get("MESSAGE", ""))
+    hits = [e for e in entries if str(e.get("MESSAGE", "")).startswith("ftllm-dflash: all ")
             and "fingerprints match" in str(e.get("MESSAGE", ""))]
     assert hits, j.stdout[-3000:]
-    cmdlines = {str(e.get("_CMDLINE", "")) for e in hits}
-    assert any(f"{tool} --config {f['cfg']} verify ftllm-dflash" in c for c in cmdlines), cmdlines
+    assert all(e.get("SYSLOG_IDENTIFIER") == "deploytool" for e in hits)
+    assert all(f"{tool} --config {f['cfg']} verify ftllm-dflash" in e["_CMDLINE"] for e in hits if e.get("_CMDLINE"))
 
 
 def test_modified_tool_file_fails_verify_and_the_start(bootstrapped):

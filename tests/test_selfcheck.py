@@ -79,9 +79,9 @@ def test_installed_tool_venv_runs_and_all_items_are_collected(box) -> None:
     assert out.stdout == "fake deploytool\n"
     items = {i.id: i.value for i in tool_items(cfg)}
     assert items["tool.path"] == str(venv / "bin" / "deploytool")
-    # the wheel's 4 files, the generated console script and INSTALLER
-    assert items["tool.files/deploytool"] == "all 6 files match RECORD"
-    assert items["tool.files/dep"] == "all 4 files match RECORD"
+    # the wheel's 4 files, the generated console script, INSTALLER and the module's .pyc
+    assert items["tool.files/deploytool"] == "all 7 files match RECORD"
+    assert items["tool.files/dep"] == "all 5 files match RECORD"
     assert {"tool.script", "tool.pyvenv", "tool.python", "tool.record/deploytool", "tool.record/dep",
             "tool.site/dtfake", "tool.site/dep.py", "tool.site/deploytool-1.0.dist-info"} <= set(items)
     assert list(items)[:6] == ["tool.path", "tool.script", "tool.pyvenv", "tool.python", "tool.files/deploytool",
@@ -94,7 +94,7 @@ def test_modified_module_is_named(box) -> None:
     cfg, venv, sp = box
     before = tool_items(cfg)
     (sp / "dtfake" / "__init__.py").write_bytes(b"def main():\n    print('patched')\n")
-    assert drift(before, cfg) == {"tool.files/deploytool": "1 of 6 files differ from RECORD: dtfake/__init__.py"}
+    assert drift(before, cfg) == {"tool.files/deploytool": "1 of 7 files differ from RECORD: dtfake/__init__.py"}
 
 
 def test_file_changed_together_with_its_record_line_is_caught(box) -> None:
@@ -159,3 +159,17 @@ def test_preflight_refuses_a_missing_bundle_python(box) -> None:
     with pytest.raises(MissingTool) as ei:
         selfcheck.preflight(bad)
     assert ei.value.exit_code == ExitCode.MISSING_TOOL and "/usr/bin/python3.99" in ei.value.message
+
+
+def test_modules_are_checked_hash_pycs_and_a_swapped_pyc_is_named(box) -> None:
+    """Installed modules carry checked-hash .pyc files listed in RECORD; a replaced .pyc is drift, named."""
+    cfg, venv, sp = box
+    pyc = next((sp / "dtfake" / "__pycache__").glob("__init__.cpython-*.pyc"))
+    flags = int.from_bytes(pyc.read_bytes()[4:8], "little")
+    assert flags == 0b11  # hash-based and checked: Python compares it with the source's hash at import
+    before = tool_items(cfg)
+    data = bytearray(pyc.read_bytes())
+    data[-1] ^= 1
+    pyc.write_bytes(bytes(data))
+    d = drift(before, cfg)
+    assert set(d) == {"tool.files/deploytool"} and "dtfake/__pycache__/__init__.cpython-" in d["tool.files/deploytool"]
