@@ -523,11 +523,11 @@ def _write_new(path, data, mode):
     return path, _b64(hashlib.sha256(data).digest()), len(data)
 
 
-def install_wheels(wheels, venv, python_path=None):
+def install_wheels(wheels, venv, python_path=None, compile_pyc=True):
     """Install every wheel into an existing venv (no dependency resolution: the wheel set is the closure)."""
     out = []
     for w in sorted(wheels):
-        out.extend(install_wheel(w, venv, python_path))
+        out.extend(install_wheel(w, venv, python_path, compile_pyc))
     return out
 
 
@@ -627,7 +627,7 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
         venv = os.path.join(staging, "venv")
         log("creating deploytool's venv in %s (no network)" % staging)
         create_venv(sys.executable, venv)
-        install_wheels(copies, venv)
+        install_wheels(copies, venv, compile_pyc=False)  # used once, then removed: no .pyc needed
         log("deploytool's venv ready [%.2f s]" % (time.monotonic() - t0))
         tool = os.path.join(venv, "bin", "deploytool")
         vpy = os.path.join(venv, "bin", "python")
