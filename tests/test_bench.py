@@ -150,6 +150,8 @@ def test_bad_prompt_files_are_one_clear_input_error(tmp_path: Path, content: byt
 
 # --------------------------------------------------------------------------------------------- real servers
 
+@pytest.mark.backends
+@pytest.mark.slow
 def test_llamacpp_client_figures_agree_with_server_timings(llama: backends.Server) -> None:
     """Against real llama-server: usage tokens = timings.predicted_n = max_tokens; the client's total time and
     (median) decode rate agree with the server's own timings within a few percent, each request's within 10%
@@ -180,6 +182,8 @@ def test_llamacpp_client_figures_agree_with_server_timings(llama: backends.Serve
     assert set(res.kinds) == {"code", "math", "prose"} and not res.partial and not res.estimated
 
 
+@pytest.mark.backends
+@pytest.mark.slow
 def test_ftllm_tokens_come_from_usage(models: dict[str, Path], tmp_path: Path) -> None:
     """Against real ftllm (no timings in its answers): token counts come from usage, not from pieces, and the
     client's rates are consistent with them."""
@@ -197,6 +201,8 @@ def test_ftllm_tokens_come_from_usage(models: dict[str, Path], tmp_path: Path) -
     show("ftllm 24M F16, 32 tokens, 1 thread:", rows)
 
 
+@pytest.mark.backends
+@pytest.mark.slow
 def test_prefix_cache_rounds_on_llamacpp(llama: backends.Server) -> None:
     """A ~1000-token shared prefix: warm rounds reuse the cache (cached tokens from usage = timings.cache_n)
     and answer faster than the cold first round."""
@@ -213,6 +219,8 @@ def test_prefix_cache_rounds_on_llamacpp(llama: backends.Server) -> None:
     assert p.first_s and p.warm_s and p.warm_s < p.first_s / 2, (p.first_s, p.warm_s)
 
 
+@pytest.mark.backends
+@pytest.mark.slow
 def test_needle_lengths_on_llamacpp_and_recall_logic(llama: backends.Server) -> None:
     """Needle prompts land near the asked lengths on a real server (a random model does not recall); a server
     that answers with the code counts as recalled."""
@@ -229,6 +237,8 @@ def test_needle_lengths_on_llamacpp_and_recall_logic(llama: backends.Server) -> 
     assert got[0].recalled and "MAPLE-4416" in got[0].answer
 
 
+@pytest.mark.backends
+@pytest.mark.slow
 def test_draft_acceptance_from_llamacpp_timings(models: dict[str, Path], tmp_path: Path) -> None:
     """llama-server drafting with the model itself reports draft_n/draft_n_accepted; acceptance is near 100%,
     and the /metrics counters over the run agree exactly with the per-request timings."""
@@ -340,6 +350,8 @@ def test_perf_gate_without_baseline_is_ok_and_says_so(tmp_path: Path) -> None:
     assert ok and figures == {} and "skipped: no baseline for llamacpp-tensor in release r1" in msg
 
 
+@pytest.mark.backends
+@pytest.mark.slow
 def test_perf_gate_catches_a_real_speculation_regression(models: dict[str, Path], tmp_path: Path) -> None:
     """Baseline from plain llama-server; the same server passes the gate (at 0.4: this 2-core machine is noisy);
     llama-server with a useless draft model (about 1 in 300 drafted tokens accepted, a fifth of the speed when
