@@ -112,7 +112,10 @@ def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntr
             name, version = parse_wheel_name(fn)
             src = Path(tmp, fn)
             sha = _sha(src)
-            shutil.move(str(src), wheels / fn)
+            dest = wheels / fn
+            if not (dest.is_file() and _sha(dest) == sha):  # a wheel already there stays: a pack may be reading it
+                shutil.copyfile(src, wheels / f".{fn}.tmp")
+                os.replace(wheels / f".{fn}.tmp", dest)
             entries.append(LockEntry(name, version, sha))
     write_lock(entries, Path(b.lock), source_sha=_sha(req))
     if b.tool_wheels_dir:
