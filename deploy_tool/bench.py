@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy_tool.errors import HealthError, InputError, StateError
+from deploy_tool.errors import HealthError, InputError, PerformanceError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 
 BASELINE_FORMAT = 1
@@ -750,8 +750,6 @@ def save_baseline(state_dir: str | Path, result: BenchResult) -> Path:
     requests is refused (a baseline must come from a clean run)."""
     failed = [r for r in result.requests if not r.ok]
     if failed:
-        from deploy_tool.errors import PerformanceError
-
         raise PerformanceError(f"baseline not saved: {len(failed)} of {len(result.requests)} requests failed or "
                                f"stalled ({failed[0].kind}: {failed[0].error})",
                                hint="fix the service and run `deploytool bench --save-baseline` again")
@@ -793,9 +791,7 @@ def list_baselines(state_dir: str | Path) -> list[dict[str, Any]]:
     for p in sorted(root.glob("*/*.json")):
         try:
             out.append(_read_baseline(p))
-        except (StateError, InputError, OSError):
-            continue
-        except Exception:  # noqa: BLE001 - a broken file must not stop listing the others
+        except (StateError, InputError, OSError):  # a broken file must not stop listing the others
             continue
     return out
 
