@@ -1,3 +1,4 @@
 """Shared fixtures."""
 
+from tests.support.e2e import demo, installed  # noqa: E402,F401
 from tests.support.sandbox import *  # noqa: F401,F403

@@ -25,10 +25,6 @@ from tests.support.bench_stub import stub_server
 from tests.support.configs import load_example
 from tests.support.tiny_model import write_model
 
-# the packed bundle and the real install of tests/test_e2e.py; imported fixtures run once more per importing
-# module, so the test below asks for them only when test_e2e.py is not in the same session (see the test)
-from tests.test_e2e import demo, installed  # noqa: F401
-
 NAME = "bench-m"
 
 
@@ -463,9 +459,6 @@ def test_bench_the_installed_service_with_backend_and_release_from_state(request
     """Against the service a real install runs under sandboxed systemd: BACKEND and release default to what
     state.json records, the baseline lands in <state_dir>/bench/<release>/<backend>.json, and perf_gate on the
     same service passes against it (with every kind compared)."""
-    if any(item.nodeid.startswith("tests/test_e2e.py") for item in request.session.items):
-        pytest.skip("needs the install fixture of tests/test_e2e.py in conftest to share it in one session; "
-                    "run `pytest tests/test_bench.py` alone")
     cfg_path: Path = request.getfixturevalue("installed")
     import subprocess
     import sys
