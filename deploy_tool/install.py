@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import tempfile
@@ -214,9 +215,12 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
 
     steps: list[dict[str, Any]] = []
 
+    op = st.operation
+    assert op is not None
+
     def step(name: str, **kw: Any) -> None:
         steps.append({"step": name, "t": round(time.monotonic(), 3), **kw})
-        store.save(replace(store.load(), operation=replace(st.operation, step=name)))  # type: ignore[arg-type]
+        store.save(replace(store.load(), operation=replace(op, step=name)))
         log(name + "".join(f" {k}={v}" for k, v in kw.items()))
         from deploy_tool.switch import _fault
 
@@ -321,7 +325,7 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         for o in cfg.other_backends(target.name):
             if sd.show(o.unit).active_state in ("active", "activating"):
                 sd.stop(o.unit)
-                undo.add(f"restart {o.unit}", lambda o=o: sd.start(o.unit))
+                undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit))
         sd.reset_failed(target.unit)
         undo.add(f"stop {target.unit}", lambda: sd.stop(target.unit))
         sd.restart(target.unit)

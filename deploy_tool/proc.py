@@ -148,7 +148,8 @@ def spawn(
     argv = [str(a) for a in argv]
     log.debug("+ (background) %s", shlex.join(argv))
     try:
-        return subprocess.Popen(argv, env=dict(env) if env is not None else None, stdin=subprocess.DEVNULL,
-                                stdout=stdout, stderr=stderr, start_new_session=new_session, cwd=cwd)  # type: ignore[arg-type]
+        return subprocess.Popen(argv, env=dict(env) if env is not None else None,  # type: ignore[call-overload]
+                                stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                start_new_session=new_session, cwd=cwd)
     except FileNotFoundError as exc:
         raise MissingTool(f"program not found: {argv[0]}") from exc
