@@ -64,7 +64,7 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def fresh(systemd_sandbox):
+def fresh(own_sandbox):
     """A packed cpu-demo bundle (directory form, copied to the box) and an empty box; torn down afterwards."""
     from tests.support.sandbox import free_port, restore, snapshot
     from tests.support.tiny_model import write_model
@@ -72,15 +72,15 @@ def fresh(systemd_sandbox):
     d = REPO / ".cache" / f"bootstrap-{os.getpid()}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    snap = snapshot(systemd_sandbox)
+    snap = snapshot(own_sandbox)
     try:
         cfg = d / "deploytool.yaml"
         r = subprocess.run([*DT, "init", "--example", "cpu-demo", "--out", str(cfg)], capture_output=True,
                            text=True, cwd=d, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert r.returncode == 0, r.stderr
         data = yaml.safe_load(cfg.read_text())
-        data["systemd"]["sandbox"] = str(systemd_sandbox.sandbox.dir)
-        data["paths"]["unit_dir"] = str(systemd_sandbox.unit_dir)
+        data["systemd"]["sandbox"] = str(own_sandbox.sandbox.dir)
+        data["paths"]["unit_dir"] = str(own_sandbox.unit_dir)
         data["serve"]["port"] = free_port()
         cfg.write_text(yaml.safe_dump(data, sort_keys=False))
         cache = REPO / ".cache" / "wheels-demo"
@@ -102,9 +102,9 @@ def fresh(systemd_sandbox):
         for p in (d / "keys").glob("*.pub"):
             shutil.copy(p, keys / p.name)
         yield {"dir": d, "cfg": cfg, "box": box, "bundle": bundle_dir, "root": d / "demo-root",
-               "port": data["serve"]["port"], "env": systemd_sandbox}
+               "port": data["serve"]["port"], "env": own_sandbox}
     finally:
-        restore(systemd_sandbox, snap)
+        restore(own_sandbox, snap)
         if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
             shutil.rmtree(d, ignore_errors=True)
 

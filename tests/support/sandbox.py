@@ -33,7 +33,7 @@ from deploy_tool.errors import DeployError
 from deploy_tool.sandbox import Sandbox, sandbox_dirs_under
 from deploy_tool.systemd import Systemd
 
-__all__ = ["systemd_sandbox", "sandbox_env", "pytest_sessionstart", "pytest_sessionfinish"]
+__all__ = ["systemd_sandbox", "sandbox_env", "own_sandbox", "pytest_sessionstart", "pytest_sessionfinish"]
 
 # Not under /tmp: a sandbox whose directory lives in /tmp cannot start units with PrivateTmp=yes (systemd then
 # fails to locate their executables, status=203/EXEC), and the rendered backend units use PrivateTmp=yes.
@@ -227,3 +227,17 @@ def sandbox_env(systemd_sandbox: SandboxEnv) -> Iterator[SandboxEnv]:
     snap = snapshot(systemd_sandbox)
     yield systemd_sandbox
     restore(systemd_sandbox, snap)
+
+
+@pytest.fixture(scope="module")
+def own_sandbox() -> Iterator[SandboxEnv]:
+    """A sandboxed systemd for one test module alone: a module that installs a box of its own (same unit names
+    as the session's installed box) must not meet the other box's running units."""
+    root = new_run_dir("module")
+    sb = Sandbox(root / "sandbox")
+    try:
+        sb.up()
+        yield SandboxEnv(sb, Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir))
+    finally:
+        sb.down()
+        shutil.rmtree(root, ignore_errors=True)
