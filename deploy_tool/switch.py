@@ -183,8 +183,7 @@ class Switcher:
                                       details={"reason": "port-taken"})
                 st = self._step(st, "starting-target")
                 self.log(f"starting {target.unit}")
-                self.sd.reset_failed(target.unit)
-                self.sd.start(target.unit)
+                self.sd.start(target.unit)  # a failed unit starts again as is; rollbacks reset-fail what they stop
                 inv = self.sd.show(target.unit).invocation_id or None
                 st = self._step(st, "gate")
                 gate = run_gate(self.cfg, self.sd, target, invocation=inv, on_event=self.log)
@@ -202,10 +201,11 @@ class Switcher:
                                         f"{self.cfg.serve.port} ({secs:.1f}s)")
 
     def _commit(self, st: State, target: Backend) -> None:
-        self.sd.enable(target.unit)
+        # --no-reload: enabling only places [Install] symlinks; no need to reload the manager for that
+        self.sd.enable(target.unit, reload=False)
         for o in self.cfg.other_backends(target.name):
             if self.sd.is_enabled(o.unit) == "enabled":
-                self.sd.disable(o.unit)
+                self.sd.disable(o.unit, reload=False)
         prev = st.active_backend if st.active_backend != target.name else st.previous_backend
         self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
 

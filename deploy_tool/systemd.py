@@ -252,11 +252,12 @@ class Systemd:
 
     # ------------------------------------------------------------------ install state
 
-    def enable(self, unit: str) -> None:
-        self._ctl("enable", validate_unit_name(unit))
+    def enable(self, unit: str, *, reload: bool = True) -> None:
+        """Enable `unit`; reload=False skips the daemon-reload (the symlinks are on disk either way)."""
+        self._ctl("enable", *(() if reload else ("--no-reload",)), validate_unit_name(unit))
 
-    def disable(self, unit: str) -> None:
-        self._ctl("disable", validate_unit_name(unit))
+    def disable(self, unit: str, *, reload: bool = True) -> None:
+        self._ctl("disable", *(() if reload else ("--no-reload",)), validate_unit_name(unit))
 
     def is_enabled(self, unit: str) -> str:
         """enabled, disabled, static, masked, not-found, ... (`systemctl is-enabled` output)."""

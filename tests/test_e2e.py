@@ -372,7 +372,10 @@ def test_performance_gate_rolls_back_a_slowed_backend(installed, systemd_sandbox
     data["health"]["perf_gate_fraction"] = 0.5
     cfg = installed.with_name("perf-gate.yaml")
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-    d = _dropin(systemd_sandbox, "llamacpp-tensor.service", "[Service]\nCPUQuota=2%\n", installed)
+    # throttled once it runs (ExecStartPost), so its ExecStartPre verify is not slowed as well
+    d = _dropin(systemd_sandbox, "llamacpp-tensor.service",
+                "[Service]\nExecStartPost=/usr/bin/systemctl set-property --runtime llamacpp-tensor.service "
+                "CPUQuota=2%\n", installed)
     try:
         r = dt(cfg, "switch", "llamacpp")
         assert r.returncode == 10, r.stdout + r.stderr
@@ -380,6 +383,7 @@ def test_performance_gate_rolls_back_a_slowed_backend(installed, systemd_sandbox
         assert history(installed)[-1]["outcome"] == "rolled-back"
         assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
     finally:
+        systemd_sandbox.run("systemctl", "revert", "llamacpp-tensor.service")  # drops the runtime CPUQuota too
         _clear_dropin(systemd_sandbox, d, installed)
     r = dt(cfg, "switch", "llamacpp")  # unthrottled it passes the same gate
     assert r.returncode == 0, r.stdout + r.stderr

@@ -111,7 +111,8 @@ def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: 
     16 missing tool, 17 OS, 18 runtime truth, 19 performance, 70 internal bug.
     """
     level = logging.DEBUG if (verbose or debug) else logging.WARNING
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("deploytool").setLevel(level)  # only ours: the `sh` library logs every line at DEBUG
     ctx.obj = Ctx(config_path=config_path, json=json_out, dry_run=dry_run, verbose=verbose, debug=debug)
 
 
