@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -27,17 +26,10 @@ from deploy_tool import bootstrap
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
-DT = [sys.executable, "-m", "deploy_tool"]
 SYSTEM_PYTHON = "/usr/bin/python3"
 CLEAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 OLD_PYTHONS = sorted(Path("/root/.pyenv/versions").glob("3.10*/bin/python3")) + \
     sorted(Path("/root/.pyenv/versions").glob("2.7*/bin/python"))
-
-
-def dev_dt(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """The packaging machine's deploytool (this source tree)."""
-    return subprocess.run([*DT, "--config", str(cfg), *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=cfg.parent)
 
 
 def clean_env(box: Path) -> dict[str, str]:
@@ -66,41 +58,20 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module")
 def fresh(own_sandbox):
     """A packed cpu-demo bundle (directory form, copied to the box) and an empty box; torn down afterwards."""
+    from tests.support.demo_box import make_demo
     from tests.support.sandbox import free_port, restore, snapshot
-    from tests.support.tiny_model import write_model
 
     d = REPO / ".cache" / f"bootstrap-{os.getpid()}"
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
     snap = snapshot(own_sandbox)
     try:
-        cfg = d / "deploytool.yaml"
-        r = subprocess.run([*DT, "init", "--example", "cpu-demo", "--out", str(cfg)], capture_output=True,
-                           text=True, cwd=d, env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert r.returncode == 0, r.stderr
+        cfg = make_demo(d, sandbox_dir=own_sandbox.sandbox.dir, unit_dir=own_sandbox.unit_dir, port=free_port())
         data = yaml.safe_load(cfg.read_text())
-        data["systemd"]["sandbox"] = str(own_sandbox.sandbox.dir)
-        data["paths"]["unit_dir"] = str(own_sandbox.unit_dir)
-        data["serve"]["port"] = free_port()
-        cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-        cache = REPO / ".cache" / "wheels-demo"
-        cache.mkdir(parents=True, exist_ok=True)
-        (d / "wheels").symlink_to(cache)
-        (d / "models").mkdir()
-        write_model(d / "models" / "tiny-f16.gguf", size="tiny", f16=True)
-        for args in (("keygen", "--out", str(d / "keys")), ("lock",), ("pack",)):
-            r = dev_dt(cfg, *args)
-            assert r.returncode == 0, f"{args}: {r.stdout}\n{r.stderr}"
         packed = next(p for p in (d / "artifacts").iterdir() if p.is_dir() and (p / "MANIFEST").is_file())
         box = d / "box"
         for sub in ("home", "tmp"):
             (box / sub).mkdir(parents=True)
         bundle_dir = box / packed.name
         shutil.copytree(packed, bundle_dir)  # as scp -rp / rsync -a bring it to the box
-        keys = d / "demo-root" / "etc" / "deploytool" / "keys"
-        keys.mkdir(parents=True)
-        for p in (d / "keys").glob("*.pub"):
-            shutil.copy(p, keys / p.name)
         yield {"dir": d, "cfg": cfg, "box": box, "bundle": bundle_dir, "root": d / "demo-root",
                "port": data["serve"]["port"], "env": own_sandbox}
     finally:

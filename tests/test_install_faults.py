@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy_tool.sandbox import Sandbox
-from deploy_tool.systemd import Systemd
 from tests.support.demo_box import Box, active_units, bundle_in, chat, dt, make_demo, pack, variant
-from tests.support.sandbox import SandboxEnv, free_port, new_run_dir
+from tests.support.sandbox import free_port
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
@@ -28,16 +26,9 @@ ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-do
 
 
 @pytest.fixture(scope="module")
-def sbx():
+def sbx(own_sandbox):
     """A sandboxed systemd for this module only (its units never meet another suite's box)."""
-    root = new_run_dir("install-faults")
-    sb = Sandbox(root / "sandbox")
-    try:
-        sb.up()
-        yield SandboxEnv(sb, Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir))
-    finally:
-        sb.down()
-        shutil.rmtree(root, ignore_errors=True)
+    return own_sandbox
 
 
 @pytest.fixture(scope="module")
