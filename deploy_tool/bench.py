@@ -878,6 +878,20 @@ def endpoint_for(cfg: Any, *, timeout: float = DEFAULT_TIMEOUT, max_request_s: f
                     timeout=timeout, max_request_s=max_request_s)
 
 
+def request_budget(figures: dict[str, Any], *, fraction: float, max_tokens: int) -> float | None:
+    """Seconds a gate request may take: twice what the slowest kind needs at `fraction` of its baseline pace
+    (TTFT / fraction + max_tokens / (fraction * tokens/s)), plus 1 s. A request past it is already below the
+    gate, so a backend slowed to a crawl fails the gate in seconds instead of trickling tokens for minutes.
+    None when the baseline has no usable figures (then only the stall timeout applies)."""
+    worst = 0.0
+    for f in figures.values():
+        tps = f.get("tokens_per_s") or f.get("e2e_tokens_per_s")
+        if not tps or tps <= 0:
+            continue
+        worst = max(worst, ((f.get("ttft_s") or 0.0) + max_tokens / tps) / fraction)
+    return round(2 * worst + 1.0, 3) if worst else None
+
+
 def perf_gate(cfg: Any, backend_name: str, release: str, *, fraction: float, max_tokens: int = 128,
               runs: int = 1, warmup: int = 1, timeout: float = 60.0, on_event: OnEvent = lambda s: None,
               endpoint: Endpoint | None = None) -> tuple[bool, dict[str, Any], str]:
@@ -895,7 +909,12 @@ def perf_gate(cfg: Any, backend_name: str, release: str, *, fraction: float, max
         return True, {}, (f"performance gate skipped: no baseline for {backend_name} in release {release} "
                           "(save one with `deploytool bench --save-baseline`)")
     kinds = [k for k in base["figures"] if k in PROMPTS] or list(DEFAULT_KINDS)
-    ep = endpoint or endpoint_for(cfg, timeout=timeout)
+    budget = request_budget(base["figures"], fraction=fraction, max_tokens=max_tokens)
+    if budget is not None:
+        timeout = min(timeout, budget)
+        on_event(f"performance gate: each request must finish within {budget:.1f}s (twice what {fraction:.2f} "
+                 "of the baseline pace needs)")
+    ep = endpoint or endpoint_for(cfg, timeout=timeout, max_request_s=budget)
     res = run_bench(ep, backend=backend_name, release=release, kinds=kinds, runs=runs, max_tokens=max_tokens,
                     warmup=warmup, on_event=on_event)
     cmp = compare(res.figures(), base["figures"])

@@ -178,7 +178,7 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
                 prev = st.active_backend
                 if prev and prev in cfg.backends and st.release:
                     with contextlib.suppress(DeployError):
-                        sd.start(cfg.backends[prev].unit)
+                        sd.start(cfg.backends[prev].unit, past_start_limit=True)
                 store.save(replace(st, operation=None))
                 if isinstance(exc, OSError):  # disk full and the like, from any step: a clean error, exit 17
                     exc = os_error(exc, f"install of {rid}")
@@ -325,10 +325,10 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         for o in cfg.other_backends(target.name):
             if sd.show(o.unit).active_state in ("active", "activating"):
                 sd.stop(o.unit)
-                undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit))
+                undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit, past_start_limit=True))
         sd.reset_failed(target.unit)
         undo.add(f"stop {target.unit}", lambda: sd.stop(target.unit))
-        sd.restart(target.unit)
+        sd.restart(target.unit, past_start_limit=True)
         inv = sd.show(target.unit).invocation_id or None
         step("started", unit=target.unit)
         from deploy_tool.gate import run_gate
@@ -452,7 +452,7 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
                 from deploy_tool.gate import run_gate
 
                 sd.reset_failed(b.unit)
-                (sd.restart if started_new else sd.start)(b.unit)
+                (sd.restart if started_new else sd.start)(b.unit, past_start_limit=True)
                 run_gate(cfg, sd, b, invocation=sd.show(b.unit).invocation_id or None, on_event=log)
         except DeployError as exc:
             store.save(replace(st, operation=None, release=prev, active_backend=None))

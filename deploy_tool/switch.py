@@ -135,7 +135,7 @@ class Switcher:
 
     def _start_and_gate(self, b: Backend) -> GateReport:
         self.sd.reset_failed(b.unit)
-        self.sd.start(b.unit)
+        self.sd.start(b.unit, past_start_limit=True)
         inv = self.sd.show(b.unit).invocation_id
         return run_gate(self.cfg, self.sd, b, invocation=inv or None, on_event=self.log)
 
@@ -157,6 +157,11 @@ class Switcher:
                 return SwitchResult(True, "noop", cur_name, target.name,
                                     message=f"{target.name} is already active; nothing to do")
             cur = self.cfg.backends.get(cur_name) if cur_name else None
+            if cur is not None and cur.name == target.name:
+                # recorded active but not running (stopped by hand, or by Conflicts= when the other unit was
+                # started outside deploytool): start it; there is nothing else to roll back to
+                self.log(f"{target.name} is recorded active but {target.unit} is not running: starting it")
+                cur = None
             t0 = time.monotonic()
             op = Operation(kind=action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
                            from_backend=cur_name, to_backend=target.name, release=st.release, pid=os.getpid())
@@ -183,7 +188,8 @@ class Switcher:
                                       details={"reason": "port-taken"})
                 st = self._step(st, "starting-target")
                 self.log(f"starting {target.unit}")
-                self.sd.start(target.unit)  # a failed unit starts again as is; rollbacks reset-fail what they stop
+                # a failed unit starts again as is, a start-limit-hit one after a reset
+                self.sd.start(target.unit, past_start_limit=True)
                 inv = self.sd.show(target.unit).invocation_id or None
                 st = self._step(st, "gate")
                 gate = run_gate(self.cfg, self.sd, target, invocation=inv, on_event=self.log)

@@ -154,12 +154,27 @@ class Systemd:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, unit: str, *, no_block: bool = False) -> None:
-        """Start `unit` and wait for the job (unless no_block); on failure raise SystemdError with the journal tail."""
-        self._job("start", unit, no_block)
+    def start(self, unit: str, *, no_block: bool = False, past_start_limit: bool = False) -> None:
+        """Start `unit` and wait for the job (unless no_block); on failure raise SystemdError with the journal tail.
 
-    def restart(self, unit: str, *, no_block: bool = False) -> None:
-        self._job("restart", unit, no_block)
+        past_start_limit: an operator's start (switch, rollback, install) is not a crash loop: when systemd
+        refuses it with Result=start-limit-hit (StartLimitBurst= starts within StartLimitIntervalSec=, e.g. a
+        unit started by hand and refused by its ExecStartPre a few times), reset the counter and start once
+        more. Costs nothing on the normal path (no reset-failed round trip before every start).
+        """
+        self._job_past_limit("start", unit, no_block, past_start_limit)
+
+    def restart(self, unit: str, *, no_block: bool = False, past_start_limit: bool = False) -> None:
+        self._job_past_limit("restart", unit, no_block, past_start_limit)
+
+    def _job_past_limit(self, verb: str, unit: str, no_block: bool, past_start_limit: bool) -> None:
+        try:
+            self._job(verb, unit, no_block)
+        except SystemdError as exc:
+            if not past_start_limit or "Result=start-limit-hit" not in exc.message:
+                raise
+            self.reset_failed(unit)
+            self._job(verb, unit, no_block)
 
     def stop(self, unit: str, *, no_block: bool = False) -> None:
         validate_unit_name(unit)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -344,6 +345,38 @@ def test_perf_gate_without_baseline_is_ok_and_says_so(tmp_path: Path) -> None:
     cfg = cfg_at(tmp_path, backends.free_port())
     ok, figures, msg = bench.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.8)
     assert ok and figures == {} and "skipped: no baseline for llamacpp-tensor in release r1" in msg
+
+
+def test_request_budget_math() -> None:
+    """Twice the time the slowest kind needs at the gate's fraction of its baseline pace, plus 1 s."""
+    figs = {"code": {"tokens_per_s": 50.0, "ttft_s": 0.2}, "math": {"tokens_per_s": 100.0, "ttft_s": 0.1},
+            "prose": {"tokens_per_s": None, "e2e_tokens_per_s": None}}
+    # code: (0.2 + 100/50) / 0.5 = 4.4 s -> 2 * 4.4 + 1
+    assert bench.request_budget(figs, fraction=0.5, max_tokens=100) == pytest.approx(9.8)
+    assert bench.request_budget({"code": {"tokens_per_s": None, "e2e_tokens_per_s": 20.0, "ttft_s": None}},
+                                fraction=1.0, max_tokens=40) == pytest.approx(5.0)
+    assert bench.request_budget({"code": {"tokens_per_s": None}}, fraction=0.5, max_tokens=10) is None
+
+
+def test_perf_gate_fails_a_crawling_backend_within_its_budget(tmp_path: Path) -> None:
+    """A backend far below its baseline (a stub now 40x slower than when the baseline was taken) fails the gate
+    after about one request budget, not after trickling every token: the figures and the cut are in the message."""
+    state = tmp_path / "state"
+    with stub_server(token_delay=0.005) as s:
+        cfg = load_example(tmp_path / "c", "cpu-demo", **{"serve.port": s.port, "serve.model_name": STUB_MODEL,
+                                                           "paths.state_dir": str(state)})
+        base = bench.run_bench(bench.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", kinds=["code"],
+                               runs=2, max_tokens=40)
+        bench.save_baseline(state, base)
+        s.cfg.token_delay = 0.2  # 40 tokens would take 8 s
+        budget = bench.request_budget(base.figures(), fraction=0.5, max_tokens=40)
+        assert budget is not None and budget < 3
+        t = time.monotonic()
+        ok, figures, msg = bench.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.5, max_tokens=40, warmup=0)
+        took = time.monotonic() - t
+    assert not ok and "request(s) failed" in msg and "exceeded" in msg, msg
+    assert took < budget + 1.5, (took, budget)
+    assert figures["failed"]
 
 
 @pytest.mark.backends

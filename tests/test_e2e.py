@@ -224,7 +224,8 @@ def test_drifted_target_is_refused_before_anything_changes(installed, systemd_sa
         systemd_sandbox.systemd.reset_failed("llamacpp-tensor.service")
     # Conflicts= stopped ftllm when systemd tried the drifted start: bring it back through the CLI
     if active_units(systemd_sandbox) != {"ftllm-dflash.service"}:
-        assert dt(installed, "switch", "ftllm").returncode == 0
+        back = dt(installed, "switch", "ftllm")
+        assert back.returncode == 0, back.stdout + back.stderr
     assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
 
 

@@ -287,6 +287,40 @@ def test_each_failed_start_reports_its_own_reason(sandbox_env: SandboxEnv) -> No
         assert not [o for o in invs if o != inv and f"refused-{o}" in log]
 
 
+def test_operator_start_gets_past_the_start_limit(sandbox_env: SandboxEnv) -> None:
+    """An enabled unit started and stopped StartLimitBurst= times within StartLimitIntervalSec= is refused by
+    systemd (Result=start-limit-hit: what happened to ftllm-dflash when a drifted llamacpp-tensor was started by
+    hand and Conflicts= stopped it); an operator's start (past_start_limit=True) resets the counter and runs it."""
+    sd = sandbox_env.systemd
+    port = free_port()
+    sd.install_file("t-lim.service", web_unit(port, "").replace(
+        b"[Unit]\n", b"[Unit]\nStartLimitIntervalSec=60\nStartLimitBurst=3\n"))
+    sd.daemon_reload()
+    sd.enable("t-lim.service")  # an enabled unit stays loaded when stopped, and so does its start counter
+    try:
+        hit = None
+        for _ in range(5):
+            try:
+                sd.start("t-lim.service")
+            except SystemdError as exc:
+                hit = exc
+                break
+            sd.stop("t-lim.service")
+        assert hit is not None and "Result=start-limit-hit" in hit.message
+        sd.start("t-lim.service", past_start_limit=True)
+        assert sd.is_active("t-lim.service")
+        assert wait_http(port)
+        sd.stop("t-lim.service")
+        with pytest.raises(SystemdError):  # without the flag the limit still holds for the next start
+            for _ in range(4):
+                sd.start("t-lim.service")
+                sd.stop("t-lim.service")
+    finally:
+        sd.stop("t-lim.service")
+        sd.disable("t-lim.service")
+        sd.reset_failed("t-lim.service")
+
+
 def test_invocation_window_orders() -> None:
     """The invocation window copes with journald storing a process's output before or without its invocation id."""
     from deploy_tool.systemd import _invocation_window
