@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
