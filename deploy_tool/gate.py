@@ -55,16 +55,19 @@ def snapshot(sd: Systemd, unit: str) -> health.UnitSnapshot:
                                name=unit)
 
 
-def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = None,
+def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = None, since: float | None = None,
              timeout: float | None = None, on_event: Callable[[str], None] = lambda s: None) -> GateReport:
-    """Wait for `b` (already started) to be ready and answer a real completion; raise HealthError otherwise."""
+    """Wait for `b` (already started) to be ready and answer a real completion; raise HealthError otherwise.
+
+    `invocation` and `since` (epoch seconds taken just before the start) select the journal lines of this
+    start (failure tails, the runtime-truth read of the startup log)."""
     t0 = time.monotonic()
     url = base_url(cfg)
     key = api_key(cfg)
 
     def journal() -> str:
         try:
-            return sd.journal(b.unit, invocation=invocation, lines=30)
+            return sd.journal(b.unit, invocation=invocation, lines=30, since=since)
         except Exception:  # the journal is evidence, not a precondition
             return ""
 
@@ -90,7 +93,7 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
                         completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
     truth = runtime_truth(cfg, b, st.main_pid, journal_text=lambda: sd.journal(b.unit, invocation=invocation,
-                                                                                 lines=2000))
+                                                                                 lines=2000, since=since))
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:

@@ -135,9 +135,10 @@ class Switcher:
 
     def _start_and_gate(self, b: Backend) -> GateReport:
         self.sd.reset_failed(b.unit)
+        since = time.time()
         self.sd.start(b.unit, past_start_limit=True)
         inv = self.sd.show(b.unit).invocation_id
-        return run_gate(self.cfg, self.sd, b, invocation=inv or None, on_event=self.log)
+        return run_gate(self.cfg, self.sd, b, invocation=inv or None, since=since, on_event=self.log)
 
     # ------------------------------------------------------------------ switch
     def switch(self, name: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
@@ -176,6 +177,7 @@ class Switcher:
                                   outcome="refused", reason=exc.message, release=st.release)
                 raise
             inv = None
+            since: float | None = None
             try:
                 if cur is not None:
                     st = self._step(st, "stopping-current")
@@ -189,15 +191,16 @@ class Switcher:
                 st = self._step(st, "starting-target")
                 self.log(f"starting {target.unit}")
                 # a failed unit starts again as is, a start-limit-hit one after a reset
+                since = time.time()
                 self.sd.start(target.unit, past_start_limit=True)
                 inv = self.sd.show(target.unit).invocation_id or None
                 st = self._step(st, "gate")
-                gate = run_gate(self.cfg, self.sd, target, invocation=inv, on_event=self.log)
+                gate = run_gate(self.cfg, self.sd, target, invocation=inv, since=since, on_event=self.log)
                 self._perf_gate(target, st.release)
                 st = self._step(st, "committing")
                 self._commit(st, target)
             except DeployError as exc:
-                return self._rollback(st, target, cur, exc, inv, action)
+                return self._rollback(st, target, cur, exc, inv, action, since)
             secs = time.monotonic() - t0
             self.store.record(action, ok=True, from_backend=cur_name, to_backend=target.name, outcome="switched",
                               seconds=round(secs, 3), release=st.release, reason=reason,
@@ -209,17 +212,19 @@ class Switcher:
     def _commit(self, st: State, target: Backend) -> None:
         # --no-reload: enabling only places [Install] symlinks; no need to reload the manager for that
         self.sd.enable(target.unit, reload=False)
-        for o in self.cfg.other_backends(target.name):
-            if self.sd.is_enabled(o.unit) == "enabled":
-                self.sd.disable(o.unit, reload=False)
+        # one `disable` for the others whose unit files are installed (a no-op for a disabled one): cheaper
+        # than asking `is-enabled` about each first
+        others = [o.unit for o in self.cfg.other_backends(target.name) if self.sd.unit_path(o.unit).exists()]
+        if others:
+            self.sd.disable(*others, reload=False)
         prev = st.active_backend if st.active_backend != target.name else st.previous_backend
         self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
 
     def _rollback(self, st: State, target: Backend, cur: Backend | None, exc: DeployError, inv: str | None,
-                  action: str) -> SwitchResult:
+                  action: str, since: float | None = None) -> SwitchResult:
         reason = exc.message.splitlines()[0]
         try:
-            journal = self.sd.journal(target.unit, invocation=inv, lines=30)
+            journal = self.sd.journal(target.unit, invocation=inv, lines=30, since=since if inv else None)
         except DeployError:
             journal = ""
         self.log(f"{target.name} failed: {reason}; rolling back")

@@ -194,25 +194,30 @@ class Systemd:
 
     def _job(self, verb: str, unit: str, no_block: bool) -> None:
         validate_unit_name(unit)
-        cursor = None
-        with contextlib.suppress(SystemdError):
-            cursor = self.journal_cursor()  # so a failure's tail is exactly what this job logged
         res = self._ctl(verb, *(["--no-block"] if no_block else []), unit, ok=range(256), timeout=self.timeout)
         if res.returncode == 0:
             return
         reason = res.stderr.strip().splitlines()[0] if res.stderr.strip() else f"exit {res.returncode}"
+        st = None
         try:
             st = self.show(unit)
             state = f" (ActiveState={st.active_state}, Result={st.result}, ExecMainStatus={st.exec_main_status})"
         except SystemdError:
             state = ""
-        tail = self._tail_for(unit, since_cursor=cursor)
+        if st is not None and st.result == "start-limit-hit":
+            tail = ""  # refused before anything ran: the latest invocation's lines are an older start's
+        else:
+            # the failed job's own invocation (a failed start gets a fresh InvocationID), not a cursor read
+            # before every job: that costs a journalctl round trip on the success path too
+            tail = self._tail_for(unit, invocation=(st.invocation_id or None) if st is not None else None)
         raise SystemdError(f"{verb} of {unit} failed{state}: {reason}"
                            + (("\n" + _indent(tail)) if tail else ""),
                            hint=f"see the full log: journalctl -u {unit}", details=tail)
 
-    def _tail_for(self, unit: str, lines: int = 20, since_cursor: str | None = None) -> str:
-        """The unit's journal since `since_cursor` (else of its latest invocation), read until it settles.
+    def _tail_for(self, unit: str, lines: int = 20, since_cursor: str | None = None,
+                  invocation: str | None = None) -> str:
+        """The unit's journal since `since_cursor`, else of `invocation` (default: its latest), read until it
+        settles.
 
         journald reads a unit's stdout/stderr streams asynchronously (slowly on a busy machine), so right after
         a failed start the unit's own last words may still be in flight; `journalctl --sync` does not wait for
@@ -220,7 +225,7 @@ class Systemd:
         """
         with contextlib.suppress(SystemdError):
             self.sync_journal()
-            inv = None if since_cursor else (self.show(unit).invocation_id or None)
+            inv = None if since_cursor else (invocation or self.show(unit).invocation_id or None)
 
             def read() -> str:
                 return self.journal(unit, since_cursor=since_cursor, invocation=inv, lines=lines)
@@ -271,8 +276,8 @@ class Systemd:
         """Enable `unit`; reload=False skips the daemon-reload (the symlinks are on disk either way)."""
         self._ctl("enable", *(() if reload else ("--no-reload",)), validate_unit_name(unit))
 
-    def disable(self, unit: str, *, reload: bool = True) -> None:
-        self._ctl("disable", *(() if reload else ("--no-reload",)), validate_unit_name(unit))
+    def disable(self, *units: str, reload: bool = True) -> None:
+        self._ctl("disable", *(() if reload else ("--no-reload",)), *(validate_unit_name(u) for u in units))
 
     def is_enabled(self, unit: str) -> str:
         """enabled, disabled, static, masked, not-found, ... (`systemctl is-enabled` output)."""
@@ -335,8 +340,12 @@ class Systemd:
             raise SystemdError(f"journalctl printed no cursor: {lines[-1][:200]}") from exc
 
     def journal(self, unit: str, since_cursor: str | None = None, invocation: str | None = None,
-                lines: int = 50) -> str:
+                lines: int = 50, since: float | None = None) -> str:
         """The last `lines` journal lines of `unit`: all of them, those after `since_cursor`, or one invocation's.
+
+        `since` (epoch seconds, e.g. taken just before the start) bounds what journalctl reads: an invocation's
+        lines are then found among the entries from that second on instead of the unit's last lines + 1000
+        (a long-lived unit has many; reading and parsing them cost 0.1 s per call).
 
         Includes both the unit's own output and the manager's messages about it (why it failed).
 
@@ -354,7 +363,8 @@ class Systemd:
         after = _parse_cursor(since_cursor) if since_cursor else None
         fetch = n + 1000 if (after or invocation) else n
         ents = []
-        for line in self._jctl("-o", "json", "-n", str(fetch), "-u", unit, ok=(0, 1)).stdout.splitlines():
+        bound = [f"--since=@{max(0, int(since) - 1)}"] if since is not None else []
+        for line in self._jctl("-o", "json", "-n", str(fetch), *bound, "-u", unit, ok=(0, 1)).stdout.splitlines():
             with contextlib.suppress(ValueError):
                 e = json.loads(line)
                 if isinstance(e, dict):
