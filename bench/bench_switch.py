@@ -97,6 +97,29 @@ def trace(cfg: Path, *args: str) -> list[tuple[float, str]]:
     return out
 
 
+def profile(cfg: Path, *args: str, top: int = 30) -> list[tuple[float, str]]:
+    """One CLI run under cProfile: the deploytool functions with the most cumulative (wall) time."""
+    import io
+    import pstats
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".prof") as f:
+        e = {**os.environ, "PYTHONPATH": str(REPO)}
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "cProfile", "-o", f.name, "-m", "deploy_tool", "--config", str(cfg),
+                        *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=e, cwd=cfg.parent,
+                       check=True)
+        wall = time.monotonic() - t0
+        out = io.StringIO()
+        st = pstats.Stats(f.name, stream=out)
+        st.sort_stats("cumulative").print_stats(r"deploy_tool|subprocess.py.*\(run\)|importlib", top)
+    rows = [(wall, f"wall {wall:.3f}s (profiled: slower than a plain run)")]
+    for ln in out.getvalue().splitlines():
+        if ln.strip() and ln.lstrip()[0].isdigit():
+            rows.append((wall, ln.strip()[:150]))
+    return rows
+
+
 def journal(sb: Sandbox, unit: str) -> list[dict]:
     res = proc.run([*sb.journalctl_prefix(), "-o", "json", "-n", "400", "-u", unit, "--no-pager"], ok=(0, 1),
                    timeout=30)
@@ -145,6 +168,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also print one timestamped -v run of each switch")
     ap.add_argument("--keep", action="store_true", help="keep the box directory (the sandbox always goes down)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also run one switch each way under cProfile and print where its wall time goes")
     a = ap.parse_args()
     root = new_run_dir("bench-switch")
     sb = Sandbox(root / "sandbox")
@@ -174,6 +199,9 @@ def main() -> int:
         if a.trace:
             for alias in ("llamacpp", "ftllm"):
                 traces[alias] = trace(cfg, "switch", alias)
+        if a.profile:
+            for alias in ("llamacpp", "ftllm"):
+                traces[f"profile {alias}"] = profile(cfg, "switch", alias)
         say("crash-to-rollback ...")
         crashes = crash_to_rollback(cfg, sd, sb, box, a.crash_ms, a.runs)
     finally:

@@ -187,13 +187,13 @@ def load_prompts(path: str | Path) -> dict[str, tuple[str, ...]]:
         if not isinstance(data, dict):
             raise InputError(f"prompt file {p}: expected a JSON object of kind -> list of prompts",
                              hint='write {"kind": ["prompt", ...]}')
-        for kind, prompts in data.items():
+        for key, prompts in data.items():
             if isinstance(prompts, str):
                 prompts = [prompts]
             if not isinstance(prompts, list) or not all(isinstance(x, str) for x in prompts):
-                raise InputError(f"prompt file {p}: kind {kind!r} must map to a list of strings",
+                raise InputError(f"prompt file {p}: kind {key!r} must map to a list of strings",
                                  hint='write {"kind": ["prompt", ...]}')
-            sets[str(kind)] = [x.strip() for x in prompts if x.strip()]
+            sets[str(key)] = [x.strip() for x in prompts if x.strip()]
     else:
         kind: str | None = None
         current: list[str] = []

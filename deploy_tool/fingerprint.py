@@ -60,7 +60,6 @@ Limits (what the cache cannot see, where `verify --no-cache` or re-hashing is th
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -92,6 +91,7 @@ META_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".yaml
 META_MAX_BYTES = 64 << 20
 _SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_URLSAFE = bytes.maketrans(b"+/", b"-_")  # standard -> urlsafe base64 alphabet
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -195,6 +195,7 @@ class Cache:
         self.new: dict[str, Any] = {}
         self.dirty = False
         self._lock = threading.Lock()  # put() is called from the hashing threads
+        self._by_key: dict[tuple[Any, ...], str] | None = None
 
     def _load(self) -> dict[str, Any]:
         assert self.path is not None
@@ -230,6 +231,17 @@ class Cache:
             return None  # racy: the file changed too shortly before the value was computed
         self._keep(path, st, kind, v)
         return v[0]
+
+    def get_same_file(self, st: os.stat_result, kind: str) -> str | None:
+        """The value cached for any path whose (dev, ino, size, mtime_ns, ctime_ns) is `st`'s: the same file
+        under another name (a library a process maps, opened through /proc/PID/map_files). Same trust as get()."""
+        if self._by_key is None:
+            self._by_key = {}
+            for path, e in self.old.items():
+                if isinstance(e, dict) and isinstance(e.get("key"), list):
+                    self._by_key.setdefault(tuple(e["key"]), path)
+        same = self._by_key.get(tuple(_stat_key(st)))
+        return self.get(same, st, kind) if same is not None else None
 
     def _keep(self, path: str, st: os.stat_result, kind: str, v: list[Any]) -> None:
         e = self.new.setdefault(path, {"key": _stat_key(st), "values": {}})
@@ -270,6 +282,8 @@ def _err_value(exc: OSError) -> str:
 
 
 def _hash_fd(fd: int, limit: int | None) -> tuple[str, int]:
+    import hashlib  # lazy (5 ms, it loads libcrypto): a fully cached verify hashes nothing
+
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
@@ -288,6 +302,7 @@ def _hash_fd_piped(fd: int) -> tuple[str, int]:
     """SHA-256 of a whole large file with reads and hashing overlapped: a reader thread fills 1 MiB buffers
     (the copy out of the page cache costs a third of the hashing time) while this thread hashes the previous
     one; both release the GIL, so a file costs about its hashing time alone when a second core is free."""
+    import hashlib
     import queue
 
     h = hashlib.sha256()
@@ -405,14 +420,14 @@ class _RecordCheck:
         self.entries = entries  # (path relative to site-packages, expected b64 digest, hashing job)
 
     def value(self) -> str:
-        import base64
+        import binascii  # what base64.urlsafe_b64encode runs, without base64's imports (struct)
 
         bad = []
         for rel, want, job in self.entries:
             v = job.value or "unreadable"
             if not _HEX64.fullmatch(v):
                 bad.append(f"{rel} ({v})")
-            elif base64.urlsafe_b64encode(bytes.fromhex(v)).rstrip(b"=").decode() != want:
+            elif binascii.b2a_base64(bytes.fromhex(v), newline=False).translate(_URLSAFE).rstrip(b"=").decode() != want:
                 bad.append(rel)
         n = len(self.entries)
         if not bad:

@@ -71,7 +71,7 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
         except Exception:  # the journal is evidence, not a precondition
             return ""
 
-    rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key,  # type: ignore[arg-type]
+    rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key,
                             timeout=timeout if timeout is not None else (b.start_timeout_s
                                                                           or cfg.health.start_timeout_s),
                             interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit),
@@ -82,9 +82,9 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
                                         max_tokens=cfg.health.smoke_max_tokens)
     except HealthError as exc:
         j = journal()
-        st = snapshot(sd, b.unit)
-        if st.dead:
-            exc.message += f"\n  unit {b.unit} is {st.describe()}"
+        snap = snapshot(sd, b.unit)
+        if snap.dead:
+            exc.message += f"\n  unit {b.unit} is {snap.describe()}"
         if j and "journal tail" not in exc.message:
             exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
         raise
@@ -105,6 +105,23 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
         on_event(f"{b.name}: warning: {w}")
     report.total_s = time.monotonic() - t0
     return report
+
+
+def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:
+    """SHA-256 of a mapped library: the value `deploytool verify` cached for the same file (same dev, inode,
+    size, mtime_ns and ctime_ns: the ExecStartPre of this very start hashed the release's libraries) or, for a
+    file it never saw, computed."""
+    import os
+
+    from deploy_tool import fingerprint, runtime
+
+    cache = fingerprint.Cache(fingerprint.cache_path(cfg, b.name))
+
+    def hash_file(path: str) -> str:
+        hit = cache.get_same_file(os.stat(path), "sha256")
+        return hit if hit is not None else runtime.sha256_cached(path)
+
+    return hash_file
 
 
 def release_pins(cfg: Config) -> dict[str, Any]:
@@ -143,14 +160,26 @@ def host_pid(cfg: Config, pid: int) -> int:
 
 def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Callable[[], str]) -> dict[str, Any]:
     """What the running process actually loaded and what its log says fits; never raises."""
+    import threading
+
     from deploy_tool import runtime
 
     try:
+        # the startup log is read (a journalctl round trip) while the mapped libraries are looked at
+        logs: list[str] = []
+        reader = threading.Thread(target=lambda: logs.append(journal_text()), name="gate-journal", daemon=True)
+        reader.start()
+
+        def log() -> str:
+            reader.join()
+            if not logs:
+                raise RuntimeError("the journal could not be read")
+            return logs[0]
+
         pid = host_pid(cfg, main_pid)
-        log = journal_text()
         ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
         rep = runtime.inspect_runtime(pid, kind=b.kind, pins=release_pins(cfg), log_text=log,
-                                      device_profile=b.device, configured_ctx=ctx)
+                                      device_profile=b.device, configured_ctx=ctx, hash_file=verified_hasher(cfg, b))
     except Exception as exc:  # the check must never turn into a crash of the gate
         return {"status": "unknown", "rows": [], "failures": [], "warnings": [f"could not determine: {exc}"]}
     out = rep.to_json()

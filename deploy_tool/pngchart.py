@@ -185,13 +185,13 @@ def bar_chart(groups: Sequence[tuple[str, Mapping[str, float | None]]], *, title
     for g, (label, vals) in enumerate(groups):
         gx = left + gap + g * (group_w + gap)
         for i, name in enumerate(names):
-            v = vals.get(name)
-            if v is None:
+            val = vals.get(name)
+            if val is None:
                 continue
-            h = int(plot_h * max(v, 0.0) / vmax)
+            h = int(plot_h * max(val, 0.0) / vmax)
             x = gx + i * bar_w
             c.rect(x + 2, y0 - h, x + bar_w - 2, y0, PALETTE[i % len(PALETTE)])
-            vl = f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+            vl = f"{val:.0f}" if val >= 100 else f"{val:.1f}"
             c.text(x + (bar_w - text_width(vl, 1)) // 2, y0 - h - 10, vl, scale=1)
         lx = gx + (group_w - text_width(label, 1)) // 2
         c.text(max(2, min(lx, width - text_width(label, 1) - 2)), y0 + 8 + (g % 2) * 12, label, scale=1)

@@ -845,11 +845,14 @@ class RuntimeReport:
                 "capacity": self.capacity.to_json() if self.capacity else None}
 
 
-def inspect_runtime(pid: int, *, kind: str, pins: Mapping[str, Pin], log_text: str | None = None,
+def inspect_runtime(pid: int, *, kind: str, pins: Mapping[str, Pin],
+                    log_text: str | Callable[[], str] | None = None,
                     device_profile: str = "cpu", configured_ctx: int | None = None,
                     capacity_policy: str = WARN, hash_file: Callable[[str], str] = sha256_cached,
                     include_children: bool = True, proc: str = "/proc") -> RuntimeReport:
-    """Inspect a running backend; never raises for a vanished process, unreadable /proc or an unknown log."""
+    """Inspect a running backend; never raises for a vanished process, unreadable /proc or an unknown log.
+
+    `log_text` may be a function, called once the libraries are assessed (a log read in the background)."""
     findings: list[Finding] = []
     rows: tuple[LibStatus, ...] = ()
     try:
@@ -862,6 +865,8 @@ def inspect_runtime(pid: int, *, kind: str, pins: Mapping[str, Pin], log_text: s
         rows = report.rows
         findings.extend(report.findings)
     capacity = None
+    if callable(log_text):
+        log_text = log_text()
     if log_text is not None:
         fallback = detect_cpu_fallback(kind, log_text, device_profile)
         if fallback is not None:

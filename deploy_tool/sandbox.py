@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from deploy_tool import proc
 from deploy_tool.errors import DeployError, MissingTool, SandboxError
@@ -300,7 +301,7 @@ class Sandbox:
     def status(self) -> SandboxStatus:
         """Report whether the sandbox is up, down or stale (a killed run's leftovers), without changing anything."""
         self._check_is_sandbox()
-        common = {"dir": str(self.dir), "unit_dir": str(self.unit_dir)}
+        common: dict[str, Any] = {"dir": str(self.dir), "unit_dir": str(self.unit_dir)}
         p1 = self._pid1()
         cgroups = tuple(str(c) for c in self._our_cgroups())
         st = self._load_state()

@@ -64,7 +64,7 @@ def _health(cfg: Config, active: str | None) -> dict[str, Any]:
 
     b = cfg.backends[active]
     try:
-        r = health.wait_ready(b.kind, base_url(cfg), cfg.serve.model_name, api_key=api_key(cfg),  # type: ignore[arg-type]
+        r = health.wait_ready(b.kind, base_url(cfg), cfg.serve.model_name, api_key=api_key(cfg),
                               timeout=0, interval=0.1)
         return {"ok": True, "detail": f"ready, serving {', '.join(r.served_models) or cfg.serve.model_name}"}
     except DeployError as exc:

@@ -14,6 +14,7 @@ healthy, anything else is rolled back to the backend that served before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -42,6 +43,30 @@ FAULT_ENV = "DEPLOYTOOL_FAULT"  # fault injection for crash tests: "kill:<step>"
 STEPS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
 
 Log = Callable[[str], None]
+
+
+def together(*fns: Callable[[], object]) -> None:
+    """Run independent systemctl round trips at the same time; the first error (in argument order) is raised
+    once all have finished."""
+    import threading
+
+    errors: list[BaseException | None] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"switch-{i}") for i in range(1, len(fns))]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 @dataclass
@@ -182,7 +207,9 @@ class Switcher:
                 if cur is not None:
                     st = self._step(st, "stopping-current")
                     self.log(f"stopping {cur.unit}")
-                    self.sd.stop(cur.unit)
+                    # while it stops: clear the target's failed state and start-limit counter (a refused start
+                    # and its retry would cost more than this round trip)
+                    together(lambda: self.sd.stop(cur.unit), lambda: self._quiet_reset(target.unit))
                 if port_owner_answers(self.cfg.serve.host, self.cfg.serve.port):
                     raise HealthError(f"port {self.cfg.serve.port} is taken by another process after stopping "
                                       f"{cur_name or 'the backends'}; {target.name} cannot bind it",
@@ -209,14 +236,17 @@ class Switcher:
                                 message=f"{target.name} is serving {self.cfg.serve.model_name!r} on port "
                                         f"{self.cfg.serve.port} ({secs:.1f}s)")
 
+    def _quiet_reset(self, unit: str) -> None:
+        with contextlib.suppress(DeployError):  # only an optimisation: start() gets past a start limit anyway
+            self.sd.reset_failed(unit)
+
     def _commit(self, st: State, target: Backend) -> None:
         # --no-reload: enabling only places [Install] symlinks; no need to reload the manager for that
-        self.sd.enable(target.unit, reload=False)
         # one `disable` for the others whose unit files are installed (a no-op for a disabled one): cheaper
-        # than asking `is-enabled` about each first
+        # than asking `is-enabled` about each first; it runs alongside the `enable` (different symlinks)
         others = [o.unit for o in self.cfg.other_backends(target.name) if self.sd.unit_path(o.unit).exists()]
-        if others:
-            self.sd.disable(*others, reload=False)
+        together(lambda: self.sd.enable(target.unit, reload=False),
+                 *([lambda: self.sd.disable(*others, reload=False)] if others else []))
         prev = st.active_backend if st.active_backend != target.name else st.previous_backend
         self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
 

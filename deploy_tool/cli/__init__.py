@@ -29,14 +29,15 @@ class Ctx:
     verbose: bool
     debug: bool
 
-    def load_config(self):
+    def load_config(self, *, parse_cache: bool = False, refresh: bool = False):
+        """The config; `parse_cache`/`refresh` as in config.load (verify uses the parse cache)."""
         from deploy_tool import config
 
         path = self.config_path
         if path is None:
             local = Path("deploytool.yaml")
             path = local if local.exists() else config.DEFAULT_CONFIG_PATH
-        return config.load(path)
+        return config.load(path, parse_cache=parse_cache, refresh=refresh)
 
     def emit(self, data: object, human: str | None = None) -> None:
         """Print `data` as JSON with --json, else the human text."""
@@ -52,7 +53,7 @@ pass_ctx = click.make_pass_decorator(Ctx)
 class Group(click.Group):
     """Maps DeployError to a one-line message with a hint and its exit code; shows tracebacks only with --debug."""
 
-    def invoke(self, ctx: click.Context):  # type: ignore[override]
+    def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except DeployError as exc:
