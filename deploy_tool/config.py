@@ -7,10 +7,12 @@ errors with a did-you-mean. Past this module only frozen dataclasses travel, nev
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import difflib
-import hashlib
+import os
 import re
+import stat
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -345,6 +347,13 @@ def resolve_backend_name(cfg: Config, name: str) -> str:
 # Generic loader
 
 
+def _close_matches(word: str, possibilities: list[str] | tuple[str, ...], n: int = 1,
+                   cutoff: float = 0.6) -> list[str]:
+    import difflib  # lazy: only an error needs a did-you-mean, and verify runs before every start
+
+    return difflib.get_close_matches(word, possibilities, n=n, cutoff=cutoff)
+
+
 def _fmt(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
@@ -382,7 +391,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            close = _close_matches(str(value), [str(a) for a in allowed], n=1)
             hint = f"did you mean {close[0]!r}?" if close else None
             raise ConfigError(f"{path}: {_fmt(value)} is not valid (expected {_type_name(tp)})", hint=hint)
         return value
@@ -440,7 +449,7 @@ def _load_dataclass(cls: type, raw: Any, path: str) -> Any:
     known = [f.name for f in dataclasses.fields(cls) if "doc" in f.metadata]
     for key in raw:
         if not isinstance(key, str) or key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            close = _close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
             raise ConfigError(f"{where}: unknown key {_fmt(key)}", hint=hint)
     kwargs: dict[str, Any] = {}
@@ -503,7 +512,7 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
                           hint="start from `deploytool init --example cpu-demo`")
     for key in raw:
         if key not in _RAW_TOP:
-            close = difflib.get_close_matches(str(key), sorted(_RAW_TOP), n=1, cutoff=0.6)
+            close = _close_matches(str(key), sorted(_RAW_TOP), n=1, cutoff=0.6)
             raise ConfigError(f"unknown key {_fmt(key)} at the top level",
                               hint=f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(_RAW_TOP))}")
     if "version" not in raw:
@@ -525,7 +534,7 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
         raise ConfigError(f"default_backend: {_fmt(default)} is not a string (expected one of "
                           f"{', '.join(sorted(backends))})")
     if default not in backends:
-        close = difflib.get_close_matches(default, sorted(backends), n=1)
+        close = _close_matches(default, sorted(backends), n=1)
         raise ConfigError(f"default_backend: {default!r} is not one of the backends ({', '.join(sorted(backends))})",
                           hint=f"did you mean {close[0]!r}?" if close else None)
     # aliases must be unique and must not shadow a backend name
@@ -608,11 +617,18 @@ def parse_yaml(text: str | bytes, *, name: str = "config") -> Any:
                           hint="fix the YAML syntax") from None
 
 
-def load(path: str | Path) -> Config:
-    """Read, parse and validate the config file at `path`."""
+def load(path: str | Path, *, parse_cache: bool = False, refresh: bool = False) -> Config:
+    """Read, parse and validate the config file at `path`.
+
+    With `parse_cache` (verify, before every start), the YAML parse comes from the parse cache beside the file
+    when that cache is valid for exactly these bytes, and a fresh parse is stored there (see `_ParseCache`);
+    `refresh` parses afresh and only writes the cache. Everything else (errors, validation, paths) is the same.
+    """
     p = Path(path)
     try:
-        data = p.read_bytes()
+        with open(p, "rb") as f:
+            data = f.read()
+            st = os.fstat(f.fileno()) if parse_cache else None
     except FileNotFoundError:
         raise InputError(f"config file not found: {p}",
                          hint="write one with `deploytool init --example cpu-demo` or pass --config PATH") from None
@@ -624,13 +640,197 @@ def load(path: str | Path) -> Config:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not UTF-8 text") from None
-    raw = parse_yaml(text, name=str(p))
-    return from_dict(raw, source_path=str(p.resolve()), source_sha256=hashlib.sha256(data).hexdigest())
+    cache = _ParseCache(p.resolve(), st, data) if st is not None and stat.S_ISREG(st.st_mode) else None
+    hit = cache.get() if cache is not None and not refresh else None
+    blob: bytes | None = None
+    if hit is not None:
+        raw, sha256 = hit
+    else:
+        import hashlib  # lazy: a cached load needs no hashing
+
+        raw = parse_yaml(text, name=str(p))
+        sha256 = hashlib.sha256(data).hexdigest()
+        if cache is not None:
+            blob = cache.blob(text, raw, sha256)
+    cfg = from_dict(raw, source_path=cache.config if cache is not None else str(p.resolve()), source_sha256=sha256)
+    if cache is not None and blob is not None:
+        cache.put(blob)  # only a document that validated is stored
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The parse cache
+
+
+PARSE_CACHE_FORMAT = 1
+PARSE_CACHE_MAX_BYTES = 4 << 20
+
+
+def parse_cache_path(config_path: str | os.PathLike[str]) -> Path:
+    """Where the parse cache of a config file lives: `.NAME.cache.json` beside the (resolved) file."""
+    p = Path(config_path)
+    return p.with_name(f".{p.name}.cache.json")
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _yaml_origin() -> tuple[str, list[int]] | None:
+    """The file `import yaml` would load and its stat key, found without importing it (as the import system
+    does: the first finder on sys.meta_path that knows the name)."""
+    try:
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find("yaml", None) if find is not None else None
+            if spec is not None:
+                return (spec.origin, _stat_key(os.stat(spec.origin))) if spec.origin else None
+    except Exception:  # a finder's failure only costs the cache
+        return None
+    return None
+
+
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
+    """`a` and `b` are the same document: the same types (bool is not int, int is not float), values, key order."""
+    if type(a) is not type(b) or depth > 100:
+        return False
+    if type(a) is dict:
+        return len(a) == len(b) and all(_same(ka, kb, depth + 1) and _same(va, vb, depth + 1)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True))
+    if type(a) is list:
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b, strict=True))
+    if type(a) is float:
+        return repr(a) == repr(b)  # -0.0 is not 0.0
+    return type(a) in (str, int, bool, type(None)) and a == b
+
+
+class _ParseCache:
+    """The YAML parse of a config file, kept beside it, so verify (run before every start) skips importing and
+    running the YAML parser (about 25 ms of its start-up). It replaces nothing but `yaml.safe_load` of the
+    same bytes: the document still goes through from_dict (validation, error messages with key paths,
+    placeholders, relative paths), and the config file itself is always read.
+
+    Where: `.NAME.cache.json` beside the config file (parse_cache_path), because it is the one place known
+    before the config is parsed (the state dir is a setting inside it); it is on the same file system, so the
+    rename that writes it is atomic; the config's directory is writable by whoever may edit the config
+    (root for /etc/deploytool, where the units' ExecStartPre verify runs as root) and by no one else.
+
+    Why it can be trusted (the same argument as the fingerprint hash cache, fingerprint.py's module doc, plus a
+    content check that makes racy timestamps irrelevant):
+      * it is used only when the config file's (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns), taken
+        with fstat on the descriptor the bytes were just read from, equals the recorded one: any write,
+        truncate, chmod/chown or rename over the path changes ctime (which no system call can set) or the
+        inode, so an edited config misses, even one given back its old size and mtime;
+      * and only when the recorded text is byte for byte the bytes just read: a change in the same timestamp
+        tick as the parse that wrote the cache, which the stat key alone could miss, misses here;
+      * and only when the recorded parser is the one `import yaml` would load now (same file, same stat key):
+        a PyYAML upgrade re-parses;
+      * the cache file is opened without following symlinks and used only when it is a regular file owned by
+        the config file's owner or by root and not group- or world-writable: only someone who can already
+        change the config (or root) can have written it, and it is written only by this code, from
+        yaml.safe_load of the recorded text, after that document validated;
+      * a document is stored only when it survives JSON exactly (same types, values, key order: no dates,
+        binary, non-string keys, NaN or infinities, which JSON would change); a parse error or a document
+        that fails validation (a non-mapping top level among them) is never stored;
+      * a missing, unreadable, corrupt or foreign cache file is ignored (the YAML is parsed); writing is best
+        effort (temp file + rename; an unwritable directory or a read-only file system just means no cache),
+        and only by the config's owner or root, with the config file's permission bits minus any write or
+        execute bit for group and others, so the cache is readable by no one who cannot read the config.
+    `deploytool verify --no-cache` parses afresh (and rewrites the cache).
+    """
+
+    def __init__(self, real: Path, st: os.stat_result, data: bytes) -> None:
+        self.config = str(real)
+        self.path = parse_cache_path(real)
+        self.st = st
+        self.data = data
+
+    def get(self) -> tuple[dict[str, Any], str] | None:
+        """(document, SHA-256 of the config bytes) when the cache is valid for these bytes, else None."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid not in (self.st.st_uid, 0) or st.st_mode & 0o022
+                    or st.st_size > PARSE_CACHE_MAX_BYTES):
+                return None
+            import json
+
+            with open(fd, "rb", closefd=False) as f:
+                d = json.loads(f.read())
+        except (OSError, ValueError, RecursionError):
+            return None
+        finally:
+            os.close(fd)
+        try:
+            if (not isinstance(d, dict) or d.get("format") != PARSE_CACHE_FORMAT or d.get("config") != self.config
+                    or d.get("key") != _stat_key(self.st) or not isinstance(d.get("text"), str)
+                    or d["text"].encode("utf-8") != self.data or not isinstance(d.get("document"), dict)
+                    or not isinstance(d.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", d["sha256"])):
+                return None
+        except UnicodeError:  # a lone surrogate in the recorded text: not these bytes
+            return None
+        parser = d.get("parser")
+        origin = _yaml_origin()
+        if not isinstance(parser, dict) or origin is None or [parser.get("origin"), parser.get("key")] != list(origin):
+            return None
+        return d["document"], d["sha256"]
+
+    def blob(self, text: str, raw: Any, sha256: str) -> bytes | None:
+        """The cache file's bytes for a fresh parse, or None when it cannot or may not be stored."""
+        if not isinstance(raw, dict) or os.geteuid() not in (self.st.st_uid, 0):
+            return None
+        import json
+
+        import yaml
+
+        origin = getattr(yaml, "__file__", None)
+        try:
+            parser = {"yaml": getattr(yaml, "__version__", None), "origin": origin,
+                      "key": _stat_key(os.stat(origin)) if origin else None}
+            out = json.dumps({"format": PARSE_CACHE_FORMAT, "config": self.config, "key": _stat_key(self.st),
+                              "parser": parser, "sha256": sha256, "text": text, "document": raw},
+                             allow_nan=False, separators=(",", ":")).encode()
+            if not origin or not _same(json.loads(out)["document"], raw):
+                return None
+        except (OSError, TypeError, ValueError, RecursionError):
+            return None
+        return out
+
+    def put(self, blob: bytes) -> None:
+        """Write the cache file atomically (temp file + rename); best effort, failures only cost speed."""
+        if len(blob) > PARSE_CACHE_MAX_BYTES:
+            return
+        mode = stat.S_IMODE(self.st.st_mode) & 0o644
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(tmp, flags, mode)
+            except FileExistsError:  # left by a crashed run with this pid
+                os.unlink(tmp)
+                fd = os.open(tmp, flags, mode)
+        except OSError:
+            return
+        try:
+            try:
+                os.fchmod(fd, mode)
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def example_text(name: str) -> str:
     if name not in EXAMPLES:
-        close = difflib.get_close_matches(name, EXAMPLES, n=1)
+        close = _close_matches(name, EXAMPLES, n=1)
         raise ConfigError(f"unknown example {name!r} (examples: {', '.join(EXAMPLES)})",
                           hint=f"did you mean {close[0]!r}?" if close else None)
     from importlib import resources  # lazy: 5 ms of startup for `check` and `--version`

@@ -41,7 +41,7 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool) -> int:
         if path is None:
             local = Path("deploytool.yaml")
             path = str(local if local.exists() else config_mod.DEFAULT_CONFIG_PATH)
-        cfg = config_mod.load(path)
+        cfg = config_mod.load(path, parse_cache=True, refresh=no_cache)
         b = cfg.backend(backend)
         report = fingerprint.verify(cfg, b, use_cache=not no_cache)
         sys.stdout.write(fingerprint.format_report(report) + "\n")

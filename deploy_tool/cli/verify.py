@@ -38,7 +38,7 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool) -> None:
 
     if json_out:
         ctx.json = True
-    cfg = ctx.load_config()
+    cfg = ctx.load_config(parse_cache=True, refresh=no_cache)
     b = cfg.backend(backend)
     report = fingerprint.verify(cfg, b, use_cache=not no_cache)
     if ctx.json:
