@@ -27,7 +27,6 @@ else one OSFailure names them all; nothing is written either way. `python -m dep
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -139,6 +138,8 @@ def _unwritable(path: Path) -> str | None:
 def preflight(cfg: Config) -> list[Path]:
     """Raise MissingTool if bundle.python (the interpreter install builds the release's venvs with) is not on
     this box, OSFailure naming every target directory install could not write; return the targets."""
+    import shutil  # lazy: verify (every start) imports this module for collect()
+
     py = cfg.bundle.python
     found = shutil.which(py) if os.sep not in py else (py if os.access(py, os.X_OK) and os.path.isfile(py) else None)
     if not found:
