@@ -47,8 +47,10 @@ def api_key(cfg: Config) -> str | None:
         return None
 
 
-def snapshot(sd: Systemd, unit: str) -> health.UnitSnapshot:
+def snapshot(sd: Systemd, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:
     st = sd.show(unit)
+    if seen is not None and st.invocation_id and not seen:
+        seen.append(st.invocation_id)  # the first invocation the gate watched: the start it is gating
     code = {1: "exited", 2: "killed", 3: "dumped"}.get(st.exec_main_code, "")
     return health.UnitSnapshot(active_state=st.active_state, sub_state=st.sub_state, result=st.result,
                                exec_main_status=st.exec_main_status if code else None, exec_main_code=code,
@@ -60,21 +62,23 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     """Wait for `b` (already started) to be ready and answer a real completion; raise HealthError otherwise.
 
     `invocation` and `since` (epoch seconds taken just before the start) select the journal lines of this
-    start (failure tails, the runtime-truth read of the startup log)."""
+    start (failure tails, the runtime-truth read of the startup log). Without `invocation`, the one the gate
+    sees first in the unit's state is used (no extra `systemctl show` right after the start)."""
     t0 = time.monotonic()
     url = base_url(cfg)
     key = api_key(cfg)
+    seen: list[str] = [invocation] if invocation else []
 
     def journal() -> str:
         try:
-            return sd.journal(b.unit, invocation=invocation, lines=30, since=since)
+            return sd.journal(b.unit, invocation=seen[0] if seen else None, lines=30, since=since)
         except Exception:  # the journal is evidence, not a precondition
             return ""
 
     rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key,
                             timeout=timeout if timeout is not None else (b.start_timeout_s
                                                                           or cfg.health.start_timeout_s),
-                            interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit),
+                            interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit, seen),
                             journal_tail=journal)
     on_event(f"{b.name}: ready after {rep.seconds:.1f}s")
     try:
@@ -92,8 +96,10 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     st = sd.show(b.unit)
     report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
                         completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
-    truth = runtime_truth(cfg, b, st.main_pid, journal_text=lambda: sd.journal(b.unit, invocation=invocation,
-                                                                                 lines=2000, since=since))
+    if not seen and st.invocation_id:
+        seen.append(st.invocation_id)
+    truth = runtime_truth(cfg, b, st.main_pid, journal_text=lambda: sd.journal(
+        b.unit, invocation=seen[0] if seen else None, lines=2000, since=since))
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:

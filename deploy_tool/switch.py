@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deploy_tool import systemd as systemd_mod
 from deploy_tool.config import Backend, Config
@@ -36,8 +36,10 @@ from deploy_tool.errors import (
     RolledBack,
     StateError,
 )
-from deploy_tool.gate import GateReport, run_gate
 from deploy_tool.state import Operation, State, Store, now_iso
+
+if TYPE_CHECKING:
+    from deploy_tool.gate import GateReport
 
 FAULT_ENV = "DEPLOYTOOL_FAULT"  # fault injection for crash tests: "kill:<step>" sends SIGKILL to ourselves
 STEPS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
@@ -67,6 +69,12 @@ def together(*fns: Callable[[], object]) -> None:
     for e in errors:
         if e is not None:
             raise e
+
+
+def _load_gate() -> None:
+    """Import the gate (HTTP client, TLS, retry library: ~50 ms) while systemctl waits for a backend to stop,
+    instead of before the switch starts."""
+    import deploy_tool.gate  # noqa: F401
 
 
 @dataclass
@@ -163,6 +171,8 @@ class Switcher:
         since = time.time()
         self.sd.start(b.unit, past_start_limit=True)
         inv = self.sd.show(b.unit).invocation_id
+        from deploy_tool.gate import run_gate
+
         return run_gate(self.cfg, self.sd, b, invocation=inv or None, since=since, on_event=self.log)
 
     # ------------------------------------------------------------------ switch
@@ -209,7 +219,7 @@ class Switcher:
                     self.log(f"stopping {cur.unit}")
                     # while it stops: clear the target's failed state and start-limit counter (a refused start
                     # and its retry would cost more than this round trip)
-                    together(lambda: self.sd.stop(cur.unit), lambda: self._quiet_reset(target.unit))
+                    together(lambda: self.sd.stop(cur.unit), lambda: self._quiet_reset(target.unit), _load_gate)
                 if port_owner_answers(self.cfg.serve.host, self.cfg.serve.port):
                     raise HealthError(f"port {self.cfg.serve.port} is taken by another process after stopping "
                                       f"{cur_name or 'the backends'}; {target.name} cannot bind it",
@@ -220,13 +230,17 @@ class Switcher:
                 # a failed unit starts again as is, a start-limit-hit one after a reset
                 since = time.time()
                 self.sd.start(target.unit, past_start_limit=True)
-                inv = self.sd.show(target.unit).invocation_id or None
                 st = self._step(st, "gate")
+                from deploy_tool.gate import run_gate
+
                 gate = run_gate(self.cfg, self.sd, target, invocation=inv, since=since, on_event=self.log)
                 self._perf_gate(target, st.release)
                 st = self._step(st, "committing")
                 self._commit(st, target)
             except DeployError as exc:
+                if since is not None:  # it was started: its journal tail is that invocation's
+                    with contextlib.suppress(DeployError):
+                        inv = self.sd.show(target.unit).invocation_id or None
                 return self._rollback(st, target, cur, exc, inv, action, since)
             secs = time.monotonic() - t0
             self.store.record(action, ok=True, from_backend=cur_name, to_backend=target.name, outcome="switched",
@@ -317,6 +331,8 @@ class Switcher:
                                 message=f"interrupted {op.kind} had changed nothing")
         if op.step == "committing" and self.sd.show(target.unit).is_active:
             try:
+                from deploy_tool.gate import run_gate
+
                 run_gate(self.cfg, self.sd, target, on_event=self.log)
                 self._commit(st, target)
                 self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="committed",
