@@ -4,6 +4,8 @@
 before every start) is handled here without importing click or the command modules, which is about a third
 of the start-up time of a fully cached verify. The output, the error lines and the exit codes are the same
 as the click command's (tests compare them); any other command line, or a terminal (colors), goes to click.
+Both take the config's YAML parse from its parse cache beside the file (config._ParseCache), so a fully cached
+verify imports neither yaml nor hashlib.
 """
 
 from __future__ import annotations
