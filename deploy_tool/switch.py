@@ -71,6 +71,33 @@ def together(*fns: Callable[[], object]) -> None:
             raise e
 
 
+class Background:
+    """One call on a thread (a systemctl round trip that need not hold up the next step)."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        import threading
+
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="switch-bg", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the result
+            self._error = exc
+
+    def wait(self) -> BaseException | None:
+        self._thread.join()
+        return self._error
+
+    def result(self) -> None:
+        """Wait; raise what the call raised."""
+        err = self.wait()
+        if err is not None:
+            raise err
+
+
 def _load_gate() -> None:
     """Import the gate (HTTP client, TLS, retry library: ~50 ms) while systemctl waits for a backend to stop,
     instead of before the switch starts."""
@@ -213,6 +240,7 @@ class Switcher:
                 raise
             inv = None
             since: float | None = None
+            enabling: Background | None = None
             try:
                 if cur is not None:
                     st = self._step(st, "stopping-current")
@@ -231,17 +259,24 @@ class Switcher:
                 since = time.time()
                 self.sd.start(target.unit, past_start_limit=True)
                 st = self._step(st, "gate")
+                # the boot-time enablement (symlinks only) is flipped while the gate waits; a rollback, or a
+                # recover after a crash, flips it back
+                enabling = Background(lambda: self._set_enabled(target))
                 from deploy_tool.gate import run_gate
 
                 gate = run_gate(self.cfg, self.sd, target, invocation=inv, since=since, on_event=self.log)
                 self._perf_gate(target, st.release)
                 st = self._step(st, "committing")
-                self._commit(st, target)
+                enabling.result()
+                self._commit_state(st, target)
             except DeployError as exc:
+                if enabling is not None:
+                    enabling.wait()
                 if since is not None:  # it was started: its journal tail is that invocation's
                     with contextlib.suppress(DeployError):
                         inv = self.sd.show(target.unit).invocation_id or None
-                return self._rollback(st, target, cur, exc, inv, action, since)
+                return self._rollback(st, target, cur, exc, inv, action, since,
+                                      restore_enablement=enabling is not None)
             secs = time.monotonic() - t0
             self.store.record(action, ok=True, from_backend=cur_name, to_backend=target.name, outcome="switched",
                               seconds=round(secs, 3), release=st.release, reason=reason,
@@ -254,18 +289,25 @@ class Switcher:
         with contextlib.suppress(DeployError):  # only an optimisation: start() gets past a start limit anyway
             self.sd.reset_failed(unit)
 
-    def _commit(self, st: State, target: Backend) -> None:
+    def _set_enabled(self, b: Backend) -> None:
+        """Enable `b` for boot and disable the other backends (idempotent)."""
         # --no-reload: enabling only places [Install] symlinks; no need to reload the manager for that
         # one `disable` for the others whose unit files are installed (a no-op for a disabled one): cheaper
         # than asking `is-enabled` about each first; it runs alongside the `enable` (different symlinks)
-        others = [o.unit for o in self.cfg.other_backends(target.name) if self.sd.unit_path(o.unit).exists()]
-        together(lambda: self.sd.enable(target.unit, reload=False),
+        others = [o.unit for o in self.cfg.other_backends(b.name) if self.sd.unit_path(o.unit).exists()]
+        together(lambda: self.sd.enable(b.unit, reload=False),
                  *([lambda: self.sd.disable(*others, reload=False)] if others else []))
+
+    def _commit(self, st: State, target: Backend) -> None:
+        self._set_enabled(target)
+        self._commit_state(st, target)
+
+    def _commit_state(self, st: State, target: Backend) -> None:
         prev = st.active_backend if st.active_backend != target.name else st.previous_backend
         self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
 
     def _rollback(self, st: State, target: Backend, cur: Backend | None, exc: DeployError, inv: str | None,
-                  action: str, since: float | None = None) -> SwitchResult:
+                  action: str, since: float | None = None, *, restore_enablement: bool = False) -> SwitchResult:
         reason = exc.message.splitlines()[0]
         try:
             journal = self.sd.journal(target.unit, invocation=inv, lines=30, since=since if inv else None)
@@ -279,13 +321,20 @@ class Switcher:
         except DeployError:
             pass
         if cur is None:
+            if restore_enablement:
+                with contextlib.suppress(DeployError):
+                    self.sd.disable(target.unit, reload=False)
             self.store.save(replace(st, operation=None, active_backend=None))
             self.store.record(action, ok=False, from_backend=None, to_backend=target.name, outcome="failed",
                               reason=reason, journal_tail=journal[-4000:])
             raise HealthError(f"{target.name} did not become healthy: {exc.message}", hint=exc.hint)
+        # the previous backend is enabled for boot again whether or not it comes back: it is what served
+        restoring = Background(lambda: self._set_enabled(cur)) if restore_enablement else None
         try:
             self._start_and_gate(cur)
         except DeployError as exc2:
+            if restoring is not None:
+                restoring.wait()
             self.store.save(replace(st, operation=None, active_backend=None))
             self.store.record(action, ok=False, from_backend=cur.name, to_backend=target.name,
                               outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],
@@ -293,6 +342,9 @@ class Switcher:
             raise RollbackFailed(f"{target.name} failed ({reason}) and the rollback to {cur.name} failed too: "
                                  f"{exc2.message}", hint="the box has no working backend: read `deploytool status` "
                                  f"and `journalctl -u {cur.unit}`") from None
+        if restoring is not None:
+            with contextlib.suppress(DeployError):  # boot-time only: the rollback itself succeeded
+                restoring.result()
         self.store.save(replace(st, operation=None, active_backend=cur.name))
         self.store.record(action, ok=False, from_backend=cur.name, to_backend=target.name, outcome="rolled-back",
                           reason=reason, journal_tail=journal[-4000:], release=st.release)
@@ -351,14 +403,19 @@ class Switcher:
             self.store.save(replace(st, operation=None, active_backend=None))
             self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="stopped")
             return SwitchResult(True, "recovered", None, target.name, message="stopped the half-started target")
+        # a switch flips the boot-time enablement during its gate: flip it back
+        restoring = Background(lambda: self._set_enabled(prev))
         try:
             self._start_and_gate(prev)
         except DeployError as exc:
+            restoring.wait()
             self.store.save(replace(st, operation=None, active_backend=None))
             self.store.record("recover", ok=False, interrupted=op.kind, step=op.step, outcome="rollback-failed",
                               reason=exc.message.splitlines()[0])
             raise RollbackFailed(f"recovering the interrupted {op.kind}: {prev.name} did not come back: "
                                  f"{exc.message}") from None
+        with contextlib.suppress(DeployError):
+            restoring.result()
         self.store.save(replace(st, operation=None, active_backend=prev.name))
         self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="rolled-back",
                           to_backend=prev.name)

@@ -152,6 +152,8 @@ def test_switch_failure_rolls_back(installed, systemd_sandbox, case, dropin, rea
         assert chat(installed)["choices"][0]["message"]["content"]
         last = history(installed)[-1]
         assert last["outcome"] == "rolled-back" and last["to_backend"] == "llamacpp-tensor"
+        # what boots is what serves: the enablement flipped during the gate is flipped back
+        assert enabled_units(systemd_sandbox) == {"ftllm-dflash.service"}
         if case == "crash-at-start":
             assert "simulated CUDA crash" in last.get("journal_tail", "") + r.stderr
             assert took < 30
@@ -246,9 +248,14 @@ def test_kill_during_switch_is_recovered(installed, systemd_sandbox, step):
     units = active_units(systemd_sandbox)
     assert len(units) == 1
     assert units == {f"{st['active_backend']}.service"}
+    assert enabled_units(systemd_sandbox) == units  # what boots is what serves
     assert chat(installed)["choices"][0]["message"]["content"]
     if st["active_backend"] != "ftllm-dflash":
         assert dt(installed, "switch", "ftllm").returncode == 0
+
+
+def enabled_units(env) -> set[str]:
+    return {u for u in ("ftllm-dflash.service", "llamacpp-tensor.service") if env.systemd.is_enabled(u) == "enabled"}
 
 
 def test_rollback_fails_too_exits_11(installed, systemd_sandbox):
