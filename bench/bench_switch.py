@@ -74,12 +74,13 @@ def direct_ready(box: Box, backend: str, model_name: str) -> tuple[float, float]
         p.wait(30)
         return ready, time.monotonic() - t1
     finally:
-        os.killpg(p.pid, 15)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            p.wait()
+        if p.poll() is None:  # only the process this function started, by its own group
+            os.killpg(p.pid, 15)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                p.wait()
 
 
 def timed(cfg: Path, *args: str) -> tuple[float, subprocess.CompletedProcess[str]]:

@@ -3,6 +3,8 @@ completion with the configured model name, and (where it can be read) what the p
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +83,27 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
                             interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit, seen),
                             journal_tail=journal)
     on_event(f"{b.name}: ready after {rep.seconds:.1f}s")
+    # the startup log (for the runtime-truth check below) is complete once the server is ready: read it while
+    # the smoke completion runs
+    startup_log: list[str] = []
+
+    def read_startup_log() -> None:
+        if not seen:
+            with contextlib.suppress(Exception):
+                inv = sd.show(b.unit).invocation_id
+                if inv:
+                    seen.append(inv)
+        startup_log.append(sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000, since=since))
+
+    reader = threading.Thread(target=read_startup_log, name="gate-startup-log", daemon=True)
+    reader.start()
+
+    def startup_log_text() -> str:
+        reader.join()
+        if not startup_log:
+            raise RuntimeError("the journal could not be read")
+        return startup_log[0]
+
     try:
         smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key, timeout=cfg.health.smoke_timeout_s,
                                         max_tokens=cfg.health.smoke_max_tokens)
@@ -96,10 +119,7 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     st = sd.show(b.unit)
     report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
                         completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
-    if not seen and st.invocation_id:
-        seen.append(st.invocation_id)
-    truth = runtime_truth(cfg, b, st.main_pid, journal_text=lambda: sd.journal(
-        b.unit, invocation=seen[0] if seen else None, lines=2000, since=since))
+    truth = runtime_truth(cfg, b, st.main_pid, journal_text=startup_log_text)
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:
