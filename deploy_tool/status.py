@@ -139,8 +139,10 @@ def format_history(events: list[dict[str, Any]]) -> str:
         move = ""
         if e.get("from_backend") or e.get("to_backend"):
             move = f" {e.get('from_backend') or '-'} -> {e.get('to_backend') or '-'}"
+        elif e.get("backend"):  # pin: which backend's fingerprints
+            move = f" {e['backend']}"
         extra = e.get("outcome") or ""
         rel = f" release {e['release']}" if e.get("release") else ""
         reason = f": {e['reason']}" if e.get("reason") else ""
-        out.append(f"{e.get('time', '')[:19]} {mark} {what}{move} {extra}{rel}{reason}".rstrip())
+        out.append(f"{e.get('time', '')[:19]} {mark} {what}{move}{f' {extra}' if extra else ''}{rel}{reason}".rstrip())
     return "\n".join(out)
