@@ -864,7 +864,7 @@ def reference_rows() -> list[tuple[str, str, str, str]]:
             inner = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) else [tp]
             if f.default is not dataclasses.MISSING:
                 default = "null" if f.default is None else repr(f.default)
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            elif f.default_factory is not dataclasses.MISSING:
                 default = "(see below)" if dataclasses.is_dataclass(inner[0]) else "{}"
             else:
                 default = "required"

@@ -83,26 +83,29 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
                             interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit, seen),
                             journal_tail=journal)
     on_event(f"{b.name}: ready after {rep.seconds:.1f}s")
-    # the startup log (for the runtime-truth check below) is complete once the server is ready: read it while
-    # the smoke completion runs
-    startup_log: list[str] = []
+    # what the runtime-truth check below needs, gathered while the smoke completion runs (the server is ready,
+    # so its startup log is complete): the unit's MainPID, the startup log, the release's pins and the hashes
+    # verify cached. The mapped libraries themselves are read after the smoke (a lazily loaded one counts).
+    prep: dict[str, Any] = {}
 
-    def read_startup_log() -> None:
-        if not seen:
-            with contextlib.suppress(Exception):
-                inv = sd.show(b.unit).invocation_id
-                if inv:
-                    seen.append(inv)
-        startup_log.append(sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000, since=since))
+    def prepare() -> None:
+        st = sd.show(b.unit)
+        prep["state"] = st
+        if not seen and st.invocation_id:
+            seen.append(st.invocation_id)
+        with contextlib.suppress(Exception):
+            prep["pins"] = release_pins(cfg)
+            prep["hash_file"] = verified_hasher(cfg, b)
+        prep["log"] = sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000, since=since)
 
-    reader = threading.Thread(target=read_startup_log, name="gate-startup-log", daemon=True)
-    reader.start()
+    preparing = threading.Thread(target=lambda: _swallow(prepare), name="gate-prepare", daemon=True)
+    preparing.start()
 
     def startup_log_text() -> str:
-        reader.join()
-        if not startup_log:
+        preparing.join()
+        if "log" not in prep:
             raise RuntimeError("the journal could not be read")
-        return startup_log[0]
+        return str(prep["log"])
 
     try:
         smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key, timeout=cfg.health.smoke_timeout_s,
@@ -116,10 +119,12 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
             exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
         raise
     on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
-    st = sd.show(b.unit)
+    preparing.join()
+    st = prep.get("state") or sd.show(b.unit)
     report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
                         completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
-    truth = runtime_truth(cfg, b, st.main_pid, journal_text=startup_log_text)
+    truth = runtime_truth(cfg, b, st.main_pid, journal_text=startup_log_text, pins=prep.get("pins"),
+                          hash_file=prep.get("hash_file"))
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:
@@ -184,8 +189,17 @@ def host_pid(cfg: Config, pid: int) -> int:
     return Sandbox(cfg.systemd.sandbox).host_pid(pid)
 
 
-def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Callable[[], str]) -> dict[str, Any]:
-    """What the running process actually loaded and what its log says fits; never raises."""
+def _swallow(fn: Callable[[], None]) -> None:
+    with contextlib.suppress(Exception):  # a background helper: whoever needs its results checks for them
+        fn()
+
+
+def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Callable[[], str],
+                  pins: dict[str, Any] | None = None,
+                  hash_file: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """What the running process actually loaded and what its log says fits; never raises.
+
+    `pins` and `hash_file` default to release_pins(cfg) and verified_hasher(cfg, b)."""
     import threading
 
     from deploy_tool import runtime
@@ -204,8 +218,9 @@ def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Calla
 
         pid = host_pid(cfg, main_pid)
         ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
-        rep = runtime.inspect_runtime(pid, kind=b.kind, pins=release_pins(cfg), log_text=log,
-                                      device_profile=b.device, configured_ctx=ctx, hash_file=verified_hasher(cfg, b))
+        rep = runtime.inspect_runtime(pid, kind=b.kind, pins=pins if pins is not None else release_pins(cfg),
+                                      log_text=log, device_profile=b.device, configured_ctx=ctx,
+                                      hash_file=hash_file or verified_hasher(cfg, b))
     except Exception as exc:  # the check must never turn into a crash of the gate
         return {"status": "unknown", "rows": [], "failures": [], "warnings": [f"could not determine: {exc}"]}
     out = rep.to_json()
