@@ -363,9 +363,10 @@ class Systemd:
         after = _parse_cursor(since_cursor) if since_cursor else None
         fetch = n + 1000 if (after or invocation) else n
         ents = []
-        bound = [f"--since=@{max(0, int(since) - 1)}"] if since is not None else []
-        for line in self._jctl("-o", "json", _JOURNAL_FIELDS, "-n", str(fetch), *bound, "-u", unit,
-                               ok=(0, 1)).stdout.splitlines():
+        # with `since`, journalctl seeks to that time and reads forward (what this start logged); with -n as
+        # well it would walk back -n entries from the end, through older invocations, whatever --since says
+        bound = [f"--since=@{max(0, int(since) - 1)}"] if since is not None else ["-n", str(fetch)]
+        for line in self._jctl("-o", "json", _JOURNAL_FIELDS, *bound, "-u", unit, ok=(0, 1)).stdout.splitlines():
             with contextlib.suppress(ValueError):
                 e = json.loads(line)
                 if isinstance(e, dict):

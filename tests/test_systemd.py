@@ -321,6 +321,34 @@ def test_operator_start_gets_past_the_start_limit(sandbox_env: SandboxEnv) -> No
         sd.reset_failed("t-lim.service")
 
 
+def test_journal_since_reads_only_what_this_start_logged(sandbox_env: SandboxEnv) -> None:
+    """journal(since=t) with t taken before a start: that start's lines (also by invocation), none of an earlier
+    start more than a second before."""
+    sd = sandbox_env.systemd
+    # each run prints run-N, N counting up in /run ($$: a literal $ for systemd)
+    sd.install_file("t-since.service", b"[Service]\nExecStart=/bin/sh -c 'n=$$(cat /run/t-since.n 2>/dev/null "
+                                       b"|| echo 0); n=$$((n+1)); echo $$n > /run/t-since.n; echo run-$$n; "
+                                       b"exec sleep 30'\n")
+    sd.daemon_reload()
+    try:
+        sd.start("t-since.service")
+        wait_journal(sd, "run-1", "t-since.service")
+        sd.stop("t-since.service")
+        time.sleep(2.1)
+        t = time.time()
+        sd.start("t-since.service")
+        inv = sd.show("t-since.service").invocation_id
+        wait_journal(sd, "run-2", "t-since.service")
+        text = sd.journal("t-since.service", since=t, lines=2000)
+        assert "run-2" in text and "run-1" not in text
+        by_inv = sd.journal("t-since.service", since=t, invocation=inv, lines=5)
+        assert "run-2" in by_inv and "run-1" not in by_inv
+        assert "run-1" in sd.journal("t-since.service", lines=50)  # it is there without the bound
+    finally:
+        sd.stop("t-since.service")
+        sandbox_env.run("rm", "-f", "/run/t-since.n")
+
+
 def test_invocation_window_orders() -> None:
     """The invocation window copes with journald storing a process's output before or without its invocation id."""
     from deploy_tool.systemd import _invocation_window
