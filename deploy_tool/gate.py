@@ -88,21 +88,35 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     # verify cached. The mapped libraries themselves are read after the smoke (a lazily loaded one counts).
     prep: dict[str, Any] = {}
 
-    def prepare() -> None:
+    def state() -> None:
         st = sd.show(b.unit)
         prep["state"] = st
         if not seen and st.invocation_id:
             seen.append(st.invocation_id)
+
+    def startup_log() -> None:
+        # bounded by the start time, the journal holds only this start's lines: no need to wait for the
+        # invocation id first; without that bound, the invocation's window is needed
+        if since is None:
+            preparing_state.join()
+        prep["log"] = sd.journal(b.unit, invocation=None if since is not None else (seen[0] if seen else None),
+                                 lines=2000, since=since)
+
+    def prepare() -> None:
         with contextlib.suppress(Exception):
             prep["pins"] = release_pins(cfg)
             prep["hash_file"] = verified_hasher(cfg, b)
-        prep["log"] = sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000, since=since)
 
+    preparing_state = threading.Thread(target=lambda: _swallow(state), name="gate-state", daemon=True)
+    preparing_state.start()
+
+    preparing_log = threading.Thread(target=lambda: _swallow(startup_log), name="gate-log", daemon=True)
+    preparing_log.start()
     preparing = threading.Thread(target=lambda: _swallow(prepare), name="gate-prepare", daemon=True)
     preparing.start()
 
     def startup_log_text() -> str:
-        preparing.join()
+        preparing_log.join()
         if "log" not in prep:
             raise RuntimeError("the journal could not be read")
         return str(prep["log"])
@@ -120,6 +134,7 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
         raise
     on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
     preparing.join()
+    preparing_state.join()
     st = prep.get("state") or sd.show(b.unit)
     report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
                         completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)

@@ -365,7 +365,7 @@ class Systemd:
         ents = []
         # with `since`, journalctl seeks to that time and reads forward (what this start logged); with -n as
         # well it would walk back -n entries from the end, through older invocations, whatever --since says
-        bound = [f"--since=@{max(0, int(since) - 1)}"] if since is not None else ["-n", str(fetch)]
+        bound = [f"--since=@{max(0.0, since):.6f}"] if since is not None else ["-n", str(fetch)]
         for line in self._jctl("-o", "json", _JOURNAL_FIELDS, *bound, "-u", unit, ok=(0, 1)).stdout.splitlines():
             with contextlib.suppress(ValueError):
                 e = json.loads(line)
