@@ -313,35 +313,7 @@ def wait_ready(
     def attempt() -> tuple[str, ...]:
         nonlocal attempts
         attempts += 1
-        if unit_state is None:
-            return probe()
-        # the unit's state (a systemctl round trip) is read while the server is probed; a dead unit wins over
-        # whatever the port said (a foreign process may answer there)
-        import threading
-
-        dead: list[BaseException] = []
-
-        def watch() -> None:
-            try:
-                check_unit()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
-                dead.append(exc)
-
-        watcher = threading.Thread(target=watch, name="ready-unit-watch", daemon=True)
-        watcher.start()
-        try:
-            names = probe()
-        except BaseException:
-            watcher.join()
-            if dead:
-                raise dead[0] from None
-            raise
-        watcher.join()
-        if dead:
-            raise dead[0]
-        return names
-
-    def probe() -> tuple[str, ...]:
+        check_unit()
         per_request = max(0.05, min(request_timeout, deadline - clock()))
         try:
             if kind == "llamacpp":
@@ -350,7 +322,8 @@ def wait_ready(
                     raise _NotReady(f"/health 503 {health.text(80)}")
                 _reject_status(kind, base, "/health", health, ok=(200,))
             models = _request("GET", f"{base}/v1/models", timeout=per_request, api_key=api_key)
-        except _Unreachable as exc:  # a dead server's refused connection: the unit check says so right away
+        except _Unreachable as exc:
+            check_unit()  # a refused connection from a dead server: say so now, not at the deadline
             raise _NotReady(exc.detail) from exc
         if models.status == 503 or models.status >= 500:
             raise _NotReady(f"/v1/models {models.status} {models.text(80)}")
