@@ -162,19 +162,10 @@ class Systemd:
         unit started by hand and refused by its ExecStartPre a few times), reset the counter and start once
         more. Costs nothing on the normal path (no reset-failed round trip before every start).
         """
-        self._job_past_limit("start", unit, no_block, past_start_limit)
+        self._job("start", unit, no_block, past_start_limit)
 
     def restart(self, unit: str, *, no_block: bool = False, past_start_limit: bool = False) -> None:
-        self._job_past_limit("restart", unit, no_block, past_start_limit)
-
-    def _job_past_limit(self, verb: str, unit: str, no_block: bool, past_start_limit: bool) -> None:
-        try:
-            self._job(verb, unit, no_block)
-        except SystemdError as exc:
-            if not past_start_limit or "Result=start-limit-hit" not in exc.message:
-                raise
-            self.reset_failed(unit)
-            self._job(verb, unit, no_block)
+        self._job("restart", unit, no_block, past_start_limit)
 
     def stop(self, unit: str, *, no_block: bool = False) -> None:
         validate_unit_name(unit)
@@ -192,7 +183,7 @@ class Systemd:
             raise InputError(f"bad signal {signal!r} or target {who!r}")
         self._ctl("kill", "--signal=" + signal, "--kill-who=" + who, unit)
 
-    def _job(self, verb: str, unit: str, no_block: bool) -> None:
+    def _job(self, verb: str, unit: str, no_block: bool, past_start_limit: bool = False) -> None:
         validate_unit_name(unit)
         res = self._ctl(verb, *(["--no-block"] if no_block else []), unit, ok=range(256), timeout=self.timeout)
         if res.returncode == 0:
@@ -205,6 +196,9 @@ class Systemd:
         except SystemdError:
             state = ""
         if st is not None and st.result == "start-limit-hit":
+            if past_start_limit:  # see start(): reset the counter, then once more
+                self.reset_failed(unit)
+                return self._job(verb, unit, no_block)
             tail = ""  # refused before anything ran: the latest invocation's lines are an older start's
         else:
             # the failed job's own invocation (a failed start gets a fresh InvocationID), not a cursor read
