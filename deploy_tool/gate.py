@@ -3,14 +3,13 @@ completion with the configured model name, and (where it can be read) what the p
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from deploy_tool import health
+from deploy_tool.background import Background
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import DeployError, HealthError, RuntimeTruthError
 from deploy_tool.systemd import Systemd
@@ -86,40 +85,11 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     # what the runtime-truth check below needs, gathered while the smoke completion runs (the server is ready,
     # so its startup log is complete): the unit's MainPID, the startup log, the release's pins and the hashes
     # verify cached. The mapped libraries themselves are read after the smoke (a lazily loaded one counts).
-    prep: dict[str, Any] = {}
-
-    def state() -> None:
-        st = sd.show(b.unit)
-        prep["state"] = st
-        if not seen and st.invocation_id:
-            seen.append(st.invocation_id)
-
-    def startup_log() -> None:
-        # bounded by the start time, the journal holds only this start's lines: no need to wait for the
-        # invocation id first; without that bound, the invocation's window is needed
-        if since is None:
-            preparing_state.join()
-        prep["log"] = sd.journal(b.unit, invocation=None if since is not None else (seen[0] if seen else None),
-                                 lines=2000, since=since)
-
-    def prepare() -> None:
-        with contextlib.suppress(Exception):
-            prep["pins"] = release_pins(cfg)
-            prep["hash_file"] = verified_hasher(cfg, b)
-
-    preparing_state = threading.Thread(target=lambda: _swallow(state), name="gate-state", daemon=True)
-    preparing_state.start()
-
-    preparing_log = threading.Thread(target=lambda: _swallow(startup_log), name="gate-log", daemon=True)
-    preparing_log.start()
-    preparing = threading.Thread(target=lambda: _swallow(prepare), name="gate-prepare", daemon=True)
-    preparing.start()
-
-    def startup_log_text() -> str:
-        preparing_log.join()
-        if "log" not in prep:
-            raise RuntimeError("the journal could not be read")
-        return str(prep["log"])
+    state = Background(lambda: sd.show(b.unit), name="gate-state")
+    # bounded by the start time, the journal holds only this start's lines: no need to wait for the invocation
+    startup_log = (Background(lambda: sd.journal(b.unit, lines=2000, since=since), name="gate-log")
+                   if since is not None else None)
+    release = Background(lambda: (release_pins(cfg), verified_hasher(cfg, b)), name="gate-pins")
 
     try:
         smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key, timeout=cfg.health.smoke_timeout_s,
@@ -133,13 +103,15 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
             exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
         raise
     on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
-    preparing.join()
-    preparing_state.join()
-    st = prep.get("state") or sd.show(b.unit)
+    st = state.result() if state.wait() is None else sd.show(b.unit)
+    if not seen and st.invocation_id:
+        seen.append(st.invocation_id)
     report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
                         completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
-    truth = runtime_truth(cfg, b, st.main_pid, journal_text=startup_log_text, pins=prep.get("pins"),
-                          hash_file=prep.get("hash_file"))
+    pins, hash_file = release.result() if release.wait() is None else (None, None)
+    truth = runtime_truth(cfg, b, st.main_pid, pins=pins, hash_file=hash_file, journal_text=(
+        startup_log.result if startup_log is not None
+        else lambda: sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000)))
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:
@@ -204,37 +176,19 @@ def host_pid(cfg: Config, pid: int) -> int:
     return Sandbox(cfg.systemd.sandbox).host_pid(pid)
 
 
-def _swallow(fn: Callable[[], None]) -> None:
-    with contextlib.suppress(Exception):  # a background helper: whoever needs its results checks for them
-        fn()
-
-
 def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Callable[[], str],
                   pins: dict[str, Any] | None = None,
                   hash_file: Callable[[str], str] | None = None) -> dict[str, Any]:
     """What the running process actually loaded and what its log says fits; never raises.
 
     `pins` and `hash_file` default to release_pins(cfg) and verified_hasher(cfg, b)."""
-    import threading
-
     from deploy_tool import runtime
 
     try:
-        # the startup log is read (a journalctl round trip) while the mapped libraries are looked at
-        logs: list[str] = []
-        reader = threading.Thread(target=lambda: logs.append(journal_text()), name="gate-journal", daemon=True)
-        reader.start()
-
-        def log() -> str:
-            reader.join()
-            if not logs:
-                raise RuntimeError("the journal could not be read")
-            return logs[0]
-
         pid = host_pid(cfg, main_pid)
         ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
         rep = runtime.inspect_runtime(pid, kind=b.kind, pins=pins if pins is not None else release_pins(cfg),
-                                      log_text=log, device_profile=b.device, configured_ctx=ctx,
+                                      log_text=journal_text, device_profile=b.device, configured_ctx=ctx,
                                       hash_file=hash_file or verified_hasher(cfg, b))
     except Exception as exc:  # the check must never turn into a crash of the gate
         return {"status": "unknown", "rows": [], "failures": [], "warnings": [f"could not determine: {exc}"]}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from deploy_tool import systemd as systemd_mod
+from deploy_tool.background import Background, together
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import (
     CheckFailed,
@@ -45,57 +46,6 @@ FAULT_ENV = "DEPLOYTOOL_FAULT"  # fault injection for crash tests: "kill:<step>"
 STEPS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
 
 Log = Callable[[str], None]
-
-
-def together(*fns: Callable[[], object]) -> None:
-    """Run independent systemctl round trips at the same time; the first error (in argument order) is raised
-    once all have finished."""
-    import threading
-
-    errors: list[BaseException | None] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            errors[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"switch-{i}") for i in range(1, len(fns))]
-    for t in threads:
-        t.start()
-    run(0)
-    for t in threads:
-        t.join()
-    for e in errors:
-        if e is not None:
-            raise e
-
-
-class Background:
-    """One call on a thread (a systemctl round trip that need not hold up the next step)."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        import threading
-
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="switch-bg", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the result
-            self._error = exc
-
-    def wait(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
-
-    def result(self) -> None:
-        """Wait; raise what the call raised."""
-        err = self.wait()
-        if err is not None:
-            raise err
 
 
 def _load_gate() -> None:
