@@ -86,6 +86,15 @@ def _nothing_written(fresh, before: dict) -> None:
     assert not (fresh["root"] / "opt" / "deploytool" / "releases").exists()
 
 
+def _refused(fresh, bundle: Path, code: int, python: str = SYSTEM_PYTHON) -> subprocess.CompletedProcess[str]:
+    """Run BUNDLE/bootstrap on the box (--no-start); assert exit `code` and that nothing was written."""
+    before = tree(fresh["root"])
+    r = on_box(fresh["box"], [python, str(bundle / "bootstrap"), "--config", str(fresh["cfg"]), "--no-start"])
+    assert r.returncode == code, r.stdout + r.stderr
+    _nothing_written(fresh, before)
+    return r
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 
@@ -102,12 +111,8 @@ def test_bundle_carries_the_bootstrap_listed_in_its_manifest(fresh):
 @pytest.mark.parametrize("python", OLD_PYTHONS, ids=lambda p: p.parts[-3])
 def test_old_python_is_refused_before_anything_is_written(fresh, python):
     """A python3 older than 3.11 (even 2.7) gets one clear line and exit 16; the box stays untouched."""
-    before = tree(fresh["root"])
-    r = on_box(fresh["box"], [str(python), str(fresh["bundle"] / "bootstrap"), "--config", str(fresh["cfg"]),
-                              "--no-start"])
-    assert r.returncode == 16, r.stdout + r.stderr
+    r = _refused(fresh, fresh["bundle"], 16, python=str(python))
     assert "needs Python 3.11 or newer" in r.stderr and "Traceback" not in r.stderr
-    _nothing_written(fresh, before)
 
 
 def test_bundle_without_tool_wheels_is_refused(fresh, tmp_path):
@@ -120,12 +125,8 @@ def test_bundle_without_tool_wheels_is_refused(fresh, tmp_path):
         fresh["box"] / "no-tool", name="cpu-demo", key_path=fresh["dir"] / "keys" / "deploytool.key",
         archive=False)
     try:
-        before = tree(fresh["root"])
-        r = on_box(fresh["box"], [SYSTEM_PYTHON, str(info.directory / "bootstrap"), "--config", str(fresh["cfg"]),
-                                  "--no-start"])
-        assert r.returncode == 6, r.stdout + r.stderr
+        r = _refused(fresh, info.directory, 6)
         assert "no deploytool wheels" in r.stderr and "tool/wheels/" in r.stderr and "Traceback" not in r.stderr
-        _nothing_written(fresh, before)
     finally:
         shutil.rmtree(fresh["box"] / "no-tool")
 
@@ -139,12 +140,8 @@ def test_damaged_tool_wheel_is_refused_before_install(fresh):
         data = bytearray(whl.read_bytes())
         data[len(data) // 2] ^= 0xFF
         whl.write_bytes(bytes(data))
-        before = tree(fresh["root"])
-        r = on_box(fresh["box"], [SYSTEM_PYTHON, str(bad / "bootstrap"), "--config", str(fresh["cfg"]),
-                                  "--no-start"])
-        assert r.returncode == 6, r.stdout + r.stderr
+        r = _refused(fresh, bad, 6)
         assert whl.name in r.stderr and "does not match the MANIFEST" in r.stderr
-        _nothing_written(fresh, before)
     finally:
         shutil.rmtree(bad)
 
@@ -158,12 +155,8 @@ def test_untrusted_signer_is_refused_before_any_bundle_code_runs(fresh, tmp_path
     shutil.copytree(fresh["bundle"], bad)
     try:
         (bad / "MANIFEST.sig").write_bytes(manifest.sign((bad / "MANIFEST").read_bytes(), tmp_path / "other.key"))
-        before = tree(fresh["root"])
-        r = on_box(fresh["box"], [SYSTEM_PYTHON, str(bad / "bootstrap"), "--config", str(fresh["cfg"]),
-                                  "--no-start"])
-        assert r.returncode == 6, r.stdout + r.stderr
+        r = _refused(fresh, bad, 6)
         assert "untrusted-key" in r.stderr and "creating deploytool's venv" not in r.stderr
-        _nothing_written(fresh, before)
     finally:
         shutil.rmtree(bad)
 
@@ -181,12 +174,8 @@ def test_wheel_swapped_with_its_manifest_line_is_refused_by_the_signature(fresh)
         man = (bad / "MANIFEST").read_bytes()
         assert old.encode() in man
         (bad / "MANIFEST").write_bytes(man.replace(old.encode(), hashlib.sha256(data).hexdigest().encode()))
-        before = tree(fresh["root"])
-        r = on_box(fresh["box"], [SYSTEM_PYTHON, str(bad / "bootstrap"), "--config", str(fresh["cfg"]),
-                                  "--no-start"])
-        assert r.returncode == 6, r.stdout + r.stderr
+        r = _refused(fresh, bad, 6)
         assert "signature-invalid" in r.stderr and "creating deploytool's venv" not in r.stderr
-        _nothing_written(fresh, before)
     finally:
         shutil.rmtree(bad)
 

@@ -15,6 +15,7 @@ so a bundle packed here is installed here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -101,8 +102,8 @@ class Box:
 
     cfg: Path
 
-    @property
-    def _paths(self) -> dict[str, str]:
+    @functools.cached_property
+    def _paths(self) -> dict[str, str]:  # read once: every path property below comes from it
         data = yaml.safe_load(self.cfg.read_text())
         return {k: str((self.cfg.parent / v).resolve()) if not str(v).startswith("/") else str(v)
                 for k, v in data["paths"].items() if isinstance(v, str)}
