@@ -3,10 +3,10 @@
 
 Sets up its own cpu-demo box (packed bundle, sandboxed systemd, `deploytool install`) under .cache/, then:
 
-1. Control overhead = switch wall time (the CLI as a user runs it: interpreter start to exit) minus the target's
-   own time to ready, measured in the same run: the target's ExecStart line from its installed unit, run directly
-   as a process (same binary, model, env file; another free port) while the other backend serves, polled every
-   20 ms until ready (/health for llama-server, /v1/models for ftllm). Median of --runs switches each way.
+1. Control overhead = switch wall time (the installed CLI as a user on the box runs it, interpreter start to
+   exit) minus the target's own time to ready, measured in the same run: the target's ExecStart line from its
+   installed unit, run directly as a process (same binary, model, env file; another free port) while the other
+   backend serves, polled every 20 ms until ready (/health for llama-server, /v1/models for ftllm). Median of --runs switches each way.
    Goal: <= 0.5 s. Also shown: the replaced backend's own exit time (run directly: SIGTERM to exit), which the
    overhead includes since a switch must wait for the port, and the rest after taking it out.
 2. Crash to rollback: a drop-in makes the target's ExecStart print its exit time (CLOCK_REALTIME, ns) and exit 3
@@ -83,17 +83,27 @@ def direct_ready(box: Box, backend: str, model_name: str) -> tuple[float, float]
                 p.wait()
 
 
+def installed_cli(cfg: Path) -> list[str]:
+    """The deploytool a user on the box runs: the installed release's tool venv (`{current}/tool/bin/deploytool`),
+    the same program as the units' ExecStartPre. (Not this checkout's venv: besides being another program, its
+    PyYAML is another file, so it and the ExecStartPre would keep re-parsing the config and rewriting its parse
+    cache for each other.)"""
+    return [str(Box(cfg).current / "tool" / "bin" / "deploytool")]
+
+
 def timed(cfg: Path, *args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
+    e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     t0 = time.monotonic()
-    r = dt(cfg, *args)
+    r = subprocess.run([*installed_cli(cfg), "--config", str(cfg), *args], capture_output=True, text=True,
+                       timeout=600, env=e, cwd=cfg.parent)
     return time.monotonic() - t0, r
 
 
 def trace(cfg: Path, *args: str) -> list[tuple[float, str]]:
     """The CLI's stderr lines (with -v: every external command) stamped with seconds since it was spawned."""
-    e = {**os.environ, "PYTHONPATH": str(REPO)}
+    e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "deploy_tool", "-v", "--config", str(cfg), *args], text=True,
+    p = subprocess.Popen([*installed_cli(cfg), "-v", "--config", str(cfg), *args], text=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=e, cwd=cfg.parent)
     assert p.stderr is not None
     # only the CLI's own lines ("  message") and commands ("+ argv"): -v also turns on the `sh` library's debug log
@@ -111,9 +121,10 @@ def profile(cfg: Path, *args: str, top: int = 30) -> list[tuple[float, str]]:
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".prof") as f:
-        e = {**os.environ, "PYTHONPATH": str(REPO)}
+        e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+        python = Box(cfg).current / "tool" / "venv" / "bin" / "python"  # the installed tool's interpreter
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "cProfile", "-o", f.name, "-m", "deploy_tool", "--config", str(cfg),
+        subprocess.run([str(python), "-m", "cProfile", "-o", f.name, "-m", "deploy_tool", "--config", str(cfg),
                         *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=e, cwd=cfg.parent,
                        check=True)
         wall = time.monotonic() - t0

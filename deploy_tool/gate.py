@@ -89,7 +89,7 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     # bounded by the start time, the journal holds only this start's lines: no need to wait for the invocation
     startup_log = (Background(lambda: sd.journal(b.unit, lines=2000, since=since), name="gate-log")
                    if since is not None else None)
-    release = Background(lambda: (release_pins(cfg), verified_hasher(cfg, b)), name="gate-pins")
+    release = Background(lambda: (release_pins(cfg, b.kind), verified_hasher(cfg, b)), name="gate-pins")
 
     try:
         smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key, timeout=cfg.health.smoke_timeout_s,
@@ -142,8 +142,17 @@ def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:
     return hash_file
 
 
-def release_pins(cfg: Config) -> dict[str, Any]:
-    """runtime.Pin per native library the release knows (venv libraries from the MANIFEST, the bundled NCCL)."""
+#: The native library families each backend kind loads (runtime.KNOWN_LIBRARIES); the other kind's libraries,
+#: which share the release's venv, are not expected in its process.
+KIND_FAMILIES = {
+    "ftllm": ("libfastllm_tools", "libnccl", "libcudart", "libcublas"),
+    "llamacpp": ("libggml", "libllama", "libnccl", "libcudart", "libcublas"),
+}
+
+
+def release_pins(cfg: Config, kind: str | None = None) -> dict[str, Any]:
+    """runtime.Pin per native library the release knows (venv libraries from the MANIFEST, the bundled NCCL);
+    with `kind`, only the families a backend of that kind loads."""
     import os
     from pathlib import Path
 
@@ -155,7 +164,7 @@ def release_pins(cfg: Config) -> dict[str, Any]:
         man = Manifest.from_bytes((cur / "MANIFEST").read_bytes())
     except (OSError, DeployError):
         return {}
-    families = ("libfastllm_tools", "libggml", "libllama", "libnccl", "libcudart", "libcublas")
+    families = KIND_FAMILIES.get(kind or "", tuple(sorted({f for fs in KIND_FAMILIES.values() for f in fs})))
     pins: dict[str, Any] = {}
     for rel, sha in man.native_libs.items():
         name = rel.rsplit("/", 1)[-1]
@@ -181,13 +190,13 @@ def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Calla
                   hash_file: Callable[[str], str] | None = None) -> dict[str, Any]:
     """What the running process actually loaded and what its log says fits; never raises.
 
-    `pins` and `hash_file` default to release_pins(cfg) and verified_hasher(cfg, b)."""
+    `pins` and `hash_file` default to release_pins(cfg, b.kind) and verified_hasher(cfg, b)."""
     from deploy_tool import runtime
 
     try:
         pid = host_pid(cfg, main_pid)
         ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
-        rep = runtime.inspect_runtime(pid, kind=b.kind, pins=pins if pins is not None else release_pins(cfg),
+        rep = runtime.inspect_runtime(pid, kind=b.kind, pins=pins if pins is not None else release_pins(cfg, b.kind),
                                       log_text=journal_text, device_profile=b.device, configured_ctx=ctx,
                                       hash_file=hash_file or verified_hasher(cfg, b))
     except Exception as exc:  # the check must never turn into a crash of the gate

@@ -337,6 +337,31 @@ def test_pinned_but_not_mapped_warns(tmp_path):
     assert report.rows[0].path is None and report.rows[0].pinned
 
 
+def test_unmapped_copies_and_variants_of_a_mapped_library_do_not_warn(tmp_path):
+    """A wheel stores libllama.so, libllama.so.0 and libllama.so.0.1.0 as three copies; the process maps one. The
+    CPU and CUDA builds of one-file libfastllm_tools are alternatives; the process maps one. Neither other name
+    is a warning. A distinct pinned file the process does not map still is."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    for n in ("libllama.so", "libllama.so.0", "libllama.so.0.1.0"):
+        (d / n).write_bytes(b"llama build 1")
+    (d / "libggml-base.so.0").write_bytes(b"ggml base")
+    (d / "libfastllm_tools-cpu.so").write_bytes(b"cpu build")
+    (d / "libfastllm_tools.so").write_bytes(b"cuda build")
+    pins = {p.name: Pin(str(p), sha256(p)) for p in d.iterdir()}
+    mapped = [d / "libllama.so.0", d / "libfastllm_tools-cpu.so"]
+    libs = [LoadedLib(str(p), 7, inode=p.stat().st_ino, dev=_maps_dev(p)) for p in mapped]
+    report = runtime.assess_libraries(libs, pins, hash_file=HashCache())
+    warned = sorted(f.subject for f in report.findings if f.status == WARN)
+    assert warned == ["libggml-base.so.0"], report.findings
+    assert not [f for f in report.findings if f.status != WARN]
+
+
+def _maps_dev(p: Path) -> str:
+    st = p.stat()
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+
+
 def test_unknown_libraries_are_ignored(tmp_path):
     """Libraries outside the known families (libc, libm...) produce neither rows nor findings."""
     libs = [LoadedLib("/usr/lib/libc.so.6", 1), LoadedLib("/usr/lib/libm.so.6", 1)]
