@@ -1,6 +1,6 @@
 """The `deploytool` console entry: a fast path for the units' ExecStartPre, everything else through click.
 
-`deploytool [--config PATH] verify BACKEND [--no-cache]` with stdout not a terminal (how systemd runs it
+`deploytool [--config PATH] verify BACKEND [--no-cache] [--await-port]` with stdout not a terminal (how systemd runs it
 before every start) is handled here without importing click or the command modules, which is about a third
 of the start-up time of a fully cached verify. The output, the error lines and the exit codes are the same
 as the click command's (tests compare them); any other command line, or a terminal (colors), goes to click.
@@ -14,8 +14,8 @@ import os
 import sys
 
 
-def _parse(argv: list[str]) -> tuple[str | None, str, bool] | None:
-    """(config, backend, no_cache) for the exact shapes the fast path serves, else None."""
+def _parse(argv: list[str]) -> tuple[str | None, str, bool, bool] | None:
+    """(config, backend, no_cache, await_port) for the exact shapes the fast path serves, else None."""
     config = None
     args = list(argv)
     if args[:1] in (["--config"], ["-c"]) and len(args) >= 2:
@@ -25,12 +25,12 @@ def _parse(argv: list[str]) -> tuple[str | None, str, bool] | None:
     if len(args) < 2 or args[0] != "verify" or args[1].startswith("-"):
         return None
     rest = args[2:]
-    if rest not in ([], ["--no-cache"]):
+    if len(set(rest)) != len(rest) or not set(rest) <= {"--no-cache", "--await-port"}:
         return None
-    return config, args[1], rest == ["--no-cache"]
+    return config, args[1], "--no-cache" in rest, "--await-port" in rest
 
 
-def fast_verify(config_path: str | None, backend: str, no_cache: bool) -> int:
+def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_port: bool = False) -> int:
     """Run verify like the click command does; return the exit code."""
     from pathlib import Path
 
@@ -50,6 +50,11 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool) -> int:
         sys.stdout.flush()
         if not report.ok:
             raise fingerprint.drift_error(report)
+        if await_port:
+            from deploy_tool import portwait
+
+            sys.stdout.write(portwait.await_for_backend(cfg, b) + "\n")
+            sys.stdout.flush()
         return 0
     except DeployError as exc:
         sys.stderr.write(f"error: {exc.message}\n" + (f"hint: {exc.hint}\n" if exc.hint else ""))

@@ -49,13 +49,91 @@ def api_key(cfg: Config) -> str | None:
 
 
 def snapshot(sd: Systemd, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:
-    st = sd.show(unit)
+    return _snapshot(sd.show(unit), unit, seen)
+
+
+def _snapshot(st: Any, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:
     if seen is not None and st.invocation_id and not seen:
         seen.append(st.invocation_id)  # the first invocation the gate watched: the start it is gating
     code = {1: "exited", 2: "killed", 3: "dumped"}.get(st.exec_main_code, "")
     return health.UnitSnapshot(active_state=st.active_state, sub_state=st.sub_state, result=st.result,
                                exec_main_status=st.exec_main_status if code else None, exec_main_code=code,
                                name=unit)
+
+
+class UnitWatch:
+    """How the readiness wait watches the started unit, cheaply enough to probe every few tens of milliseconds.
+
+    The first look is a `systemctl show` (state, invocation, MainPID). After that the main process itself is
+    watched through a pidfd: poll() on it wakes the moment the process exits, so the wait between probes ends
+    at once and the unit's state is read again right then. Otherwise the unit is re-read only every
+    `recheck_s` (a backstop for anything a process exit does not show). Without a pidfd (an old kernel, no
+    MainPID yet, a process that is not the unit's), every look is a `systemctl show`, as before.
+    """
+
+    def __init__(self, sd: Systemd, unit: str, *, seen: list[str] | None = None,
+                 to_host_pid: Callable[[int], int] = lambda pid: pid, recheck_s: float = 1.0) -> None:
+        self.sd, self.unit, self.seen, self.recheck_s = sd, unit, seen, recheck_s
+        self.to_host_pid = to_host_pid  # MainPID as systemd reports it -> this process's view of the PID
+        self.fd: int | None = None
+        self.exited = False
+        self._last = float("-inf")
+
+    def state(self) -> health.UnitSnapshot | None:
+        """The unit's state when it was read now; None when the process is known alive (nothing new)."""
+        if self.fd is not None and not self.exited and time.monotonic() - self._last < self.recheck_s:
+            self.exited = _readable(self.fd, 0)
+            if not self.exited:
+                return None
+        st = self.sd.show(self.unit)
+        self._last = time.monotonic()
+        snap = _snapshot(st, self.unit, self.seen)
+        if self.fd is None and not snap.dead and st.main_pid:
+            try:
+                self.fd = _pidfd(self.to_host_pid(st.main_pid), self.unit)
+            except DeployError:  # the sandbox could not map the PID: keep asking systemd
+                self.fd = None
+        return snap
+
+    def sleep(self, seconds: float) -> None:
+        """Wait up to `seconds`, less if the watched process exits meanwhile."""
+        if self.fd is None or self.exited:
+            time.sleep(seconds)
+        else:
+            self.exited = _readable(self.fd, seconds)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            import os
+
+            os.close(self.fd)
+            self.fd = None
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    import select
+
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(max(0, int(timeout * 1000))))
+
+
+def _pidfd(pid: int, unit: str) -> int | None:
+    """A pidfd for `pid` if it is a process of `unit` (its cgroup says so), else None."""
+    import os
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+    try:  # opened after `show` named it: make sure the PID still belongs to the unit (not reused)
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
+            if any(line.rstrip().endswith("/" + unit) for line in f):
+                return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = None, since: float | None = None,
@@ -76,11 +154,15 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
         except Exception:  # the journal is evidence, not a precondition
             return ""
 
-    rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key,
-                            timeout=timeout if timeout is not None else (b.start_timeout_s
-                                                                          or cfg.health.start_timeout_s),
-                            interval=cfg.health.interval_s, unit_state=lambda: snapshot(sd, b.unit, seen),
-                            journal_tail=journal)
+    watch = UnitWatch(sd, b.unit, seen=seen, to_host_pid=lambda pid: host_pid(cfg, pid))
+    try:
+        rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key,
+                                timeout=timeout if timeout is not None else (b.start_timeout_s
+                                                                              or cfg.health.start_timeout_s),
+                                interval=cfg.health.interval_s, unit_state=watch.state, journal_tail=journal,
+                                sleep=watch.sleep)
+    finally:
+        watch.close()
     on_event(f"{b.name}: ready after {rep.seconds:.1f}s")
     # what the runtime-truth check below needs, gathered while the smoke completion runs (the server is ready,
     # so its startup log is complete): the unit's MainPID, the startup log, the release's pins and the hashes

@@ -132,7 +132,9 @@ def backend_env(cfg: Config, b: Backend) -> list[tuple[str, str]]:
 
 
 def verify_argv(cfg: Config, b: Backend) -> list[str]:
-    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "verify", b.name]
+    # --await-port: a switch starts the target while the current backend exits; the server execs once the
+    # port is free (and a foreign holder fails the start at once, named)
+    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "verify", b.name, "--await-port"]
 
 
 def _env():

@@ -90,7 +90,8 @@ def plan(cfg: Config, st: State, target: Backend) -> list[str]:
              f"preflight {target.name}: config checks, fingerprints (deploytool verify {target.name})"]
     if cur:
         steps.append(f"stop {cur}.service (it serves until here)")
-    steps += [f"start {target.unit}",
+    steps += [f"start {target.unit}" + (": its ExecStartPre checks the fingerprints while the current backend "
+                                        "exits, then waits until it is gone and the port is free" if cur else ""),
               f"health gate: {target.kind} readiness on port {cfg.serve.port}, smoke completion as "
               f"{cfg.serve.model_name!r}",
               f"commit: enable {target.unit}, disable the others, write state and history"]
@@ -192,22 +193,29 @@ class Switcher:
             since: float | None = None
             enabling: Background | None = None
             try:
+                overlap = cur is not None and self._awaits_port(target)
                 if cur is not None:
                     st = self._step(st, "stopping-current")
                     self.log(f"stopping {cur.unit}")
-                    # while it stops: clear the target's failed state and start-limit counter (a refused start
-                    # and its retry would cost more than this round trip)
-                    together(lambda: self.sd.stop(cur.unit), lambda: self._quiet_reset(target.unit), _load_gate)
-                if port_owner_answers(self.cfg.serve.host, self.cfg.serve.port):
+                    # with the target's unit waiting for the other backends itself (verify --await-port), the stop
+                    # is only queued: the target's start below runs its fingerprint check while the current backend
+                    # exits, and its server execs the moment the last process of the current one is gone (GPU
+                    # memory and port free). Meanwhile: clear the target's failed state and start-limit counter
+                    # (a refused start and its retry would cost more than this round trip).
+                    together(lambda: self.sd.stop(cur.unit, no_block=overlap),
+                             lambda: self._quiet_reset(target.unit), *([] if overlap else [_load_gate]))
+                if not overlap and port_owner_answers(self.cfg.serve.host, self.cfg.serve.port):
                     raise HealthError(f"port {self.cfg.serve.port} is taken by another process after stopping "
                                       f"{cur_name or 'the backends'}; {target.name} cannot bind it",
                                       hint=f"find it with `ss -ltnp 'sport = :{self.cfg.serve.port}'` and stop it",
                                       details={"reason": "port-taken"})
                 st = self._step(st, "starting-target")
-                self.log(f"starting {target.unit}")
+                self.log(f"starting {target.unit}" + (f" (it takes the port once {cur.name} has exited)"
+                                                      if overlap and cur is not None else ""))
                 # a failed unit starts again as is, a start-limit-hit one after a reset
                 since = time.time()
-                self.sd.start(target.unit, past_start_limit=True)
+                together(lambda: self.sd.start(target.unit, past_start_limit=True),
+                         *([_load_gate] if overlap else []))
                 st = self._step(st, "gate")
                 # the boot-time enablement (symlinks only) is flipped while the gate waits; a rollback, or a
                 # recover after a crash, flips it back
@@ -234,6 +242,16 @@ class Switcher:
             return SwitchResult(True, "switched", cur_name, target.name, seconds=secs, gate=gate.to_json(),
                                 message=f"{target.name} is serving {self.cfg.serve.model_name!r} on port "
                                         f"{self.cfg.serve.port} ({secs:.1f}s)")
+
+    def _awaits_port(self, b: Backend) -> bool:
+        """Whether b's installed unit waits for the served port in its ExecStartPre (units rendered by this
+        deploytool do); a unit without it gets the stop and the start one after the other."""
+        try:
+            text = self.sd.unit_path(b.unit).read_text("utf-8", errors="replace")
+        except OSError:
+            return False
+        return any(ln.startswith("ExecStartPre=") and " verify " in ln and "--await-port" in ln
+                   for ln in text.splitlines())
 
     def _quiet_reset(self, unit: str) -> None:
         with contextlib.suppress(DeployError):  # only an optimisation: start() gets past a start limit anyway

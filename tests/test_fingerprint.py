@@ -9,11 +9,13 @@ sm_80) cubin, because a real NCCL built for sm_75 does not exist on this machine
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -704,6 +706,16 @@ def test_fast_entry_answers_exactly_like_the_click_command(tree: rt.Tree) -> Non
     fp.pin(tree.cfg, FT, "install")
     assert same("--config", cfgp, "verify", FT) == 0
     assert same("-c", cfgp, "verify", "ftllm", "--no-cache") == 0
+    # --await-port (the units' ExecStartPre): the served port held by a process that is no backend unit, this
+    # test itself, fails at once (exit 9) with the holder named, the same on both paths
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # if something else has it, it is held all the same
+            s.bind((tree.cfg.serve.host, tree.cfg.serve.port))
+            s.listen()
+        assert same("--config", cfgp, "verify", FT, "--await-port") == 9
+        assert same("--config", cfgp, "verify", FT, "--no-cache", "--await-port") == 9
+    assert same("--config", cfgp, "verify", FT, "--await-port") in (0, 9)  # 0 unless another program holds it
     flip_byte(tree.site_packages / "ftllm/libfastllm_tools.so", 2222)
     assert same(f"--config={cfgp}", "verify", FT) == 7
     assert same("--config", cfgp, "verify", "nosuch") == 3

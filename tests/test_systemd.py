@@ -369,3 +369,62 @@ def test_invocation_window_orders() -> None:
     assert msgs(b) == ["b-before-start", "Starting", "b-run", "Failed", "b-late"]
     assert msgs(c) == ["c-before-start", "Starting", "c-untagged"]
     assert msgs("d" * 32) == []
+
+
+class _CountingShows:
+    """The real Systemd, counting `show` calls (what the readiness wait would otherwise pay per probe)."""
+
+    def __init__(self, sd: Systemd) -> None:
+        self.sd, self.shows = sd, 0
+
+    def show(self, unit: str):
+        self.shows += 1
+        return self.sd.show(unit)
+
+
+def test_unit_watch_reads_the_unit_only_when_its_process_exits(sandbox_env: SandboxEnv) -> None:
+    """The gate's UnitWatch: one `show` to learn MainPID, then none while the process lives; its exit wakes a
+    long sleep at once, and the next look reads the unit's failure from systemd."""
+    from deploy_tool.gate import UnitWatch
+
+    sd = sandbox_env.systemd
+    sd.install_file("t-watch.service", b"[Service]\nType=exec\nExecStart=/bin/sh -c 'sleep 1.5; exit 3'\n")
+    sd.daemon_reload()
+    sd.start("t-watch.service")
+    counting = _CountingShows(sd)
+    watch = UnitWatch(counting, "t-watch.service", to_host_pid=sandbox_env.sandbox.host_pid)  # type: ignore[arg-type]
+    try:
+        first = watch.state()
+        assert first is not None and not first.dead and watch.fd is not None
+        assert [watch.state() for _ in range(20)] == [None] * 20  # alive: nothing asked of systemd
+        assert counting.shows == 1
+        t0 = time.monotonic()
+        watch.sleep(30)
+        assert watch.exited and time.monotonic() - t0 < 5  # woken by the exit, not by the 30 s
+        deadline = time.monotonic() + 5
+        snap = watch.state()
+        while snap is not None and not snap.dead and time.monotonic() < deadline:  # systemd reaps it just after
+            time.sleep(0.02)
+            snap = watch.state()
+        assert snap is not None and snap.dead and snap.exec_main_status == 3, snap
+    finally:
+        watch.close()
+
+
+def test_unit_watch_without_a_pidfd_asks_systemd_every_time(sandbox_env: SandboxEnv) -> None:
+    """A MainPID that does not map to a process of the unit (here: this test's own PID) gets no pidfd: every look
+    is a `show`, as before, so a dead unit is still seen."""
+    from deploy_tool.gate import UnitWatch
+
+    sd = sandbox_env.systemd
+    port = free_port()
+    sd.install_file("t-watch2.service", web_unit(port))
+    sd.daemon_reload()
+    sd.start("t-watch2.service")
+    counting = _CountingShows(sd)
+    watch = UnitWatch(counting, "t-watch2.service", to_host_pid=lambda pid: os.getpid())  # type: ignore[arg-type]
+    try:
+        assert watch.state() is not None and watch.fd is None
+        assert watch.state() is not None and counting.shows == 2
+    finally:
+        watch.close()

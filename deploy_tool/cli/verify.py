@@ -22,8 +22,12 @@ def _json(data: object) -> None:
 @click.option("--no-cache", is_flag=True, help="Hash every file; ignore the (device, inode, size, mtime, ctime) "
                                                "cache in the state dir.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--await-port", is_flag=True,
+              help="Then wait until no process of the other backends runs (their GPU memory and the port go with "
+                   "them; a switch starts the target while the current one exits), up to 90 s, and fail (exit 9) if "
+                   "anything else holds the served port. The units' ExecStartPre uses this.")
 @pass_ctx
-def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool) -> None:
+def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool, await_port: bool) -> None:
     """Check BACKEND's fingerprints against its pins; exit 7 listing item, expected, actual on any change.
 
     \b
@@ -31,7 +35,7 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool) -> None:
     ftllm and Python versions, native library hashes, unit and env files, chat template, NCCL (and its GPU
     architecture), llama-server binary, build and libraries, model and draft config and weight sizes.
     A deliberate change is re-pinned with `deploytool pin BACKEND --reason TEXT`.
-    Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins).
+    Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins), 9 port held (--await-port).
     """
     from deploy_tool import fingerprint
     from deploy_tool.errors import ExitCode
@@ -42,13 +46,22 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool) -> None:
     b = cfg.backend(backend)
     report = fingerprint.verify(cfg, b, use_cache=not no_cache)
     if ctx.json:
-        _json(report.to_json())
+        data = report.to_json()
+        if report.ok and await_port:
+            from deploy_tool import portwait
+
+            data["port"] = portwait.await_for_backend(cfg, b)
+        _json(data)
         if not report.ok:
             sys.exit(int(ExitCode.DRIFT))
         return
     text = fingerprint.format_report(report)
     if report.ok:
         click.echo(text)
+        if await_port:
+            from deploy_tool import portwait
+
+            click.echo(portwait.await_for_backend(cfg, b))
         return
     first, _, rest = text.partition("\n")
     click.echo(click.style(first, fg="red", bold=True))  # styles are dropped when stdout is not a terminal

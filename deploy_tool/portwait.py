@@ -1,0 +1,234 @@
+"""Wait, in a backend's ExecStartPre (`deploytool verify BACKEND --await-port`), until the other backends are gone
+and the served port can be bound.
+
+Both backends serve one port and, on the real box, fill the same two GPUs. A start must not exec its server while
+any process of the other backend still runs: not only for the port (a server may close its listener long before
+it exits) but for its GPU memory, freed only when the process is gone. A switch queues the current backend's stop
+and starts the target at once: the target's fingerprint check runs while the current one exits, and this wait
+lets the server exec the moment the last process of the other backend has exited (instead of the whole start
+beginning only then). A plain `systemctl start` of one backend while the other runs gets the same guarantee
+(Conflicts= stops the other, but without an ordering: in parallel).
+
+Then the port: free, go; held by anything (a foreign server, a process this check cannot see), fail at once,
+naming it, so a switch rolls back in a second instead of waiting out a timeout.
+
+Only the standard library: this runs before every start.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from deploy_tool.errors import DeployError, ExitCode
+
+
+class PortTaken(DeployError):
+    """The served port is held by a process that is not one of the backends (or not released in time)."""
+
+    exit_code = ExitCode.HEALTH
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    comm: str
+    cgroup: str  # the unified-hierarchy path as this process sees it ("/system.slice/ftllm-dflash.service")
+
+    def describe(self) -> str:
+        return f"pid {self.pid} ({self.comm}, cgroup {self.cgroup or '?'})"
+
+
+def can_bind(host: str, port: int) -> bool:
+    """Whether a server could bind host:port now (SO_REUSEADDR, as llama-server and uvicorn bind)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise PortTaken(f"cannot bind {host}:{port}: {exc.strerror or exc}",
+                            hint="serve.host must be an address of this machine (or 0.0.0.0)") from None
+    return True
+
+
+def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
+    """Socket inodes of TCP listeners on `port` (any address), from /proc/net/tcp and tcp6."""
+    out: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc}/net/{name}", encoding="ascii") as f:
+                next(f, None)  # header
+                for line in f:
+                    fields = line.split()
+                    # local_address is ADDR:PORT in hex; st "0A" is LISTEN; field 9 is the inode
+                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        out.add(int(fields[9]))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def holders(inodes: set[int], proc: str = "/proc") -> list[Holder]:
+    """The processes (visible here) with an open descriptor on one of the sockets."""
+    if not inodes:
+        return []
+    wanted = {f"socket:[{i}]" for i in inodes}
+    found: list[Holder] = []
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        fd_dir = f"{proc}/{entry.name}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{fd_dir}/{fd}") in wanted:
+                    found.append(_holder(int(entry.name), proc))
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def _holder(pid: int, proc: str) -> Holder:
+    def read(name: str) -> str:
+        try:
+            with open(f"{proc}/{pid}/{name}", encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    cgroup = next((ln.split(":", 2)[2] for ln in read("cgroup").splitlines() if ln.startswith("0::")), "")
+    return Holder(pid, read("comm").strip() or "?", cgroup.strip())
+
+
+def own_cgroup(proc: str = "/proc") -> str:
+    """This process's cgroup (unified hierarchy), as it sees it: "/system.slice/llamacpp-tensor.service"."""
+    try:
+        with open(f"{proc}/self/cgroup", encoding="utf-8", errors="replace") as f:
+            return next((ln[3:].strip() for ln in f.read().splitlines() if ln.startswith("0::")), "/")
+    except OSError:
+        return "/"
+
+
+def siblings_parent(own: str) -> str:
+    """Where the other backends' cgroups are: beside this unit's (an ExecStartPre runs in its unit's cgroup),
+    else in /system.slice, where system services run."""
+    last = own.rstrip("/").rsplit("/", 1)[-1]
+    return own.rstrip("/").rsplit("/", 1)[0] if last.endswith(".service") else "/system.slice"
+
+
+def unit_pids(units: Iterable[str], proc: str = "/proc", parent: str | None = None) -> dict[int, str]:
+    """The processes visible here in the cgroup of one of `units` (or below it), as {pid: unit}; not this one.
+
+    The units' cgroups are `parent`/UNIT (default: siblings_parent of this process's cgroup), so the same unit
+    names of another manager (another cgroup namespace's "/../.." paths) never match."""
+    base = (siblings_parent(own_cgroup(proc)) if parent is None else parent).rstrip("/")
+    want = {f"{base}/{u}": u for u in units}
+    me = os.getpid()
+    out: dict[int, str] = {}
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"{proc}/{entry.name}/cgroup", encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        for ln in text.splitlines():
+            if ln.startswith("0::"):
+                path = ln[3:].strip()
+                for prefix, unit in want.items():
+                    if path == prefix or path.startswith(prefix + "/"):
+                        out[int(entry.name)] = unit
+    return out
+
+
+def _wait_exit(pids: Iterable[int], timeout: float) -> None:
+    """Until all `pids` have exited or `timeout` passed: one pidfd each, woken by each exit."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    fds: list[int] = []
+    p = select.poll()
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue  # gone already
+            except (AttributeError, OSError):  # no pidfd support: look again shortly
+                time.sleep(0.02)
+                return
+            fds.append(fd)
+            p.register(fd, select.POLLIN)
+        left = len(fds)
+        while left and time.monotonic() < deadline:
+            for fd, _ in p.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                p.unregister(fd)
+                left -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def await_port(host: str, port: int, *, siblings: Iterable[str], timeout: float = 90.0,
+               say: Callable[[str], None] = lambda s: None, proc: str = "/proc",
+               sibling_pids: Callable[[], dict[int, str]] | None = None) -> float:
+    """Return once no process of the `siblings` units runs and host:port can be bound (seconds waited); raise
+    PortTaken if they are still running after `timeout` or if anything else holds the port.
+
+    `host`: the address the server binds (serve.host). `siblings`: the unit names of the other backends.
+    `sibling_pids`: how to find their processes (default: unit_pids over /proc)."""
+    host = host or "0.0.0.0"
+    units = list(siblings)
+    find = sibling_pids or (lambda: unit_pids(units, proc))
+    t0 = time.monotonic()
+    said = False
+    while True:
+        running = find()
+        if not running:
+            break
+        left = timeout - (time.monotonic() - t0)
+        who = ", ".join(f"{u} (pid {', '.join(str(p) for p in sorted(running) if running[p] == u)})"
+                        for u in sorted(set(running.values())))
+        if left <= 0:
+            raise PortTaken(f"{who} still running after {timeout:g}s; {'its' if len(running) == 1 else 'their'} "
+                            f"GPU memory and port {port} are not free",
+                            hint="see `systemctl status` of that unit: its stop may be stuck")
+        if not said:
+            say(f"waiting for {who} to exit")
+            said = True
+        _wait_exit(running, left)
+    if can_bind(host, port):
+        return time.monotonic() - t0
+    held = holders(listening_inodes(port, proc), proc)
+    if not held:  # a listener closing right now, or one this check cannot see (another PID namespace)
+        time.sleep(0.05)
+        if can_bind(host, port):
+            return time.monotonic() - t0
+    who = (", ".join(h.describe() for h in held) if held
+           else "a process this check cannot see (not one of this manager's backends)")
+    raise PortTaken(f"port {port} is held by {who}; the server cannot bind it",
+                    hint=f"find it with `ss -ltnp 'sport = :{port}'` and stop it, or move serve.port")
+
+
+def await_for_backend(cfg: Any, b: Any) -> str:
+    """await_port for backend `b` of config `cfg` (serve.host:serve.port, the other backends' units as
+    siblings); returns the line `verify --await-port` prints."""
+    lines: list[str] = []
+    waited = await_port(cfg.serve.host, cfg.serve.port, siblings=[o.unit for o in cfg.other_backends(b.name)],
+                        say=lines.append)
+    if lines:
+        return f"{lines[0]}: done after {waited:.2f}s; port {cfg.serve.port}: free"
+    return f"port {cfg.serve.port}: free"
