@@ -81,8 +81,14 @@ def test_install_serves_default_backend_and_second_install_is_noop(installed, sy
 
 def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     """switch llamacpp then ftllm: one backend active at a time, same port and model name answer."""
+    since = time.time()
     r = dt(installed, "switch", "llamacpp")
     assert r.returncode == 0, r.stdout + r.stderr
+    # the target's start overlaps the current's stop, but its server execs only once ftllm is gone: the
+    # manager's own record orders "Stopped ftllm-dflash" before "Started llamacpp-tensor" (Type=exec: after exec)
+    stamps = _manager_stamps(systemd_sandbox, since)
+    assert stamps["Stopped ftllm-dflash.service"] <= stamps["Started llamacpp-tensor.service"], stamps
+    assert stamps["Starting llamacpp-tensor.service"] < stamps["Stopped ftllm-dflash.service"], stamps  # overlap
     # the gate checks each backend against its own libraries: no warnings about the other backend's libraries,
     # nor about the copies a wheel makes of one library (libggml.so, libggml.so.0, libggml.so.0.20.0)
     assert "warning" not in r.stderr, r.stderr
@@ -97,6 +103,19 @@ def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     assert chat(installed)["choices"][0]["message"]["content"]
     r = dt(installed, "switch", "ftllm")
     assert r.returncode == 0 and "already active" in r.stdout
+
+
+def _manager_stamps(env, since: float) -> dict[str, int]:
+    """First realtime stamp (us) of each "Starting/Started/Stopping/Stopped UNIT" line systemd logged since `since`."""
+    res = subprocess.run(env.sandbox.exec_argv("journalctl", "-o", "json", f"--since=@{since:.6f}", "_PID=1",
+                                               "--no-pager"), capture_output=True, text=True, timeout=60)
+    out: dict[str, int] = {}
+    for ln in res.stdout.splitlines():
+        e = json.loads(ln)
+        words = str(e.get("MESSAGE", "")).split()
+        if len(words) >= 2 and words[0] in ("Starting", "Started", "Stopping", "Stopped"):
+            out.setdefault(f"{words[0]} {words[1]}", int(e["__REALTIME_TIMESTAMP"]))
+    return out
 
 
 def test_switch_dry_run_and_unknown_backend_change_nothing(installed, systemd_sandbox):
