@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import time
@@ -36,6 +37,7 @@ from deploy_tool.errors import (
     RollbackFailed,
     RolledBack,
     StateError,
+    SystemdError,
 )
 from deploy_tool.state import Operation, State, Store, now_iso
 
@@ -82,6 +84,20 @@ def port_owner_answers(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def refused_by_check(exc: DeployError, unit: str) -> DeployError:
+    """A start the unit's own ExecStartPre refused (the port held by another process, drift found by systemd's
+    check): that check's error line is the reason, not systemd's "the control process exited"."""
+    if not isinstance(exc, SystemdError):
+        return exc
+    for line in f"{exc.details or ''}\n{exc.message}".splitlines():
+        m = re.search(r"\bdeploytool\[\d+\]: error: (.+)$", line)
+        if m:
+            why = m.group(1).strip()
+            return HealthError(f"{unit} refused to start: {why}", hint=exc.hint,
+                               details={"reason": "port-taken" if " is held by " in why else "refused-by-check"})
+    return exc
 
 
 def plan(cfg: Config, st: State, target: Backend) -> list[str]:
@@ -233,7 +249,7 @@ class Switcher:
                 if since is not None:  # it was started: its journal tail is that invocation's
                     with contextlib.suppress(DeployError):
                         inv = self.sd.show(target.unit).invocation_id or None
-                return self._rollback(st, target, cur, exc, inv, action, since,
+                return self._rollback(st, target, cur, refused_by_check(exc, target.unit), inv, action, since,
                                       restore_enablement=enabling is not None)
             secs = time.monotonic() - t0
             self.store.record(action, ok=True, from_backend=cur_name, to_backend=target.name, outcome="switched",

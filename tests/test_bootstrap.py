@@ -275,7 +275,7 @@ def test_bootstrap_installs_the_release_with_its_own_deploytool(bootstrapped):
     unit = (f["env"].unit_dir / "ftllm-dflash.service").read_text()
     pre = next(ln for ln in unit.splitlines() if ln.startswith("ExecStartPre="))
     # systemd's exec prefixes (+ full privileges, - ignore failure, ...) aside, the command is the release's tool
-    assert pre.split("=", 1)[1].lstrip("+!@:") == f"{cur}/tool/bin/deploytool --config {f['cfg']} verify ftllm-dflash"
+    assert pre.split("=", 1)[1].lstrip("+!@:") == f"{cur}/tool/bin/deploytool --config {f['cfg']} verify ftllm-dflash --await-port"
     r = on_box(f["box"], [str(tool), "--version"])
     assert r.returncode == 0 and "deploytool" in r.stdout
 
@@ -293,7 +293,7 @@ def test_backend_starts_with_the_bootstrapped_verifier(bootstrapped):
     show = subprocess.run(f["env"].sandbox.exec_argv("systemctl", "show", "-p", "ExecStartPre",
                                                      "ftllm-dflash.service"), capture_output=True, text=True,
                           timeout=60).stdout
-    assert f"path={tool} ;" in show and f"argv[]={tool} --config {f['cfg']} verify ftllm-dflash ;" in show, show
+    assert f"path={tool} ;" in show and f"argv[]={tool} --config {f['cfg']} verify ftllm-dflash --await-port ;" in show, show
     # ...and its verify line is in the unit's journal (journald reads _CMDLINE from /proc when the line arrives,
     # so a process that already exited has none: where it is there, it must be the bootstrapped tool)
     j = subprocess.run(f["env"].sandbox.exec_argv("journalctl", "-u", "ftllm-dflash.service", "-o", "json",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy_tool.errors import DeployError
 from tests.support.e2e import DT, REPO, dt  # noqa: F401  (fixtures demo, installed: tests/conftest.py)
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
@@ -217,13 +218,45 @@ def test_switch_port_taken_by_foreign_process_rolls_back(installed, systemd_sand
         r = dt(installed, "switch", "llamacpp")
         # the squatter binds as soon as ftllm releases the port; the switch must not claim success
         assert r.returncode in (10, 11), r.stdout + r.stderr
-        assert "port" in r.stderr.lower() or "rolled" in r.stderr.lower()
+        # the target's ExecStartPre found the port held (or, when the squatter won the race a moment after that
+        # check, the server's own bind failed): either way the reason names the port
+        assert "port" in r.stderr.lower(), r.stderr
     finally:
         squatter.kill()
         squatter.wait()
     # ftllm may have lost the port race during the rollback: recover brings the box back to a serving state
     if r.returncode == 11:
         assert dt(installed, "switch", "ftllm").returncode == 0
+    assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
+
+
+def test_unit_with_its_port_held_by_a_foreign_process_refuses_to_start(installed, systemd_sandbox):
+    """The units' ExecStartPre (verify --await-port): a foreign listener on the port fails the start at once,
+    before the server runs, naming the port; then the CLI brings ftllm back."""
+    port = yaml.safe_load(installed.read_text())["serve"]["port"]
+    sd = systemd_sandbox.systemd
+    sd.stop("ftllm-dflash.service")
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", "import socket, time\n"
+         "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+         f"s.bind(('127.0.0.1', {port})); s.listen(); print('bound', flush=True); time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "bound"
+        t0, since = time.monotonic(), time.time()
+        with pytest.raises(DeployError) as ei:
+            sd.start("llamacpp-tensor.service")
+        assert time.monotonic() - t0 < 10  # at once, not after the 90 s a stopping backend may take
+        assert f"port {port} is held by" in ei.value.message, ei.value.message
+        assert sd.show("llamacpp-tensor.service").result == "exit-code"
+        stamps = _manager_stamps(systemd_sandbox, since)
+        assert "Starting llamacpp-tensor.service" in stamps and "Started llamacpp-tensor.service" not in stamps
+    finally:
+        squatter.kill()
+        squatter.wait()
+        sd.reset_failed("llamacpp-tensor.service")
+    back = dt(installed, "switch", "ftllm")  # recorded active, not running: started through the gate
+    assert back.returncode == 0, back.stdout + back.stderr
     assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
 
 

@@ -159,3 +159,23 @@ def test_listening_inodes_and_holders_find_the_listener(port: int) -> None:
 def test_unbindable_host_is_one_clear_error(port: int) -> None:
     with pytest.raises(PortTaken, match="cannot bind 192.0.2.1"):
         portwait.await_port("192.0.2.1", port, siblings=[])
+
+
+def test_a_start_refused_by_the_check_is_reported_in_its_words() -> None:
+    """A switch whose target start fails in the ExecStartPre reports that check's own error line (from the
+    journal tail systemd's failure carries), not "the control process exited with error code"."""
+    from deploy_tool.errors import HealthError, SystemdError
+    from deploy_tool.switch import refused_by_check
+
+    tail = ("Nov 29 15:16:34 vm systemd[1]: Starting llamacpp-tensor.service - llama.cpp...\n"
+            "Nov 29 15:16:34 vm deploytool[182]: error: port 8082 is held by pid 4242 (python3, cgroup /x); the "
+            "server cannot bind it\n"
+            "Nov 29 15:16:34 vm systemd[1]: llamacpp-tensor.service: Control process exited, code=exited, status=9")
+    exc = SystemdError("start of llamacpp-tensor.service failed (ActiveState=failed): Job failed", details=tail)
+    out = refused_by_check(exc, "llamacpp-tensor.service")
+    assert isinstance(out, HealthError) and out.details["reason"] == "port-taken"
+    assert out.message.startswith("llamacpp-tensor.service refused to start: port 8082 is held by pid 4242")
+    drift = SystemdError("start failed", details="x deploytool[9]: error: llamacpp-tensor: 1 of 83 fingerprints drifted")
+    assert refused_by_check(drift, "u").details["reason"] == "refused-by-check"
+    other = SystemdError("start failed", details="x systemd[1]: something else")
+    assert refused_by_check(other, "u") is other
