@@ -80,6 +80,20 @@ def test_install_serves_default_backend_and_second_install_is_noop(installed, sy
     assert r.returncode == 0 and "nothing to do" in r.stdout
 
 
+def test_install_byte_compiles_the_release_venv(installed):
+    """The bundle has no __pycache__ and the units cannot write one (DynamicUser, ProtectSystem=strict): install
+    compiles the venv at its final path, as checked-hash .pyc (validated by the source's hash, not its mtime)."""
+    venv = installed.parent / "demo-root/opt/deploytool/current/venv"
+    server = next(venv.glob("lib/python3*/site-packages/ftllm/server.py"))
+    pycs = list((server.parent / "__pycache__").glob("server.cpython-*.pyc"))
+    assert len(pycs) == 1, pycs
+    head = pycs[0].read_bytes()[:16]
+    assert int.from_bytes(head[4:8], "little") == 0b11  # PEP 552: hash-based, checked
+    import importlib.util
+
+    assert head[8:16] == importlib.util.source_hash(server.read_bytes())
+
+
 def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     """switch llamacpp then ftllm: one backend active at a time, same port and model name answer."""
     since = time.time()

@@ -21,8 +21,8 @@ from tests.support.sandbox import free_port
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[1]
-ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written",
-             "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
+ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "bytecode-compiled",
+             "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
 
 
 @pytest.fixture(scope="module")
