@@ -195,11 +195,13 @@ class Switcher:
             t0 = time.monotonic()
             op = Operation(kind=action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
                            from_backend=cur_name, to_backend=target.name, release=st.release, pid=os.getpid())
+            # the preflight only reads: it runs while the intent and its step are written (and fsynced)
+            preflight = Background(lambda: self._preflight(target), name="preflight")
             st = self.store.save(replace(st, operation=op))
             _fault("intent")
             try:
                 st = self._step(st, "preflight")
-                self._preflight(target)
+                preflight.result()
             except DeployError as exc:  # nothing was changed yet: the current backend keeps serving
                 self.store.save(replace(st, operation=None))
                 self.store.record(action, ok=False, from_backend=cur_name, to_backend=target.name,
