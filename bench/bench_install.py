@@ -6,7 +6,8 @@ each, on a fresh box every time (page cache warm for all):
 
   install        `deploytool install --no-start BUNDLE`: verify the signature and every file hash, lay the
                  release down, unpack and relocate the venv, check the native library hashes, bootstrap
-                 deploytool's own venv, write units and env files, flip `current`, pin fingerprints
+                 deploytool's own venv, byte-compile the venv (as pip does by default), write units and env
+                 files, flip `current`, pin fingerprints
   install-rebuild  the same with --rebuild (the venv from the wheels with pip --no-index --require-hashes)
   zstd|tar       `zstd -d -c venv.tar.zst | tar -x` of the bundle's own venv archive (no checks at all)
   pip            `python -m venv` + a plain `pip install --no-index --no-deps --find-links wheels -r

@@ -126,7 +126,7 @@ class HealthCfg:
                                   _positive, default=900.0)
     interval_s: float = _doc("readiness probe interval while waiting (cheap: a refused connection or a /health "
                              "503; the unit is watched through its main process, not polled)", _positive,
-                             default=0.05)
+                             default=0.02)
     smoke_timeout_s: float = _doc("timeout of the smoke chat completion", _positive, default=120.0)
     smoke_max_tokens: int = _doc("max_tokens of the smoke chat completion", _positive, default=16)
     perf_gate_fraction: float | None = _doc("after health, a short bench must reach this fraction of the stored "
