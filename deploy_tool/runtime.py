@@ -394,23 +394,24 @@ def _stem(name: str) -> str:
     return name.split(".so", 1)[0]
 
 
-def _pin_family(key: str, pin: Pin) -> str | None:
+def _pin_family(key: str, names: frozenset[str]) -> str | None:
+    """The family of pin `key` whose file names (_pin_names) are `names`."""
     if key in KNOWN_LIBRARIES:
         return key
-    for name in (key, *sorted(_pin_names(key, pin))):
+    for name in (key, *sorted(names)):
         fam = library_family(name)
         if fam:
             return fam
     return None
 
 
-def _direct_match(lib: LoadedLib, key: str, pin: Pin, names: frozenset[str] | None = None) -> int:
-    """How specifically pin (key, pin) names lib: 3 exact file name, 2 glob key, 1 family key, 0 not at all.
+def _direct_match(lib: LoadedLib, key: str, names: frozenset[str]) -> int:
+    """How specifically pin `key` (file names `names`) names lib: 3 exact file name, 2 glob key, 1 family key, 0
+    not at all.
 
     A family key (`nccl`) only names the families loaded as one file; pin ggml/llama/cublas files by file name.
-    `names`: the pin's _pin_names, when the caller has them already.
     """
-    if lib.name == key or lib.name in (names if names is not None else _pin_names(key, pin)):
+    if lib.name == key or lib.name in names:
         return 3
     if any(c in key for c in "*?[") and fnmatch.fnmatchcase(lib.name, key):
         return 2
@@ -482,17 +483,18 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
     findings: list[Finding] = []
     used_pins: set[str] = set()
     names = {key: _pin_names(key, pin) for key, pin in pins.items()}  # one realpath per pin, not per library
+    fams = {key: _pin_family(key, n) for key, n in names.items()}
     for lib in libs:
         family = library_family(lib.name)
         if family is None:
             continue
-        scored = [(_direct_match(lib, key, pin, names[key]), key) for key, pin in pins.items()]
+        scored = [(_direct_match(lib, key, names[key]), key) for key in pins]
         scored = [s for s in scored if s[0] > 0]
         key: str | None = None
         if scored:
             key = max(scored)[1]
         else:
-            same_family = [k for k, p in pins.items() if _pin_family(k, p) == family
+            same_family = [k for k in pins if fams[k] == family
                            and (family in SINGLE_FILE_FAMILIES or _stem(lib.name) in {_stem(n) for n in names[k]})]
             if len(same_family) == 1:
                 key = same_family[0]
@@ -543,13 +545,13 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
         rows.append(LibStatus(lib.name, lib.path, lib.pid, True, pin.path, status, sha, lib.deleted))
     mapped = {row.path for row in rows if row.path}
     used_shas = {pins[k].sha256.lower() for k in used_pins}
-    used_single = {f for f in (_pin_family(k, pins[k]) for k in used_pins) if f in SINGLE_FILE_FAMILIES}
+    used_single = {fams[k] for k in used_pins if fams[k] in SINGLE_FILE_FAMILIES}
     for key, pin in pins.items():
         if key in used_pins or os.path.realpath(pin.path) in mapped:
             continue  # another name (symlink) of a file already listed
         if pin.sha256.lower() in used_shas:
             continue  # a copy of a mapped file under another name (a wheel stores libx.so, libx.so.0 as copies)
-        if _pin_family(key, pin) in used_single:
+        if fams[key] in used_single:
             continue  # the other variant of a one-file family (libfastllm_tools.so when -cpu.so is the one loaded)
         rows.append(LibStatus(os.path.basename(pin.path), None, None, True, pin.path, WARN))
         findings.append(Finding("library", WARN, os.path.basename(pin.path),
