@@ -45,13 +45,14 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool, await_port: b
     cfg = ctx.load_config(parse_cache=True, refresh=no_cache)
     b = cfg.backend(backend)
     report = fingerprint.verify(cfg, b, use_cache=not no_cache)
-    if ctx.json:
-        data = report.to_json()
-        if report.ok and await_port:
-            from deploy_tool import portwait
 
-            data["port"] = portwait.await_for_backend(cfg, b)
-        _json(data)
+    def port_line() -> str:  # after the report: a terminal shows the verdict before the wait
+        from deploy_tool import portwait
+
+        return portwait.await_for_backend(cfg, b)
+
+    if ctx.json:
+        _json({**report.to_json(), **({"port": port_line()} if report.ok and await_port else {})})
         if not report.ok:
             sys.exit(int(ExitCode.DRIFT))
         return
@@ -59,9 +60,7 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool, await_port: b
     if report.ok:
         click.echo(text)
         if await_port:
-            from deploy_tool import portwait
-
-            click.echo(portwait.await_for_backend(cfg, b))
+            click.echo(port_line())
         return
     first, _, rest = text.partition("\n")
     click.echo(click.style(first, fg="red", bold=True))  # styles are dropped when stdout is not a terminal
