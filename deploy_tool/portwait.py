@@ -100,25 +100,28 @@ def holders(inodes: set[int], proc: str = "/proc") -> list[Holder]:
     return found
 
 
-def _holder(pid: int, proc: str) -> Holder:
-    def read(name: str) -> str:
-        try:
-            with open(f"{proc}/{pid}/{name}", encoding="utf-8", errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
-    cgroup = next((ln.split(":", 2)[2] for ln in read("cgroup").splitlines() if ln.startswith("0::")), "")
-    return Holder(pid, read("comm").strip() or "?", cgroup.strip())
+
+def cgroup_of(pid: int | str, proc: str = "/proc") -> str:
+    """The cgroup (unified hierarchy) of process `pid` ("self": this one) as this process sees it, e.g.
+    "/system.slice/llamacpp-tensor.service"; "" when it cannot be read."""
+    text = _read(f"{proc}/{pid}/cgroup")
+    return next((ln[3:].strip() for ln in text.splitlines() if ln.startswith("0::")), "")
+
+
+def _holder(pid: int, proc: str) -> Holder:
+    return Holder(pid, _read(f"{proc}/{pid}/comm").strip() or "?", cgroup_of(pid, proc))
 
 
 def own_cgroup(proc: str = "/proc") -> str:
     """This process's cgroup (unified hierarchy), as it sees it: "/system.slice/llamacpp-tensor.service"."""
-    try:
-        with open(f"{proc}/self/cgroup", encoding="utf-8", errors="replace") as f:
-            return next((ln[3:].strip() for ln in f.read().splitlines() if ln.startswith("0::")), "/")
-    except OSError:
-        return "/"
+    return cgroup_of("self", proc) or "/"
 
 
 def siblings_parent(own: str) -> str:
@@ -140,17 +143,10 @@ def unit_pids(units: Iterable[str], proc: str = "/proc", parent: str | None = No
     for entry in os.scandir(proc):
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
-        try:
-            with open(f"{proc}/{entry.name}/cgroup", encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError:
-            continue
-        for ln in text.splitlines():
-            if ln.startswith("0::"):
-                path = ln[3:].strip()
-                for prefix, unit in want.items():
-                    if path == prefix or path.startswith(prefix + "/"):
-                        out[int(entry.name)] = unit
+        path = cgroup_of(entry.name, proc)
+        for prefix, unit in want.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                out[int(entry.name)] = unit
     return out
 
 

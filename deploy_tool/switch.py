@@ -51,7 +51,7 @@ Log = Callable[[str], None]
 
 
 def _load_gate() -> None:
-    """Import the gate (HTTP client, TLS, retry library: ~50 ms) while systemctl waits for a backend to stop,
+    """Import the gate (HTTP client, TLS, retry library: ~50 ms) while systemctl waits for the target to start,
     instead of before the switch starts."""
     import deploy_tool.gate  # noqa: F401
 
@@ -221,7 +221,7 @@ class Switcher:
                     # memory and port free). Meanwhile: clear the target's failed state and start-limit counter
                     # (a refused start and its retry would cost more than this round trip).
                     together(lambda: self.sd.stop(cur.unit, no_block=overlap),
-                             lambda: self._quiet_reset(target.unit), *([] if overlap else [_load_gate]))
+                             lambda: self._quiet_reset(target.unit))
                 if not overlap and port_owner_answers(self.cfg.serve.host, self.cfg.serve.port):
                     raise HealthError(f"port {self.cfg.serve.port} is taken by another process after stopping "
                                       f"{cur_name or 'the backends'}; {target.name} cannot bind it",
@@ -232,8 +232,7 @@ class Switcher:
                                                       if overlap and cur is not None else ""))
                 # a failed unit starts again as is, a start-limit-hit one after a reset
                 since = time.time()
-                together(lambda: self.sd.start(target.unit, past_start_limit=True),
-                         *([_load_gate] if overlap else []))
+                together(lambda: self.sd.start(target.unit, past_start_limit=True), _load_gate)
                 st = self._step(st, "gate")
                 # the boot-time enablement (symlinks only) is flipped while the gate waits; a rollback, or a
                 # recover after a crash, flips it back
