@@ -6,10 +6,12 @@ process of the test counts as a process of that unit, exactly as the stopping ba
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +21,21 @@ from deploy_tool.portwait import PortTaken
 from tests.support.sandbox import free_port
 
 
-def listener(port: int, *, close_after: float, exit_after: float) -> subprocess.Popen[str]:
-    """A child that listens on 127.0.0.1:port, closes the listener after `close_after` s, exits after `exit_after`."""
+@contextlib.contextmanager
+def listener(port: int, *, close_after: float, exit_after: float) -> Iterator[subprocess.Popen[str]]:
+    """A child that listens on 127.0.0.1:port, closes the listener after `close_after` s, exits after `exit_after`;
+    killed (by its PID) when the block ends."""
     code = ("import socket, sys, time\n"
             "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
             f"s.bind(('127.0.0.1', {port})); s.listen(); print('up', flush=True)\n"
             f"time.sleep({close_after}); s.close(); time.sleep({max(0.0, exit_after - close_after)})\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None and p.stdout.readline().strip() == "up"
-    return p
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
 
 
 @pytest.fixture
@@ -70,90 +78,61 @@ def test_unit_pids_reads_the_real_proc(port: int) -> None:
     """Against the real /proc: a child of this test is found in this test's own cgroup, this process never."""
     own = portwait.own_cgroup()
     parent, _, unit = own.rstrip("/").rpartition("/")
-    p = listener(port, close_after=30, exit_after=30)
-    try:
+    with listener(port, close_after=30, exit_after=30) as p:
         found = portwait.unit_pids([unit], parent=parent)
         assert found.get(p.pid) == unit and os.getpid() not in found
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_waits_for_a_sibling_backend_to_exit(port: int) -> None:
     """A process of another backend's unit still runs: wait until it exits (woken by the exit, not a timeout)."""
-    p = listener(port, close_after=0.6, exit_after=0.6)
-    try:
+    with listener(port, close_after=0.6, exit_after=0.6) as p:
         said: list[str] = []
         waited = portwait.await_port("127.0.0.1", port, siblings=["sibling.service"], say=said.append, timeout=30,
                                      sibling_pids=only(p))
         assert 0.3 < waited < 5 and p.poll() is not None
         assert len(said) == 1 and f"pid {p.pid}" in said[0] and "to exit" in said[0]
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_a_closed_listener_is_not_enough(port: int) -> None:
     """A sibling that closed its listener but still runs (a server finishing its shutdown, its GPU memory still
     held) is waited for all the same."""
-    p = listener(port, close_after=0.1, exit_after=1.0)
-    try:
+    with listener(port, close_after=0.1, exit_after=1.0) as p:
         waited = portwait.await_port("127.0.0.1", port, siblings=["sibling.service"], timeout=30, sibling_pids=only(p))
         assert waited > 0.6 and p.poll() is not None
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_foreign_holder_fails_at_once_naming_it(port: int) -> None:
     """Held by anything that is not a sibling backend: PortTaken at once, naming the PID, exit code 9."""
-    p = listener(port, close_after=30, exit_after=30)
-    try:
+    with listener(port, close_after=30, exit_after=30) as p:
         t0 = time.monotonic()
         with pytest.raises(PortTaken) as ei:
             portwait.await_port("127.0.0.1", port, siblings=["llamacpp-tensor.service"], timeout=30)
         assert time.monotonic() - t0 < 2
         assert f"pid {p.pid}" in ei.value.message and str(port) in ei.value.message
         assert int(ei.value.exit_code) == 9 and "ss -ltnp" in (ei.value.hint or "")
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_holder_this_check_cannot_see_is_foreign(port: int, tmp_path: Path) -> None:
     """A listener whose process is not visible (another PID namespace; here: an empty /proc) fails too."""
     (tmp_path / "net").mkdir()
-    p = listener(port, close_after=30, exit_after=30)
-    try:
-        with pytest.raises(PortTaken, match="cannot see"):
-            portwait.await_port("127.0.0.1", port, siblings=["x.service"], proc=str(tmp_path), timeout=30)
-    finally:
-        p.kill()
-        p.wait()
+    with listener(port, close_after=30, exit_after=30), pytest.raises(PortTaken, match="cannot see"):
+        portwait.await_port("127.0.0.1", port, siblings=["x.service"], proc=str(tmp_path), timeout=30)
 
 
 def test_sibling_that_never_exits_times_out(port: int) -> None:
-    p = listener(port, close_after=30, exit_after=30)
-    try:
+    with listener(port, close_after=30, exit_after=30) as p:
         t0 = time.monotonic()
         with pytest.raises(PortTaken, match="still running after"):
             portwait.await_port("127.0.0.1", port, siblings=["sibling.service"], timeout=0.5, sibling_pids=only(p))
         assert time.monotonic() - t0 < 3
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_listening_inodes_and_holders_find_the_listener(port: int) -> None:
-    p = listener(port, close_after=30, exit_after=30)
-    try:
+    with listener(port, close_after=30, exit_after=30) as p:
         inodes = portwait.listening_inodes(port)
         assert len(inodes) == 1
         found = portwait.holders(inodes)
         assert [h.pid for h in found] == [p.pid] and found[0].cgroup == portwait.own_cgroup() and found[0].comm.startswith("py")
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_unbindable_host_is_one_clear_error(port: int) -> None:
