@@ -7,12 +7,10 @@ errors with a did-you-mean. Past this module only frozen dataclasses travel, nev
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
 import stat
-import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -37,26 +35,58 @@ FlashAttn = Literal["on", "off", "auto"]
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Schema. Field metadata: "doc" (shown by `deploytool config-reference`), "check" (callable value -> error or None)
+# Schema. Field metadata: "doc" (shown by `deploytool config-reference`), "check" (callable value -> error or None),
+# "range" (every number: the values it may take and why; a test holds every numeric field to having one)
 
 
-def _doc(text: str, check: typing.Callable[[Any], str | None] | None = None, **kw: Any) -> Any:
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take, and why: what systemd or the server accepts, and what is sane."""
+
+    lo: float
+    hi: float
+    why: str
+    lo_open: bool = False  # lo itself is refused (a fraction must be above 0)
+
+    def admits(self, v: float) -> bool:
+        return (self.lo < v if self.lo_open else self.lo <= v) and v <= self.hi
+
+    def text(self, integer: bool) -> str:
+        kind = "an integer" if integer else "a number"
+        lo, hi = (str(int(x)) if float(x).is_integer() else repr(float(x)) for x in (self.lo, self.hi))
+        return f"{kind} above {lo} and at most {hi}" if self.lo_open else f"{kind} from {lo} to {hi}"
+
+
+def _doc(text: str, check: typing.Callable[[Any], str | None] | None = None, *, rng: Range | None = None,
+         **kw: Any) -> Any:
     meta: dict[str, Any] = {"doc": text}
     if check is not None:
         meta["check"] = check
+    if rng is not None:
+        meta["range"] = rng
     return field(metadata=meta, **kw)
 
 
-def _port(v: int) -> str | None:
-    return None if 1 <= v <= 65535 else "is not a valid port (expected an integer 1-65535)"
-
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else "must be greater than 0"
-
-
-def _ratio(v: float) -> str | None:
-    return None if 0 < v <= 1 else "must be a fraction in (0, 1]"
+# The ranges, each with its reason (the refusal quotes it).
+PORT = Range(1, 65535, "a TCP port")
+GPU_ID = Range(0, 31, "a GPU index as CUDA_VISIBLE_DEVICES and /dev/nvidiaN count them; the NVIDIA driver "
+                      "drives at most 32 GPUs per host (NV_MAX_DEVICES)")
+VRAM_MIB = Range(256, 1 << 20, "MiB of memory per GPU; 1 TiB is far above the largest GPU made")
+START_TIMEOUT_S = Range(1, 86400, "seconds; whole seconds become the unit's TimeoutStartSec= (under 1 renders 0, "
+                                  "which systemd takes as no limit at all) and a start that takes a day is stuck")
+INTERVAL_S = Range(0.005, 60, "seconds between readiness probes: below 5 ms the wait spins a core, above a minute "
+                              "a switch idles")
+SMOKE_TIMEOUT_S = Range(1, 3600, "seconds for a completion of a few tokens; after an hour it is hung")
+SMOKE_MAX_TOKENS = Range(1, 4096, "tokens of the smoke completion; more only slows the gate")
+FRACTION = Range(0, 1, "a fraction", lo_open=True)
+DRAFT_TOKENS = Range(1, 64, "ftllm's draft block (N drafts N-1 tokens); 12 already fails to start on the field box")
+DRAFT_N_MAX = Range(1, 256, "tokens llama-server drafts per step (its own default is 16)")
+TP = Range(1, 32, "GPUs one backend spans; a host has at most 32 (NV_MAX_DEVICES)")
+THREADS = Range(1, 4096, "CPU threads; 0 and negative values mean different things to each server (leave the "
+                         "key out for the default)")
+MAX_BATCH = Range(1, 4096, "requests decoded together")
+CONTEXT = Range(64, 1 << 24, "tokens of KV cache: below 64 no chat fits, above 16777216 no model was trained (a "
+                             "digit too many asks for terabytes)")
 
 
 def _cc(v: str) -> str | None:
@@ -71,17 +101,18 @@ def _abs_or_placeholder(v: str) -> str | None:
 
 @dataclass(frozen=True)
 class Host:
-    gpus: tuple[int, ...] = _doc("GPU ids given to the services (CUDA_VISIBLE_DEVICES)", default=(0,))
+    gpus: tuple[int, ...] = _doc("GPU ids given to the services (CUDA_VISIBLE_DEVICES)", rng=GPU_ID, default=(0,))
     compute_capability: str = _doc("compute capability of the GPUs, e.g. '7.5' for Turing (sm_75)",
                                    _cc, default="7.5")
-    vram_mib: int = _doc("memory per GPU in MiB (22528 for a modified 2080 Ti 22G)", _positive, default=22528)
+    vram_mib: int = _doc("memory per GPU in MiB (22528 for a modified 2080 Ti 22G)", rng=VRAM_MIB,
+                         default=22528)
 
 
 @dataclass(frozen=True)
 class Serve:
     host: str = _doc("address both backends bind (one port, one model name, whichever backend runs)",
                      default="127.0.0.1")
-    port: int = _doc("TCP port both backends bind", _port, default=8082)
+    port: int = _doc("TCP port both backends bind", rng=PORT, default=8082)
     model_name: str = _doc("the model name clients send; both backends answer to it", default="model")
     api_key_file: str | None = _doc("file holding the API key (kept out of unit files; written 0600)",
                                     default=None)
@@ -123,15 +154,16 @@ class SystemdCfg:
 @dataclass(frozen=True)
 class HealthCfg:
     start_timeout_s: float = _doc("how long a backend may take to become ready (a 29 GB load takes minutes)",
-                                  _positive, default=900.0)
+                                  rng=START_TIMEOUT_S, default=900.0)
     interval_s: float = _doc("readiness probe interval while waiting (cheap: a refused connection or a /health "
-                             "503; the unit is watched through its main process, not polled)", _positive,
+                             "503; the unit is watched through its main process, not polled)", rng=INTERVAL_S,
                              default=0.02)
-    smoke_timeout_s: float = _doc("timeout of the smoke chat completion", _positive, default=120.0)
-    smoke_max_tokens: int = _doc("max_tokens of the smoke chat completion", _positive, default=16)
+    smoke_timeout_s: float = _doc("timeout of the smoke chat completion", rng=SMOKE_TIMEOUT_S, default=120.0)
+    smoke_max_tokens: int = _doc("max_tokens of the smoke chat completion", rng=SMOKE_MAX_TOKENS, default=16)
     perf_gate_fraction: float | None = _doc("after health, a short bench must reach this fraction of the stored "
                                             "baseline's tokens/s (`deploytool bench --save-baseline`), else the "
-                                            "switch rolls back; null: off", _ratio, default=None)
+                                            "switch rolls back; null: off", rng=FRACTION,
+                                            default=None)
 
 
 @dataclass(frozen=True)
@@ -179,13 +211,14 @@ class BundleCfg:
 class Speculative:
     algorithm: Literal["dflash", "mtp", "eagle", "none"] = _doc("ftllm --speculative_algorithm", default="dflash")
     draft_model: str | None = _doc("--speculative_draft_model_path (the DFlash2 draft directory)", default=None)
-    num_draft_tokens: int = _doc("--speculative_num_draft_tokens N (drafts N-1 tokens)", _positive, default=8)
+    num_draft_tokens: int = _doc("--speculative_num_draft_tokens N (drafts N-1 tokens)", rng=DRAFT_TOKENS,
+                                 default=8)
 
 
 @dataclass(frozen=True)
 class LlamaSpec:
     type: str = _doc("--spec-type (draft-mtp uses the GGUF's built-in MTP heads)", default="draft-mtp")
-    draft_n_max: int = _doc("--spec-draft-n-max", _positive, default=3)
+    draft_n_max: int = _doc("--spec-draft-n-max", rng=DRAFT_N_MAX, default=3)
 
 
 @dataclass(frozen=True)
@@ -249,7 +282,7 @@ class _BackendCommon:
     aliases: tuple[str, ...] = _doc("short names accepted by switch (e.g. 'ftllm')", default=())
     device: Device = _doc("'cuda' (the GPUs) or 'cpu' (ftllm --device cpu -t 1; llama-server on CPU: "
                           "how the demo and the tests run here)", default="cuda")
-    threads: int | None = _doc("CPU threads (-t); default 1 on cpu", default=None)
+    threads: int | None = _doc("CPU threads (-t); default 1 on cpu", rng=THREADS, default=None)
     env: Mapping[str, str] = _doc("extra environment (EnvironmentFile syntax is handled for you)",
                                   default_factory=dict)
     extra_args: tuple[str, ...] = _doc("extra arguments appended to the launch line", default=())
@@ -257,16 +290,18 @@ class _BackendCommon:
     model_config: str | None = _doc("the model's config.json (capacity math; default <model>/config.json)",
                                     default=None)
     start_timeout_s: float | None = _doc("this backend's own time to become ready (default: "
-                                         "health.start_timeout_s)", _positive, default=None)
+                                         "health.start_timeout_s)", rng=START_TIMEOUT_S,
+                                         default=None)
 
 
 @dataclass(frozen=True)
 class _FtllmRaw(_BackendCommon):
     executable: str = _doc("the ftllm console script", _abs_or_placeholder, default="{venv}/bin/ftllm")
-    tp: int = _doc("--tp tensor parallel degree", _positive, default=1)
-    max_batch: int | None = _doc("--max_batch", default=None)
-    tokens: int | None = _doc("--tokens: KV cache token budget (context)", default=None)
-    gpu_mem_ratio: float | None = _doc("--gpu_mem_ratio (0.95 is the known-good value)", _ratio, default=None)
+    tp: int = _doc("--tp tensor parallel degree", rng=TP, default=1)
+    max_batch: int | None = _doc("--max_batch", rng=MAX_BATCH, default=None)
+    tokens: int | None = _doc("--tokens: KV cache token budget (context)", rng=CONTEXT, default=None)
+    gpu_mem_ratio: float | None = _doc("--gpu_mem_ratio (0.95 is the known-good value)", rng=FRACTION,
+                                        default=None)
     kv_cache_dtype: KvDtypeFtllm | None = _doc("--kv_cache_dtype (fp4 for 262K with DFlash2)", default=None)
     cuda_embedding: bool = _doc("--cuda_embedding (pins a 2.4 GB FP16 embedding on GPU0)", default=False)
     think: bool | None = _doc("--think (only prepends '<think>\\n' to output; does not change the model)",
@@ -285,7 +320,8 @@ class _LlamacppRaw(_BackendCommon):
     build: str | None = _doc("the llama.cpp build the settings were proven on (e.g. b10064)", default=None)
     mmproj: str | None = _doc("--mmproj GGUF (vision)", default=None)
     split_mode: SplitMode | None = _doc("-sm (row was removed upstream; use tensor)", default=None)
-    ctx_size: int | None = _doc("-c context size (required with -sm tensor: it ignores --fit)", default=None)
+    ctx_size: int | None = _doc("-c context size (required with -sm tensor: it ignores --fit)", rng=CONTEXT,
+                                default=None)
     flash_attn: FlashAttn | None = _doc("-fa", default=None)
     cache_type_k: KvDtypeLlama | None = _doc("-ctk (leave unset for f16 main KV: best MTP acceptance)",
                                              default=None)
@@ -357,7 +393,12 @@ def _close_matches(word: str, possibilities: list[str] | tuple[str, ...], n: int
 
 
 def _fmt(v: Any) -> str:
-    s = repr(v)
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:  # repr of a huge int is slow or refused
+        return f"{'-' if v < 0 else ''}an integer of {int(v.bit_length() * 0.30103) + 1} digits"
+    try:
+        s = repr(v)
+    except (RecursionError, ValueError):
+        return f"a deeply nested {type(v).__name__}"
     return s if len(s) <= 60 else s[:57] + "..."
 
 
@@ -392,8 +433,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: null is not allowed (expected {_type_name(tp)})")
     if origin is Literal:
         allowed = get_args(tp)
-        if value not in allowed:
-            close = _close_matches(str(value), [str(a) for a in allowed], n=1)
+        if not isinstance(value, str) or value not in allowed:
+            close = _close_matches(value, [str(a) for a in allowed], n=1) if isinstance(value, str) else None
             hint = f"did you mean {close[0]!r}?" if close else None
             raise ConfigError(f"{path}: {_fmt(value)} is not valid (expected {_type_name(tp)})", hint=hint)
         return value
@@ -420,22 +461,49 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: {_fmt(value)} is not an integer")
+            raise ConfigError(f"{path}: {_fmt(value)} is not an integer",
+                              hint=_NUMBER_HINT if isinstance(value, str) else None)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{path}: {_fmt(value)} is not a number")
-        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{path}: {_fmt(value)} is not a number",
+                              hint=_NUMBER_HINT if isinstance(value, str) else None)
+        try:
+            f = float(value)
+        except OverflowError:  # an integer beyond any float
+            f = float("inf")
+        if f != f or f in (float("inf"), float("-inf")):
             raise ConfigError(f"{path}: {_fmt(value)} is not a finite number")
-        return float(value)
+        return f
     if tp is str:
-        if isinstance(value, bool) or not isinstance(value, str | int | float):
-            raise ConfigError(f"{path}: {_fmt(value)} is not a string")
+        if isinstance(value, bool | float) or not isinstance(value, str | int):
+            raise ConfigError(f"{path}: {_fmt(value)} is not a string",
+                              hint="quote it if you mean the text" if isinstance(value, bool | float) else None)
+        if isinstance(value, int) and value.bit_length() > 256:
+            raise ConfigError(f"{path}: {_fmt(value)} is not a string (and too long to be one)")
         s = str(value)
         if "\x00" in s:
             raise ConfigError(f"{path}: contains a NUL byte")
         return s
     raise AssertionError(f"unsupported schema type {tp!r}")
+
+
+_NUMBER_HINT = "write numbers in plain decimal (8082, 0.95, 900); yes/no, 0x1F, 1e3 and 1_000 are not numbers here"
+
+
+def _check_range(rng: Range, val: Any, path: str, tp: Any) -> None:
+    """Every number within its range; a list of numbers (host.gpus) item by item, each listed once."""
+    integer = int in (get_args(tp) or (tp,))  # int, int | None, tuple[int, ...]
+    items = list(enumerate(val)) if isinstance(val, tuple) else [(None, val)]
+    seen: dict[Any, int] = {}
+    for i, v in items:
+        where = path if i is None else f"{path}[{i}]"
+        if not rng.admits(v):
+            raise ConfigError(f"{where}: {_fmt(v)} is out of range (expected {rng.text(integer)}: {rng.why})")
+        if i is not None:
+            if v in seen:
+                raise ConfigError(f"{where}: {v} is listed twice (also {path}[{seen[v]}])", hint="list each once")
+            seen[v] = i
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -464,6 +532,9 @@ def _load_dataclass(cls: type, raw: Any, path: str) -> Any:
                 raise ConfigError(f"{sub}: missing (expected {_type_name(hints[f.name])}: {f.metadata['doc']})")
             continue
         val = _convert(hints[f.name], raw[f.name], sub)
+        rng = f.metadata.get("range")
+        if rng is not None and val is not None:
+            _check_range(rng, val, sub, hints[f.name])
         check = f.metadata.get("check")
         if check is not None and val is not None:
             msg = check(val)
@@ -519,7 +590,7 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
                               hint=f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(_RAW_TOP))}")
     if "version" not in raw:
         raise ConfigError("version: missing (expected 1)", hint="add `version: 1` at the top")
-    if raw["version"] != CONFIG_VERSION or isinstance(raw["version"], bool):
+    if type(raw["version"]) is not int or raw["version"] != CONFIG_VERSION:
         raise ConfigError(f"version: {_fmt(raw['version'])} is not a supported config version (expected 1)")
     backends_raw = raw.get("backends")
     if not isinstance(backends_raw, dict) or not backends_raw:
@@ -604,230 +675,230 @@ class _ConfigRest:
     bundle: BundleCfg = _doc("what `pack` bundles", default_factory=BundleCfg)
 
 
-def parse_yaml(text: str | bytes, *, name: str = "config") -> Any:
-    import yaml  # lazy
+# --------------------------------------------------------------------------------------------------------------
+# Reading and parsing: bounded in size, nesting and number length; no anchors, aliases, tags or duplicate keys
 
+
+MAX_CONFIG_BYTES = 1 << 20  # a real config is a few KB; this bounds the parse to well under a second
+MAX_DEPTH = 16  # the schema nests 5 deep (backends.NAME.speculative.KEY, lists of strings)
+MAX_NODES = 10_000  # keys and values; the two-2080ti example has about 200, and every value costs checks later
+MAX_INT_DIGITS = 100  # far beyond any setting's range, far below Python's int/str conversion limit
+
+_STR_TAG = "tag:yaml.org,2002:str"
+_NULLS = frozenset({"", "~", "null", "Null", "NULL"})
+_BOOLS = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+# Numbers as YAML 1.2 writes them, kept within what PyYAML's (1.1) resolver reads the same way, so a document
+# written by yaml.safe_dump reads back unchanged. Everything else plain (yes/no/on/off, 0x1F, 0o17, 1_000, 1e3,
+# 12:30, 2026-12-01, +5, 007) is a string, which a number or true/false setting then refuses by its key path.
+_INT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_FLOAT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)\.[0-9]*(?:[eE][-+][0-9]+)?|\.[0-9]+(?:[eE][-+][0-9]+)?")
+_FLOAT_WORDS = {".inf": float("inf"), ".Inf": float("inf"), ".INF": float("inf"), "-.inf": float("-inf"),
+                "-.Inf": float("-inf"), "-.INF": float("-inf"), ".nan": float("nan"), ".NaN": float("nan"),
+                ".NAN": float("nan")}
+_SIMPLE_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")
+_NO_ALIAS_HINT = "write the value out in full: a deploytool config takes no anchors (&) or aliases (*)"
+
+
+def _join(path: str, key: str) -> str:
+    """The key path of `key` under `path`; an odd key (dots, spaces, control characters) shown quoted."""
+    k = key if _SIMPLE_KEY_RE.fullmatch(key) else f"[{key!r}]"
+    return k if not path else f"{path}{k}" if k.startswith("[") else f"{path}.{k}"
+
+
+def _where(path: str, line: int) -> str:
+    return f"{path} (line {line})" if path else f"line {line}"
+
+
+class _Composer:
+    """Builds plain dicts, lists and scalars straight from the parser's events (libyaml's when PyYAML has it),
+    refusing on the way, with the key path and line, what a config never needs and an attacker would use:
+    aliases and anchors (an alias bomb expands exponentially), tags (!!python/..., !!binary, !!set), nesting
+    deeper than MAX_DEPTH, more than MAX_NODES keys and values, keys that are not strings, duplicate keys (both
+    lines named), more than one document, integers longer than MAX_INT_DIGITS. Scalars resolve by the strict rules
+    above."""
+
+    def __init__(self, text: str, name: str) -> None:
+        import yaml  # lazy: `--version`, `init` and `config-reference` need no parser
+
+        self.yaml = yaml
+        self.E = yaml.events
+        # Only the event parser is used (the C one is ~10x faster); construction is ours.
+        self.loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+        self.text = text
+        self.name = name
+        self.nodes = 0
+
+    def compose(self) -> Any:
+        try:
+            return self._stream()
+        except self.yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{self.name}: malformed YAML{where}: {exc.problem or exc.context or exc}",
+                              hint="fix the YAML syntax (indentation, quotes, colons)") from None
+        except self.yaml.reader.ReaderError as exc:
+            ch = chr(exc.character) if isinstance(exc.character, int) else str(exc.character)
+            pos = self.text.find(ch)
+            line = self.text.count("\n", 0, pos) + 1 if pos >= 0 else None
+            raise ConfigError(f"{self.name}: {'line ' + str(line) + ': ' if line else ''}the character "
+                              f"{ch!r} is not allowed in YAML ({exc.reason})",
+                              hint="remove it, or write it as an escape inside double quotes") from None
+        except self.yaml.YAMLError as exc:
+            raise ConfigError(f"{self.name}: malformed YAML: {str(exc).splitlines()[0] if str(exc) else exc}",
+                              hint="fix the YAML syntax") from None
+        finally:
+            self.loader.dispose()
+
+    def _stream(self) -> Any:
+        E, get = self.E, self.loader.get_event
+        get()  # StreamStartEvent
+        if self.loader.check_event(E.StreamEndEvent):
+            return None
+        get()  # DocumentStartEvent
+        value = self._node("", 0)
+        get()  # DocumentEndEvent
+        ev = get()
+        if not isinstance(ev, E.StreamEndEvent):
+            raise ConfigError(f"{self.name}: line {ev.start_mark.line + 1}: a second YAML document; a config is one "
+                              f"document", hint="remove the '---' line and what follows it, or merge the two")
+        return value
+
+    def _refuse_shared(self, ev: Any, path: str, line: int) -> None:
+        if isinstance(ev, self.E.AliasEvent):
+            raise ConfigError(f"{_where(path, line)}: the YAML alias *{ev.anchor} is not accepted", hint=_NO_ALIAS_HINT)
+        if getattr(ev, "anchor", None) is not None:
+            raise ConfigError(f"{_where(path, line)}: the YAML anchor &{ev.anchor} is not accepted",
+                              hint=_NO_ALIAS_HINT)
+
+    def _tag(self, ev: Any, path: str, line: int, plain: str) -> None:
+        if ev.tag not in (None, "!", plain):
+            tag = ev.tag.replace("tag:yaml.org,2002:", "!!")
+            raise ConfigError(f"{_where(path, line)}: the YAML tag {tag} is not accepted",
+                              hint="remove the tag: a config holds plain strings, numbers, true/false, null, lists "
+                                   "and mappings")
+
+    def _node(self, path: str, depth: int) -> Any:
+        E = self.E
+        ev = self.loader.get_event()
+        line = ev.start_mark.line + 1
+        self._refuse_shared(ev, path, line)
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise ConfigError(f"{_where(path, line)}: the config holds more than {MAX_NODES} keys and values",
+                              hint="a deploytool config holds a few hundred; check that --config names the config")
+        if isinstance(ev, E.ScalarEvent):
+            return self._scalar(ev, path, line)
+        if depth >= MAX_DEPTH:
+            raise ConfigError(f"{_where(path, line)}: nested deeper than {MAX_DEPTH} levels",
+                              hint="a deploytool config nests at most 5 levels; check the indentation")
+        if isinstance(ev, E.SequenceStartEvent):
+            self._tag(ev, path, line, "tag:yaml.org,2002:seq")
+            items: list[Any] = []
+            while not self.loader.check_event(E.SequenceEndEvent):
+                items.append(self._node(f"{path}[{len(items)}]", depth + 1))
+            self.loader.get_event()
+            return items
+        self._tag(ev, path, line, "tag:yaml.org,2002:map")  # a MappingStartEvent: nothing else starts a node
+        out: dict[str, Any] = {}
+        lines: dict[str, int] = {}
+        while not self.loader.check_event(E.MappingEndEvent):
+            kev = self.loader.get_event()
+            kline = kev.start_mark.line + 1
+            self._refuse_shared(kev, path, kline)
+            key = self._scalar(kev, path, kline) if isinstance(kev, E.ScalarEvent) else kev
+            if key == "<<" and kev.implicit[0]:
+                raise ConfigError(f"{_where(path, kline)}: the YAML merge key << is not accepted", hint=_NO_ALIAS_HINT)
+            if not isinstance(key, str):
+                what = ("a list" if isinstance(key, E.SequenceStartEvent) else "a mapping"
+                        if isinstance(key, E.MappingStartEvent) else _fmt(key))
+                raise ConfigError(f"{_where(path, kline)}: the key {what} is not a string",
+                                  hint="keys are names: quote a key that YAML reads as a number, true/false or null")
+            sub = _join(path, key)
+            if key in lines:
+                raise ConfigError(f"{sub}: duplicate key at lines {lines[key]} and {kline}",
+                                  hint="keep one of the two (YAML would silently take the last)")
+            lines[key] = kline
+            out[key] = self._node(sub, depth + 1)
+        self.loader.get_event()
+        return out
+
+    def _scalar(self, ev: Any, path: str, line: int) -> Any:
+        v = ev.value
+        if ev.tag in ("!", _STR_TAG) or (ev.tag is None and not ev.implicit[0]):  # quoted, block or !!str
+            return v
+        self._tag(ev, path, line, _STR_TAG)  # any other tag
+        if v in _NULLS:
+            return None
+        if v in _BOOLS:
+            return _BOOLS[v]
+        if _INT_RE.fullmatch(v):
+            if len(v) > MAX_INT_DIGITS:
+                raise ConfigError(f"{_where(path, line)}: {v[:12]}... ({len(v.lstrip('-'))} digits) is out of range "
+                                  f"for every setting")
+            return int(v)
+        if _FLOAT_RE.fullmatch(v):
+            return float(v)
+        return _FLOAT_WORDS.get(v, v)
+
+
+def parse_yaml(text: str, *, name: str = "config") -> Any:
+    """The YAML document in `text` as plain dicts, lists and scalars (see _Composer for what is refused)."""
+    return _Composer(text, name).compose()
+
+
+def _too_big(p: Path, size: int | None) -> ConfigError:
+    got = f"is {size} bytes" if size is not None else "holds more than that"
+    return ConfigError(f"{p}: a config file may be at most {MAX_CONFIG_BYTES} bytes (1 MiB); this one {got}",
+                       hint="a deploytool config is a few KB: check that --config names the config, not a model, an "
+                            "archive or a log")
+
+
+def _read(p: Path) -> bytes:
+    """The file's bytes, at most MAX_CONFIG_BYTES (a FIFO or a device is read up to the limit, never without end)."""
     try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"{name}: malformed YAML{where}: {exc.problem or exc}",
-                          hint="fix the YAML syntax (indentation, quotes, colons)") from None
-    except (yaml.YAMLError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"{name}: malformed YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                          hint="fix the YAML syntax") from None
-
-
-def load(path: str | Path, *, parse_cache: bool = False, refresh: bool = False) -> Config:
-    """Read, parse and validate the config file at `path`.
-
-    With `parse_cache` (verify, before every start), the YAML parse comes from the parse cache beside the file
-    when that cache is valid for exactly these bytes, and a fresh parse is stored there (see `_ParseCache`);
-    `refresh` parses afresh and only writes the cache. Everything else (errors, validation, paths) is the same.
-    """
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            data = f.read()
-            st = os.fstat(f.fileno()) if parse_cache else None
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO without a writer must not block open
     except FileNotFoundError:
         raise InputError(f"config file not found: {p}",
                          hint="write one with `deploytool init --example cpu-demo` or pass --config PATH") from None
-    except IsADirectoryError:
-        raise InputError(f"config path is a directory, not a file: {p}") from None
     except OSError as exc:
         raise InputError(f"cannot read config file {p}: {exc.strerror}") from None
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not UTF-8 text") from None
-    cache = _ParseCache(p.resolve(), st, data) if st is not None and stat.S_ISREG(st.st_mode) else None
-    hit = cache.get() if cache is not None and not refresh else None
-    blob: bytes | None = None
-    if hit is not None:
-        raw, sha256 = hit
-    else:
-        import hashlib  # lazy: a cached load needs no hashing
-
-        raw = parse_yaml(text, name=str(p))
-        sha256 = hashlib.sha256(data).hexdigest()
-        if cache is not None:
-            blob = cache.blob(text, raw, sha256)
-    cfg = from_dict(raw, source_path=cache.config if cache is not None else str(p.resolve()), source_sha256=sha256)
-    if cache is not None and blob is not None:
-        cache.put(blob)  # only a document that validated is stored
-    return cfg
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The parse cache
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise InputError(f"config path is a directory, not a file: {p}")
+        if stat.S_ISREG(st.st_mode) and st.st_size > MAX_CONFIG_BYTES:
+            raise _too_big(p, st.st_size)
+        os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        n = 0
+        while n <= MAX_CONFIG_BYTES:
+            b = os.read(fd, MAX_CONFIG_BYTES + 1 - n)
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        if n > MAX_CONFIG_BYTES:
+            raise _too_big(p, None if not stat.S_ISREG(st.st_mode) else n)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise InputError(f"cannot read config file {p}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
-PARSE_CACHE_FORMAT = 1
-PARSE_CACHE_MAX_BYTES = 4 << 20
+def load(path: str | Path) -> Config:
+    """Read (at most MAX_CONFIG_BYTES), parse (parse_yaml) and validate (from_dict) the config file at `path`."""
+    import hashlib  # lazy, like yaml
 
-
-def parse_cache_path(config_path: str | os.PathLike[str]) -> Path:
-    """Where the parse cache of a config file lives: `.NAME.cache.json` beside the (resolved) file."""
-    p = Path(config_path)
-    return p.with_name(f".{p.name}.cache.json")
-
-
-def _stat_key(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _yaml_origin() -> tuple[str, list[int]] | None:
-    """The file `import yaml` would load and its stat key, found without importing it (as the import system
-    does: the first finder on sys.meta_path that knows the name)."""
+    p = Path(path)
+    data = _read(p)
     try:
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find("yaml", None) if find is not None else None
-            if spec is not None:
-                return (spec.origin, _stat_key(os.stat(spec.origin))) if spec.origin else None
-    except Exception:  # a finder's failure only costs the cache
-        return None
-    return None
-
-
-def _same(a: Any, b: Any, depth: int = 0) -> bool:
-    """`a` and `b` are the same document: the same types (bool is not int, int is not float), values, key order."""
-    if type(a) is not type(b) or depth > 100:
-        return False
-    if type(a) is dict:
-        return len(a) == len(b) and all(_same(ka, kb, depth + 1) and _same(va, vb, depth + 1)
-                                        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True))
-    if type(a) is list:
-        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b, strict=True))
-    if type(a) is float:
-        return repr(a) == repr(b)  # -0.0 is not 0.0
-    return type(a) in (str, int, bool, type(None)) and a == b
-
-
-class _ParseCache:
-    """The YAML parse of a config file, kept beside it, so verify (run before every start) skips importing and
-    running the YAML parser (about 25 ms of its start-up). It replaces nothing but `yaml.safe_load` of the
-    same bytes: the document still goes through from_dict (validation, error messages with key paths,
-    placeholders, relative paths), and the config file itself is always read.
-
-    Where: `.NAME.cache.json` beside the config file (parse_cache_path), because it is the one place known
-    before the config is parsed (the state dir is a setting inside it); it is on the same file system, so the
-    rename that writes it is atomic; the config's directory is writable by whoever may edit the config
-    (root for /etc/deploytool, where the units' ExecStartPre verify runs as root) and by no one else.
-
-    Why it can be trusted (the same argument as the fingerprint hash cache, fingerprint.py's module doc, plus a
-    content check that makes racy timestamps irrelevant):
-      * it is used only when the config file's (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns), taken
-        with fstat on the descriptor the bytes were just read from, equals the recorded one: any write,
-        truncate, chmod/chown or rename over the path changes ctime (which no system call can set) or the
-        inode, so an edited config misses, even one given back its old size and mtime;
-      * and only when the recorded text is byte for byte the bytes just read: a change in the same timestamp
-        tick as the parse that wrote the cache, which the stat key alone could miss, misses here;
-      * and only when the recorded parser is the one `import yaml` would load now (same file, same stat key):
-        a PyYAML upgrade re-parses;
-      * the cache file is opened without following symlinks and used only when it is a regular file owned by
-        the config file's owner or by root and not group- or world-writable: only someone who can already
-        change the config (or root) can have written it, and it is written only by this code, from
-        yaml.safe_load of the recorded text, after that document validated;
-      * a document is stored only when it survives JSON exactly (same types, values, key order: no dates,
-        binary, non-string keys, NaN or infinities, which JSON would change); a parse error or a document
-        that fails validation (a non-mapping top level among them) is never stored;
-      * a missing, unreadable, corrupt or foreign cache file is ignored (the YAML is parsed); writing is best
-        effort (temp file + rename; an unwritable directory or a read-only file system just means no cache),
-        and only by the config's owner or root, with the config file's permission bits minus any write or
-        execute bit for group and others, so the cache is readable by no one who cannot read the config.
-    `deploytool verify --no-cache` parses afresh (and rewrites the cache).
-    """
-
-    def __init__(self, real: Path, st: os.stat_result, data: bytes) -> None:
-        self.config = str(real)
-        self.path = parse_cache_path(real)
-        self.st = st
-        self.data = data
-
-    def get(self) -> tuple[dict[str, Any], str] | None:
-        """(document, SHA-256 of the config bytes) when the cache is valid for these bytes, else None."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            if (not stat.S_ISREG(st.st_mode) or st.st_uid not in (self.st.st_uid, 0) or st.st_mode & 0o022
-                    or st.st_size > PARSE_CACHE_MAX_BYTES):
-                return None
-            import json
-
-            with open(fd, "rb", closefd=False) as f:
-                d = json.loads(f.read())
-        except (OSError, ValueError, RecursionError):
-            return None
-        finally:
-            os.close(fd)
-        try:
-            if (not isinstance(d, dict) or d.get("format") != PARSE_CACHE_FORMAT or d.get("config") != self.config
-                    or d.get("key") != _stat_key(self.st) or not isinstance(d.get("text"), str)
-                    or d["text"].encode("utf-8") != self.data or not isinstance(d.get("document"), dict)
-                    or not isinstance(d.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", d["sha256"])):
-                return None
-        except UnicodeError:  # a lone surrogate in the recorded text: not these bytes
-            return None
-        parser = d.get("parser")
-        origin = _yaml_origin()
-        if not isinstance(parser, dict) or origin is None or [parser.get("origin"), parser.get("key")] != list(origin):
-            return None
-        return d["document"], d["sha256"]
-
-    def blob(self, text: str, raw: Any, sha256: str) -> bytes | None:
-        """The cache file's bytes for a fresh parse, or None when it cannot or may not be stored."""
-        if not isinstance(raw, dict) or os.geteuid() not in (self.st.st_uid, 0):
-            return None
-        import json
-
-        import yaml
-
-        origin = getattr(yaml, "__file__", None)
-        try:
-            parser = {"yaml": getattr(yaml, "__version__", None), "origin": origin,
-                      "key": _stat_key(os.stat(origin)) if origin else None}
-            out = json.dumps({"format": PARSE_CACHE_FORMAT, "config": self.config, "key": _stat_key(self.st),
-                              "parser": parser, "sha256": sha256, "text": text, "document": raw},
-                             allow_nan=False, separators=(",", ":")).encode()
-            if not origin or not _same(json.loads(out)["document"], raw):
-                return None
-        except (OSError, TypeError, ValueError, RecursionError):
-            return None
-        return out
-
-    def put(self, blob: bytes) -> None:
-        """Write the cache file atomically (temp file + rename); best effort, failures only cost speed."""
-        if len(blob) > PARSE_CACHE_MAX_BYTES:
-            return
-        mode = stat.S_IMODE(self.st.st_mode) & 0o644
-        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            try:
-                fd = os.open(tmp, flags, mode)
-            except FileExistsError:  # left by a crashed run with this pid
-                os.unlink(tmp)
-                fd = os.open(tmp, flags, mode)
-        except OSError:
-            return
-        try:
-            try:
-                os.fchmod(fd, mode)
-                view = memoryview(blob)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{p}: not UTF-8 text (line {line}, byte {exc.start})", hint="save the file as UTF-8") from None
+    raw = parse_yaml(text, name=str(p))
+    return from_dict(raw, source_path=str(p.resolve()), source_sha256=hashlib.sha256(data).hexdigest())
 
 
 def example_text(name: str) -> str:

@@ -4,8 +4,6 @@
 before every start) is handled here without importing click or the command modules, which is about a third
 of the start-up time of a fully cached verify. The output, the error lines and the exit codes are the same
 as the click command's (tests compare them); any other command line, or a terminal (colors), goes to click.
-Both take the config's YAML parse from its parse cache beside the file (config._ParseCache), so a fully cached
-verify imports neither yaml nor hashlib.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_por
         if path is None:
             local = Path("deploytool.yaml")
             path = str(local if local.exists() else config_mod.DEFAULT_CONFIG_PATH)
-        cfg = config_mod.load(path, parse_cache=True, refresh=no_cache)
+        cfg = config_mod.load(path)
         b = cfg.backend(backend)
         report = fingerprint.verify(cfg, b, use_cache=not no_cache)
         sys.stdout.write(fingerprint.format_report(report) + "\n")

@@ -25,6 +25,11 @@ from tests.support.configs import example_dict
 MIN = "version: 1\ndefault_backend: a\nbackends:\n  a:\n    kind: ftllm\n    model: /m\n"
 
 
+NUMBER_HINT = "write numbers in plain decimal (8082, 0.95, 900); yes/no, 0x1F, 1e3 and 1_000 are not numbers here"
+NO_ALIAS = "write the value out in full: a deploytool config takes no anchors (&) or aliases (*)"
+NO_TAG = "remove the tag: a config holds plain strings, numbers, true/false, null, lists and mappings"
+
+
 def _b(extra: str) -> str:
     """MIN with extra lines added to backend a."""
     return MIN + extra
@@ -33,19 +38,19 @@ def _b(extra: str) -> str:
 # (case id, YAML text, exact error line, exact hint or None, exit code)
 BAD: list[tuple[str, str, str, str | None, int]] = [
     ("malformed-flow", "version: 1\nbackends:\n  a: [1, 2\n",
-     "{p}: malformed YAML at line 4, column 1: expected ',' or ']', but got '<stream end>'",
+     "{p}: malformed YAML at line 4, column 1: did not find expected ',' or ']'",
      "fix the YAML syntax (indentation, quotes, colons)", 3),
     ("malformed-tab", "version: 1\n\tbackends: {}\n",
-     "{p}: malformed YAML at line 2, column 1: found character '\\t' that cannot start any token",
+     "{p}: malformed YAML at line 2, column 1: found a tab character that violates indentation",
      "fix the YAML syntax (indentation, quotes, colons)", 3),
     ("malformed-colon", "version: 1\nbackends: a: b\n",
-     "{p}: malformed YAML at line 2, column 12: mapping values are not allowed here",
+     "{p}: malformed YAML at line 2, column 12: mapping values are not allowed in this context",
      "fix the YAML syntax (indentation, quotes, colons)", 3),
     ("top-level-list", "- 1\n- 2\n", "the config must be a YAML mapping at the top level, not list",
      "start from `deploytool init --example cpu-demo`", 3),
     ("empty", "", "the config must be a YAML mapping at the top level, not NoneType",
      "start from `deploytool init --example cpu-demo`", 3),
-    ("wrong-type-int", _b("    tp: two\n"), "backends.a.tp: 'two' is not an integer", None, 3),
+    ("wrong-type-int", _b("    tp: two\n"), "backends.a.tp: 'two' is not an integer", NUMBER_HINT, 3),
     ("wrong-type-bool", _b("    cuda_embedding: 'yes'\n"), "backends.a.cuda_embedding: 'yes' is not true or false",
      None, 3),
     ("wrong-type-list", _b("    aliases: ftllm\n"), "backends.a.aliases: 'ftllm' is not a list (expected a list of "
@@ -65,10 +70,10 @@ BAD: list[tuple[str, str, str, str | None, int]] = [
     ("missing-backends", "version: 1\ndefault_backend: a\n",
      "backends: missing or empty (expected a mapping of backend name -> settings)", None, 3),
     ("bad-port-range", MIN + "serve:\n  port: 70000\n",
-     "serve.port: 70000 is not a valid port (expected an integer 1-65535)", None, 3),
+     "serve.port: 70000 is out of range (expected an integer from 1 to 65535: a TCP port)", None, 3),
     ("bad-port-zero", MIN + "serve:\n  port: 0\n",
-     "serve.port: 0 is not a valid port (expected an integer 1-65535)", None, 3),
-    ("bad-port-type", MIN + "serve:\n  port: abc\n", "serve.port: 'abc' is not an integer", None, 3),
+     "serve.port: 0 is out of range (expected an integer from 1 to 65535: a TCP port)", None, 3),
+    ("bad-port-type", MIN + "serve:\n  port: abc\n", "serve.port: 'abc' is not an integer", NUMBER_HINT, 3),
     ("bad-backend-name", MIN.replace(" a", " A_b").replace("\n  a:", "\n  A_b:"),
      "backends.A_b: 'A_b' is not a valid backend name (expected lowercase letters, digits and '-', starting with "
      "a letter, at most 40 characters; it becomes the unit name)", None, 3),
@@ -88,7 +93,8 @@ BAD: list[tuple[str, str, str, str | None, int]] = [
      "backends.a.env.GOOD: the value contains a line break, which an EnvironmentFile cannot hold",
      "put such data in a file and pass its path", 3),
     ("env-nul", _b('    env:\n      GOOD: "a\\0b"\n'), "backends.a.env.GOOD: contains a NUL byte", None, 3),
-    ("ratio", _b("    gpu_mem_ratio: 1.5\n"), "backends.a.gpu_mem_ratio: 1.5 must be a fraction in (0, 1]", None, 3),
+    ("ratio", _b("    gpu_mem_ratio: 1.5\n"), "backends.a.gpu_mem_ratio: 1.5 is out of range (expected a number "
+     "above 0 and at most 1: a fraction)", None, 3),
     ("ratio-nan", _b("    gpu_mem_ratio: .nan\n"), "backends.a.gpu_mem_ratio: nan is not a finite number", None, 3),
     ("kv-dtype", _b("    kv_cache_dtype: fp5\n"), "backends.a.kv_cache_dtype: 'fp5' is not valid (expected one "
      "of 'auto', 'float16', 'bfloat16', 'fp8', 'fp8_e4m3', 'fp4')", "did you mean 'fp8'?", 3),
@@ -99,6 +105,71 @@ BAD: list[tuple[str, str, str, str | None, int]] = [
      "host.compute_capability: 'sm_75' is not a compute capability (expected a string like '7.5')", None, 3),
     ("placeholder", _b("    executable: '{home}/ftllm'\n"),
      "backends.a.executable: '{home}/ftllm' may only start with the placeholders {current} or {venv}", None, 3),
+    # the bounded loader: what YAML allows and a config never needs
+    ("duplicate-key", _b("    tp: 2\n    model: /other\n"), "backends.a.model: duplicate key at lines 6 and 8",
+     "keep one of the two (YAML would silently take the last)", 3),
+    ("duplicate-top", MIN + "version: 1\n", "version: duplicate key at lines 1 and 7",
+     "keep one of the two (YAML would silently take the last)", 3),
+    ("duplicate-backend", MIN + "  a:\n    kind: llamacpp\n    model: /n\n", "backends.a: duplicate key at lines 4 and 7",
+     "keep one of the two (YAML would silently take the last)", 3),
+    ("alias", _b("    aliases: &x [q]\n    extra_args: *x\n"),
+     "backends.a.aliases (line 7): the YAML anchor &x is not accepted", NO_ALIAS, 3),
+    ("alias-only", _b("    extra_args: *x\n"), "backends.a.extra_args (line 7): the YAML alias *x is not accepted",
+     NO_ALIAS, 3),
+    ("merge-key", _b("    <<: {tp: 2}\n"), "backends.a (line 7): the YAML merge key << is not accepted", NO_ALIAS, 3),
+    ("tag-python", _b("    description: !!python/object/apply:os.system ['true']\n"),
+     "backends.a.description (line 7): the YAML tag !!python/object/apply:os.system is not accepted", NO_TAG, 3),
+    ("tag-int", _b("    tp: !!int 2\n"), "backends.a.tp (line 7): the YAML tag !!int is not accepted", NO_TAG, 3),
+    ("tag-set", _b("    aliases: !!set {x: null}\n"), "backends.a.aliases (line 7): the YAML tag !!set is not accepted",
+     NO_TAG, 3),
+    ("str-tag-ok-but-not-int", _b("    tp: !!str 2\n"), "backends.a.tp: '2' is not an integer", NUMBER_HINT, 3),
+    ("key-int", _b("    env:\n      1: x\n"), "backends.a.env (line 8): the key 1 is not a string",
+     "keys are names: quote a key that YAML reads as a number, true/false or null", 3),
+    ("key-null", _b("    env:\n      ~: x\n"), "backends.a.env (line 8): the key None is not a string",
+     "keys are names: quote a key that YAML reads as a number, true/false or null", 3),
+    ("key-list", _b("    env:\n      ? [a]\n      : x\n"), "backends.a.env (line 8): the key a list is not a string",
+     "keys are names: quote a key that YAML reads as a number, true/false or null", 3),
+    ("second-document", MIN + "---\nversion: 1\n", "{p}: line 7: a second YAML document; a config is one document",
+     "remove the '---' line and what follows it, or merge the two", 3),
+    ("huge-int", _b("    tp: " + "9" * 5000 + "\n"),
+     "backends.a.tp (line 7): 999999999999... (5000 digits) is out of range for every setting", None, 3),
+    ("huge-float-int", _b("    start_timeout_s: " + "9" * 400 + "\n"),
+     "backends.a.start_timeout_s (line 7): 999999999999... (400 digits) is out of range for every setting", None, 3),
+    ("big-int-to-float", _b("    start_timeout_s: " + "9" * 99 + "\n"),
+     "backends.a.start_timeout_s: 1e+99 is out of range (expected a number from 1 to 86400: "
+     + config.START_TIMEOUT_S.why + ")", None, 3),
+    ("timeout-zero", MIN + "health:\n  start_timeout_s: 0.5\n", "health.start_timeout_s: 0.5 is out of range "
+     "(expected a number from 1 to 86400: " + config.START_TIMEOUT_S.why + ")", None, 3),
+    ("timeout-e", _b("    start_timeout_s: 1e3\n"), "backends.a.start_timeout_s: '1e3' is not a number", NUMBER_HINT, 3),
+    ("timeout-inf", _b("    start_timeout_s: .inf\n"), "backends.a.start_timeout_s: inf is not a finite number", None, 3),
+    ("bool-yes", _b("    cuda_embedding: yes\n"), "backends.a.cuda_embedding: 'yes' is not true or false", None, 3),
+    ("bool-on", _b("    prefix_cache: on\n"), "backends.a.prefix_cache: 'on' is not true or false", None, 3),
+    ("bool-for-int", _b("    tp: true\n"), "backends.a.tp: True is not an integer", None, 3),
+    ("hex-int", MIN + "serve:\n  port: 0x1F90\n", "serve.port: '0x1F90' is not an integer", NUMBER_HINT, 3),
+    ("octal-int", MIN + "serve:\n  port: 0o17\n", "serve.port: '0o17' is not an integer", NUMBER_HINT, 3),
+    ("underscore-int", MIN + "serve:\n  port: 8_082\n", "serve.port: '8_082' is not an integer", NUMBER_HINT, 3),
+    ("sexagesimal", MIN + "serve:\n  port: 1:30\n", "serve.port: '1:30' is not an integer", NUMBER_HINT, 3),
+    ("float-for-int", _b("    tp: 2.0\n"), "backends.a.tp: 2.0 is not an integer", None, 3),
+    ("float-for-string", MIN + "serve:\n  model_name: 7.10\n", "serve.model_name: 7.1 is not a string",
+     "quote it if you mean the text", 3),
+    ("bool-for-string", MIN + "serve:\n  model_name: true\n", "serve.model_name: True is not a string",
+     "quote it if you mean the text", 3),
+    ("version-float", MIN.replace("version: 1", "version: 1.0"),
+     "version: 1.0 is not a supported config version (expected 1)", None, 3),
+    ("gpu-id", MIN + "host:\n  gpus: [0, 32]\n", "host.gpus[1]: 32 is out of range (expected an integer from 0 to 31: "
+     + config.GPU_ID.why + ")", None, 3),
+    ("gpu-twice", MIN + "host:\n  gpus: [1, 0, 1]\n", "host.gpus[2]: 1 is listed twice (also host.gpus[0])",
+     "list each once", 3),
+    ("threads-zero", _b("    threads: 0\n"), "backends.a.threads: 0 is out of range (expected an integer from 1 to "
+     "4096: " + config.THREADS.why + ")", None, 3),
+    ("ctx-huge", MIN.replace("ftllm", "llamacpp") + "    ctx_size: 2621440000\n", "backends.a.ctx_size: 2621440000 is "
+     "out of range (expected an integer from 64 to 16777216: " + config.CONTEXT.why + ")", None, 3),
+    ("nested", MIN + "serve: " + "[" * 20 + "]" * 20 + "\n",
+     "serve" + "[0]" * 15 + " (line 7): nested deeper than 16 levels",
+     "a deploytool config nests at most 5 levels; check the indentation", 3),
+    ("control-char", MIN + "serve:\n  model_name: a\x07b\n",
+     "{p}: line 8: the character '\\x07' is not allowed in YAML (control characters are not allowed)",
+     "remove it, or write it as an escape inside double quotes", 3),
 ]
 
 
@@ -152,7 +223,7 @@ def test_bad_config_file(kind: str, tmp_path: Path) -> None:
         expected = (f"error: config path is a directory, not a file: {p}\n", 5)
     elif kind == "not-utf8":
         p.write_bytes(b"\xff\xfe version: 1")
-        expected = (f"error: {p}: not UTF-8 text\n", 3)
+        expected = (f"error: {p}: not UTF-8 text (line 1, byte 0)\nhint: save the file as UTF-8\n", 3)
     else:
         if os.geteuid() == 0:
             # root reads any file: make it unreadable another way, a FIFO-free dangling symlink loop

@@ -724,8 +724,7 @@ def test_fast_entry_answers_exactly_like_the_click_command(tree: rt.Tree) -> Non
 
 
 def test_fast_entry_skips_click_and_hands_everything_else_to_click(tree: rt.Tree) -> None:
-    """verify through the fast entry loads no click; once the config's parse cache is written, no yaml, and a fully
-    cached verify no hashlib either; other command lines (pin, --json) still work through click."""
+    """verify through the fast entry loads no click; other command lines (pin, --json) still work through click."""
     fp.pin(tree.cfg, FT, "install")
     time.sleep(fp.CACHE_RACY_MARGIN_S)  # the first verify's hashes of the fresh tree are then not racy
     code = ("import sys\n"
@@ -734,11 +733,9 @@ def test_fast_entry_skips_click_and_hands_everything_else_to_click(tree: rt.Tree
             "try:\n"
             "    main()\n"
             "except SystemExit as e:\n"
-            "    print('EXIT', e.code, *(m in sys.modules for m in ('click', 'yaml', 'hashlib')))\n")
+            "    print('EXIT', e.code, 'click' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.stdout.strip().splitlines()[-1] == "EXIT 0 False True True", r.stdout + r.stderr  # writes the cache
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.stdout.strip().splitlines()[-1] == "EXIT 0 False False False", r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "EXIT 0 False", r.stdout + r.stderr
     js = entry(tree, "--config", str(tree.config_path), "verify", FT, "--json", fast=True)
     assert js.returncode == 0 and json.loads(js.stdout)["ok"] is True
     p = entry(tree, "--config", str(tree.config_path), "pin", FT, "--reason", "again", fast=True)

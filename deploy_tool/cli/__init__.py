@@ -29,15 +29,15 @@ class Ctx:
     verbose: bool
     debug: bool
 
-    def load_config(self, *, parse_cache: bool = False, refresh: bool = False):
-        """The config; `parse_cache`/`refresh` as in config.load (verify uses the parse cache)."""
+    def load_config(self):
+        """The config: --config, else ./deploytool.yaml, else /etc/deploytool/deploytool.yaml."""
         from deploy_tool import config
 
         path = self.config_path
         if path is None:
             local = Path("deploytool.yaml")
             path = local if local.exists() else config.DEFAULT_CONFIG_PATH
-        return config.load(path, parse_cache=parse_cache, refresh=refresh)
+        return config.load(path)
 
     def emit(self, data: object, human: str | None = None) -> None:
         """Print `data` as JSON with --json, else the human text."""

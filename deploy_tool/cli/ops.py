@@ -104,7 +104,7 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None) -> None:
     """
     from deploy_tool.switch import Switcher
 
-    cfg = ctx.load_config(parse_cache=True)  # the parse verify keeps beside the config: no yaml import
+    cfg = ctx.load_config()
     res = Switcher(cfg, log=_log(ctx)).switch(backend, dry_run=ctx.dry_run, wait=wait, reason=reason)
     if res.action == "planned":
         ctx.emit(res.to_json(), "plan:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(res.plan, 1)))
@@ -119,7 +119,7 @@ def rollback(ctx: Ctx, wait: float) -> None:
     """Switch back to the previous backend through the same health gate."""
     from deploy_tool.switch import Switcher
 
-    cfg = ctx.load_config(parse_cache=True)
+    cfg = ctx.load_config()
     res = Switcher(cfg, log=_log(ctx)).rollback(dry_run=ctx.dry_run, wait=wait)
     if res.action == "planned":
         ctx.emit(res.to_json(), "plan:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(res.plan, 1)))

@@ -42,7 +42,7 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool, await_port: b
 
     if json_out:
         ctx.json = True
-    cfg = ctx.load_config(parse_cache=True, refresh=no_cache)
+    cfg = ctx.load_config()
     b = cfg.backend(backend)
     report = fingerprint.verify(cfg, b, use_cache=not no_cache)
 
