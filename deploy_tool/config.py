@@ -941,7 +941,12 @@ def reference_rows() -> list[tuple[str, str, str, str]]:
                 default = "(see below)" if dataclasses.is_dataclass(inner[0]) else "{}"
             else:
                 default = "required"
-            rows.append((key, _type_name(tp), default, f.metadata["doc"]))
+            kind = _type_name(tp)
+            rng = f.metadata.get("range")
+            if rng is not None:  # "an integer from 1 to 65535 (or null)", "a list of an integer from 0 to 31"
+                kind = kind.replace("an integer" if int in (get_args(tp) or (tp,)) else "a number",
+                                    rng.text(int in (get_args(tp) or (tp,))), 1)
+            rows.append((key, kind, default, f.metadata["doc"] + (f" (range: {rng.why})" if rng is not None else "")))
             if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
                 walk(inner[0], key + ".")  # type: ignore[arg-type]
 

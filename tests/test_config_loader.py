@@ -428,3 +428,20 @@ def test_endless_device_and_fifo_do_not_hang(tmp_path: Path) -> None:
         assert config.load(f"/dev/fd/{r}").backends["a"].model == "/m"
     finally:
         os.close(r)
+
+
+def test_config_reference_shows_every_range() -> None:
+    """`deploytool config-reference --json` gives every numeric setting's range and its reason."""
+    import json
+
+    from click.testing import CliRunner
+
+    from deploy_tool.cli import main
+
+    r = CliRunner().invoke(main, ["--json", "config-reference"])
+    assert r.exit_code == 0, r.output
+    rows = {row["key"].replace("  (kind: ftllm) ", "").replace("  (kind: llamacpp) ", ""): row
+            for row in json.loads(r.stdout)}
+    for path, rng, integer, _is_list in NUMERIC:
+        key = re.sub(r"^backends\.[^.]+\.", "backends.<name>.", path)
+        assert rng.text(integer) in rows[key]["type"] and rng.why in rows[key]["doc"], (key, rows[key])
