@@ -445,3 +445,31 @@ def test_config_reference_shows_every_range() -> None:
     for path, rng, integer, _is_list in NUMERIC:
         key = re.sub(r"^backends\.[^.]+\.", "backends.<name>.", path)
         assert rng.text(integer) in rows[key]["type"] and rng.why in rows[key]["doc"], (key, rows[key])
+
+
+def test_start_timeout_range_is_what_systemd_parses(tmp_path: Path) -> None:
+    """Both ends of the start-timeout range render a TimeoutStartSec= that the real systemd-analyze parses,
+    while a value past it (as `check` used to pass) is one systemd ignores, falling back to its default."""
+    from deploy_tool import render
+
+    def timeout_line(seconds: float) -> str:
+        doc = example_dict("cpu-demo")
+        doc["health"]["start_timeout_s"] = seconds
+        cfg = config.from_dict(doc, source_path=str(tmp_path / "deploytool.yaml"))
+        unit = render.render_backend(cfg, cfg.backends["ftllm-dflash"])[0].content
+        return next(ln for ln in unit.splitlines() if ln.startswith("TimeoutStartSec="))
+
+    def analyze(line: str) -> str:
+        u = tmp_path / "t.service"
+        u.write_text(f"[Unit]\nDescription=t\n[Service]\nExecStart=/bin/true\n{line}\n")
+        r = subprocess.run(["systemd-analyze", "verify", str(u)], capture_output=True, text=True, timeout=60)
+        return r.stdout + r.stderr
+
+    rng = config.START_TIMEOUT_S
+    for seconds in (rng.lo, rng.hi):
+        line = timeout_line(seconds)
+        assert line == f"TimeoutStartSec={int(seconds)}"
+        assert "TimeoutStartSec" not in analyze(line)
+    with pytest.raises(ConfigError, match="out of range"):
+        timeout_line(1e20)
+    assert "Failed to parse TimeoutStartSec= parameter, ignoring" in analyze(f"TimeoutStartSec={int(1e20)}")
