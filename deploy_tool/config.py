@@ -393,6 +393,11 @@ def _close_matches(word: str, possibilities: list[str] | tuple[str, ...], n: int
 
 
 def _fmt(v: Any) -> str:
+    """A value as an error message shows it: short, and true/false/null as YAML spells them."""
+    if v is None or isinstance(v, bool):
+        return {None: "null", True: "true", False: "false"}[v]
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return ".nan" if v != v else ".inf" if v > 0 else "-.inf"
     if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:  # repr of a huge int is slow or refused
         return f"{'-' if v < 0 else ''}an integer of {int(v.bit_length() * 0.30103) + 1} digits"
     try:
@@ -810,7 +815,7 @@ class _Composer:
                 raise ConfigError(f"{_where(path, kline)}: the YAML merge key << is not accepted", hint=_NO_ALIAS_HINT)
             if not isinstance(key, str):
                 what = ("a list" if isinstance(key, E.SequenceStartEvent) else "a mapping"
-                        if isinstance(key, E.MappingStartEvent) else _fmt(key))
+                        if isinstance(key, E.MappingStartEvent) else f"{kev.value!r} (read as {_fmt(key)})")
                 raise ConfigError(f"{_where(path, kline)}: the key {what} is not a string",
                                   hint="keys are names: quote a key that YAML reads as a number, true/false or null")
             sub = _join(path, key)

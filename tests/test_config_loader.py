@@ -368,7 +368,7 @@ BOMB_LEVELS = ['&l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'] + 
     ("5000-digit integer", MIN + "    tp: " + "9" * 5000 + "\n",
      "error: backends.a.tp (line 7): 999999999999... (5000 digits) is out of range for every setting"),
     ("huge float", MIN + "    start_timeout_s: 1" + "0" * 500 + ".0\n",
-     "error: backends.a.start_timeout_s: inf is not a finite number"),
+     "error: backends.a.start_timeout_s: .inf is not a finite number"),
     ("500k items", MIN + "    extra_args: [" + "1," * 500_000 + "1]\n",
      "(line 7): the config holds more than 10000 keys and values"),
     ("deep nesting", MIN + "    extra_args: " + "[" * 200_000 + "]" * 200_000 + "\n",
