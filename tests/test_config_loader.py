@@ -473,3 +473,22 @@ def test_start_timeout_range_is_what_systemd_parses(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="out of range"):
         timeout_line(1e20)
     assert "Failed to parse TimeoutStartSec= parameter, ignoring" in analyze(f"TimeoutStartSec={int(1e20)}")
+
+
+@pytest.mark.parametrize("text", [config.example_text(n) for n in config.EXAMPLES] + [
+    MIN + "    extra_args: [&a x, *a]\n", MIN + "    model: /n\n", MIN + "    tp: !!int 2\n", MIN + "---\nx: 1\n",
+    MIN + "    env:\n      1: x\n", MIN + "    extra_args: " + "[" * 40 + "]" * 40 + "\n",
+    MIN + "    tp: " + "9" * 200 + "\n", MIN + "    env: {A: yes, B: 0x1F, C: 1e3, D: 1.5e+3, E: ~, F: .inf, G: -0}\n"],
+    ids=[*config.EXAMPLES, "alias", "duplicate", "tag", "two-documents", "int-key", "deep", "huge-int", "scalars"])
+def test_pure_python_parser_gives_the_same_answers(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without libyaml (a PyYAML built without it) the loader falls back to PyYAML's own event parser: the same
+    document, or a ConfigError with the same message (syntax errors aside, whose wording is the parser's)."""
+    def answer() -> Any:
+        try:
+            return config.parse_yaml(text)
+        except ConfigError as exc:
+            return exc.message
+
+    with_c = answer()
+    monkeypatch.delattr(yaml, "CSafeLoader")
+    assert answer() == with_c
