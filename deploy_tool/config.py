@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import posixpath
 import re
 import stat
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from deploy_tool.errors import ConfigError, InputError
+from deploy_tool.textsafe import describe, unsafe_char
 
 CONFIG_VERSION = 1
 DEFAULT_CONFIG_PATH = Path("/etc/deploytool/deploytool.yaml")
@@ -66,12 +68,66 @@ def _cc(v: str) -> str | None:
 def _abs_or_placeholder(v: str) -> str | None:
     if v.startswith("{") and not v.startswith(("{current}", "{venv}")):
         return "may only start with the placeholders {current} or {venv}"
-    return None if v.strip() else "must not be empty"
+    if not v.strip():
+        return "must not be empty"
+    if v != v.strip():
+        return "begins or ends with white space (expected a path)"
+    if ".." in v.split("/"):
+        return "has a '..' component (expected a path without it: systemd refuses such paths)"
+    if v.startswith("{"):
+        rest = v[v.index("}") + 1:]
+        if rest and (not rest.startswith("/") or posixpath.normpath(rest) != rest):
+            return "is not a normalized path after its placeholder (expected e.g. '{venv}/bin/ftllm')"
+    return None
+
+
+def _gpu_ids(v: tuple[int, ...]) -> str | None:
+    if any(not 0 <= g <= 1023 for g in v):
+        return "holds a GPU id outside 0-1023 (expected ids such as [0, 1])"
+    return "names a GPU twice" if len(set(v)) != len(v) else None
+
+
+USER_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,30}$")
+HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                          r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def _user(v: str) -> str | None:
+    if v == "dynamic" or USER_NAME_RE.match(v):
+        return None
+    return ("is not a user name (expected 'dynamic' or a name of letters, digits, '_' and '-', starting with a "
+            "letter or '_', at most 31 characters)")
+
+
+def _host(v: str) -> str | None:
+    import ipaddress  # lazy: only a non-default host needs it
+
+    try:
+        ipaddress.ip_address(v)
+        return None
+    except ValueError:
+        pass
+    return None if HOST_NAME_RE.match(v) else "is not an IP address or host name (expected e.g. 127.0.0.1)"
+
+
+def _argument_value(v: str) -> str | None:
+    """A value passed after an option (--model_name VALUE): not empty and not taken for an option itself."""
+    if not v:
+        return "must not be empty"
+    return "begins with '-', so the server would take it for an option" if v.startswith("-") else None
+
+
+def _unit_text(v: str) -> str | None:
+    """Free text on a unit line (Description=): systemd strips white space around a value and joins a line that
+    ends with a backslash to the next."""
+    if v != v.strip(" "):
+        return "begins or ends with a space, which systemd would drop"
+    return "ends with a backslash, which systemd reads as a line continuation" if v.endswith("\\") else None
 
 
 @dataclass(frozen=True)
 class Host:
-    gpus: tuple[int, ...] = _doc("GPU ids given to the services (CUDA_VISIBLE_DEVICES)", default=(0,))
+    gpus: tuple[int, ...] = _doc("GPU ids given to the services (CUDA_VISIBLE_DEVICES)", _gpu_ids, default=(0,))
     compute_capability: str = _doc("compute capability of the GPUs, e.g. '7.5' for Turing (sm_75)",
                                    _cc, default="7.5")
     vram_mib: int = _doc("memory per GPU in MiB (22528 for a modified 2080 Ti 22G)", _positive, default=22528)
@@ -80,13 +136,14 @@ class Host:
 @dataclass(frozen=True)
 class Serve:
     host: str = _doc("address both backends bind (one port, one model name, whichever backend runs)",
-                     default="127.0.0.1")
+                     _host, default="127.0.0.1")
     port: int = _doc("TCP port both backends bind", _port, default=8082)
-    model_name: str = _doc("the model name clients send; both backends answer to it", default="model")
+    model_name: str = _doc("the model name clients send; both backends answer to it", _argument_value,
+                           default="model")
     api_key_file: str | None = _doc("file holding the API key (kept out of unit files; written 0600)",
                                     default=None)
     user: str = _doc("who the services run as: 'dynamic' (DynamicUser=yes, the safest; model files must be "
-                     "world-readable) or a user name such as 'root'", default="dynamic")
+                     "world-readable) or a user name such as 'root'", _user, default="dynamic")
 
 
 @dataclass(frozen=True)
@@ -184,7 +241,8 @@ class Speculative:
 
 @dataclass(frozen=True)
 class LlamaSpec:
-    type: str = _doc("--spec-type (draft-mtp uses the GGUF's built-in MTP heads)", default="draft-mtp")
+    type: str = _doc("--spec-type (draft-mtp uses the GGUF's built-in MTP heads)", _argument_value,
+                     default="draft-mtp")
     draft_n_max: int = _doc("--spec-draft-n-max", _positive, default=3)
 
 
@@ -253,7 +311,7 @@ class _BackendCommon:
     env: Mapping[str, str] = _doc("extra environment (EnvironmentFile syntax is handled for you)",
                                   default_factory=dict)
     extra_args: tuple[str, ...] = _doc("extra arguments appended to the launch line", default=())
-    description: str | None = _doc("unit Description=", default=None)
+    description: str | None = _doc("unit Description=", _unit_text, default=None)
     model_config: str | None = _doc("the model's config.json (capacity math; default <model>/config.json)",
                                     default=None)
     start_timeout_s: float | None = _doc("this backend's own time to become ready (default: "
@@ -551,7 +609,41 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
     cfg = Config(version=CONFIG_VERSION, default_backend=default, backends=types.MappingProxyType(backends),
                  host=parts.host, serve=parts.serve, paths=parts.paths, systemd=parts.systemd,
                  health=parts.health, bundle=parts.bundle, source_path=source_path, source_sha256=source_sha256)
-    return _resolve_paths(cfg, raw)
+    cfg = _resolve_paths(cfg, raw)
+    _refuse_unsafe_text(cfg, "")
+    return cfg
+
+
+# Free text that never reaches a unit file, an env file or a message line (a chat-template substitution).
+_MULTILINE_TEXT = frozenset({"bundle.chat_template.patch.find", "bundle.chat_template.patch.replace"})
+
+
+def _refuse_unsafe_text(obj: Any, path: str) -> None:
+    """Every string of the loaded config (paths as resolved, the config file's own path among them) is free of
+    control characters and the like (textsafe.unsafe_char); else a ConfigError naming the key path. A unit file
+    line ends at LF and at CR, so such a character in any value could start a directive of its own."""
+    if isinstance(obj, str):
+        c = unsafe_char(obj)
+        if c is not None and path not in _MULTILINE_TEXT:
+            raise ConfigError(f"{path}: {_fmt(obj)} contains the control character {describe(c)}",
+                              hint="remove it: unit files, env files and messages cannot carry it")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.name not in ("source_sha256", "kind"):
+                sub = f"{path}.{f.name}" if path else f.name
+                sub = "the config file's own path" if sub == "source_path" else sub
+                if f.name == "env" and isinstance(obj, BackendBase):
+                    for k, v in obj.env:
+                        _refuse_unsafe_text(v, f"{sub}.{k}")
+                else:
+                    _refuse_unsafe_text(getattr(obj, f.name), sub)
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _refuse_unsafe_text(k, f"{path} key {_fmt(k)}")
+            _refuse_unsafe_text(v, f"{path}.{k}")
+    elif isinstance(obj, tuple):
+        for i, v in enumerate(obj):
+            _refuse_unsafe_text(v, f"{path}[{i}]")
 
 
 def _abs(base: Path, p: str | None) -> str | None:
