@@ -23,6 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from deploy_tool.errors import ConfigError, InputError
 from deploy_tool.textsafe import describe, unsafe_char
+from deploy_tool.textsafe import key as key_part
 
 CONFIG_VERSION = 1
 DEFAULT_CONFIG_PATH = Path("/etc/deploytool/deploytool.yaml")
@@ -76,7 +77,7 @@ def _abs_or_placeholder(v: str) -> str | None:
         return "has a '..' component (expected a path without it: systemd refuses such paths)"
     if v.startswith("{"):
         rest = v[v.index("}") + 1:]
-        if rest and (not rest.startswith("/") or posixpath.normpath(rest) != rest):
+        if rest and (not rest.startswith("/") or rest.endswith("/") or posixpath.normpath(rest) != rest):
             return "is not a normalized path after its placeholder (expected e.g. '{venv}/bin/ftllm')"
     return None
 
@@ -93,6 +94,8 @@ HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0
 
 
 def _user(v: str) -> str | None:
+    if v == "nobody":  # systemd: "Special user nobody configured, this is not safe!"
+        return "is the user other services share; systemd refuses it as unsafe (use 'dynamic')"
     if v == "dynamic" or USER_NAME_RE.match(v):
         return None
     return ("is not a user name (expected 'dynamic' or a name of letters, digits, '_' and '-', starting with a "
@@ -468,7 +471,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(f"{path}: key {_fmt(k)} is not a string")
-            out[k] = _convert(v_tp, v, f"{path}.{k}")
+            out[k] = _convert(v_tp, v, f"{path}.{key_part(k)}")
         return types.MappingProxyType(out)
     if dataclasses.is_dataclass(tp):
         return _load_dataclass(tp, value, path)  # type: ignore[arg-type]
@@ -492,6 +495,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         s = str(value)
         if "\x00" in s:
             raise ConfigError(f"{path}: contains a NUL byte")
+        if any("\ud800" <= c <= "\udfff" for c in s):  # YAML's "\ud800": no file name or UTF-8 file holds it
+            raise ConfigError(f"{path}: {_fmt(s)} is not valid Unicode text (it holds a lone surrogate)")
         return s
     raise AssertionError(f"unsupported schema type {tp!r}")
 
@@ -532,7 +537,7 @@ def _load_dataclass(cls: type, raw: Any, path: str) -> Any:
 
 
 def _backend_from_raw(name: str, raw: Any) -> Backend:
-    path = f"backends.{name}"
+    path = f"backends.{key_part(name)}"
     if not BACKEND_NAME_RE.match(name):
         raise ConfigError(f"{path}: {name!r} is not a valid backend name (expected lowercase letters, digits and "
                           f"'-', starting with a letter, at most 40 characters; it becomes the unit name)")
@@ -611,7 +616,35 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
                  health=parts.health, bundle=parts.bundle, source_path=source_path, source_sha256=source_sha256)
     cfg = _resolve_paths(cfg, raw)
     _refuse_unsafe_text(cfg, "")
+    _check_programs(cfg)
     return cfg
+
+
+def expand(cfg: Config, path: str) -> str:
+    """Expand the {current} and {venv} placeholders to paths under the install root."""
+    return path.replace("{venv}", cfg.paths.current + "/venv").replace("{current}", cfg.paths.current)
+
+
+def _check_programs(cfg: Config) -> None:
+    """The programs the units run, as expanded: absolute, normalized, without `$`. systemd takes the program
+    path of an Exec*= line as it is but substitutes variables in its argv[0], so no escaping of `$` is right
+    for both."""
+    progs = [("paths.deploytool", cfg.paths.deploytool)]
+    progs += [(f"backends.{n}.executable", b.executable) if isinstance(b, FtllmBackend)
+              else (f"backends.{n}.binary", b.binary) for n, b in sorted(cfg.backends.items())]
+    if "\\" in cfg.paths.env_dir:  # EnvironmentFile= reads backslashes as C escapes (measured: systemd 252)
+        raise ConfigError(f"paths.env_dir: {_fmt(cfg.paths.env_dir)} contains a backslash, which systemd reads as "
+                          f"an escape in EnvironmentFile=", hint="use a directory without a backslash (the "
+                          "config's directory too, when paths.env_dir is relative)")
+    for key, p in progs:
+        e = expand(cfg, p)
+        bad = sorted(set(e) & set("$\"'\\"))
+        if bad:  # '$': see above; quotes and backslashes: systemd's string_is_safe() refuses them
+            raise ConfigError(f"{key}: {_fmt(e)} contains {', '.join(map(repr, bad))}, which systemd refuses in "
+                              f"a program path", hint="install the program under a path without them (paths.root "
+                              "and the config's directory too)")
+        if not e.startswith("/") or e.endswith("/") or "//" in e or posixpath.normpath(e) != e:
+            raise ConfigError(f"{key}: {_fmt(e)} is not an absolute, normalized path to a program")
 
 
 # Free text that never reaches a unit file, an env file or a message line (a chat-template substitution).
@@ -640,7 +673,7 @@ def _refuse_unsafe_text(obj: Any, path: str) -> None:
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _refuse_unsafe_text(k, f"{path} key {_fmt(k)}")
-            _refuse_unsafe_text(v, f"{path}.{k}")
+            _refuse_unsafe_text(v, f"{path}.{key_part(k)}")
     elif isinstance(obj, tuple):
         for i, v in enumerate(obj):
             _refuse_unsafe_text(v, f"{path}[{i}]")

@@ -22,6 +22,7 @@ from deploy_tool.config import (
     FtllmBackend,
     LlamacppBackend,
 )
+from deploy_tool.config import expand as config_expand
 from deploy_tool.errors import ConfigError
 from deploy_tool.textsafe import describe, q, unsafe_char
 
@@ -56,9 +57,7 @@ class EnvRef:
 Arg = str | EnvRef
 
 
-def expand(cfg: Config, path: str) -> str:
-    """Expand the {current} and {venv} placeholders to paths under the install root."""
-    return path.replace("{venv}", cfg.paths.current + "/venv").replace("{current}", cfg.paths.current)
+expand = config_expand  # where fingerprint, checks and selfcheck have always found it
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -106,7 +105,10 @@ def _abs_path(value: str, key: str) -> str:
 
 def unit_path(value: str, key: str) -> Escaped:
     """An absolute path as the whole value of a unit line (EnvironmentFile=): specifiers escaped, the value
-    taken as it stands (no quotes, no C escapes), so it must not end in white space or a backslash."""
+    taken without quotes; systemd 252 reads backslashes in EnvironmentFile= as C escapes (measured in the
+    sandbox: `a\\b` names `a<BS>b`), so a path with a backslash is refused."""
+    if "\\" in value:
+        raise _refuse(key, value, "contains a backslash, which systemd reads as an escape in this setting")
     return unit_text(_abs_path(value, key), key)
 
 

@@ -1,6 +1,7 @@
 """Text from outside (a bundle, a config, the file system) made safe for a terminal, a log and a unit file.
 
     q(name)            a name for a message: quoted, every control character escaped ('a\\x1b[2Jb')
+    key(name)          one component of a key path: as it is when printable, else q(name)
     unsafe_char(text)  the first character a config value may not hold (None when there is none)
     describe(c)        'U+000A (LINE FEED)': how a message names such a character
 
@@ -29,6 +30,11 @@ def q(name: object) -> str:
     if isinstance(name, bytes):
         name = os.fsdecode(name)
     return repr(name if isinstance(name, str) else os.fspath(name) if isinstance(name, os.PathLike) else str(name))
+
+
+def key(name: str) -> str:
+    """One component of a key path (`backends.<name>.env.<KEY>`): as it is when printable, else quoted by q()."""
+    return name if name and name.isprintable() and "." not in name else q(name)
 
 
 def _noncharacter(o: int) -> bool:
