@@ -614,8 +614,9 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
     cfg = Config(version=CONFIG_VERSION, default_backend=default, backends=types.MappingProxyType(backends),
                  host=parts.host, serve=parts.serve, paths=parts.paths, systemd=parts.systemd,
                  health=parts.health, bundle=parts.bundle, source_path=source_path, source_sha256=source_sha256)
+    _refuse_unsafe_text(cfg, "")  # as written (before paths are resolved, which could fail on such text)
     cfg = _resolve_paths(cfg, raw)
-    _refuse_unsafe_text(cfg, "")
+    _refuse_unsafe_text(cfg, "")  # as resolved: the config's own directory is part of relative paths
     _check_programs(cfg)
     return cfg
 
@@ -683,8 +684,12 @@ def _abs(base: Path, p: str | None) -> str | None:
     """Relative paths are taken from the config file's directory; {current}/{venv} placeholders stay."""
     if p is None or p.startswith("{"):
         return p
-    q = Path(p).expanduser()
-    return str(q if q.is_absolute() else (base / q).resolve())
+    try:
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else (base / q).resolve())
+    except RuntimeError as exc:  # '~name/...' for a user this machine does not have; a symlink loop
+        raise ConfigError(f"{_fmt(p)}: cannot resolve this path ({exc})",
+                          hint="write the path out (absolute, or relative to the config file)") from None
 
 
 def _resolve_paths(cfg: Config, raw: dict[str, Any]) -> Config:
