@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 from deploy_tool.errors import InputError, MissingTool, OSFailure
 from deploy_tool.manifest import CHUNK, _chunk_buffer, check_relpath, reject, source_date_epoch
 from deploy_tool.progress import ByteCounter, ProgressFn
+from deploy_tool.textsafe import q
 
 BLOCK = 512
 RECORD = 20 * BLOCK
@@ -77,20 +78,20 @@ class Member:
 def check_symlink_target(name: str, target: str) -> None:
     """A symlink may only point inside the tree: relative, with `..` only as leading parts and not above root."""
     if not target or target.startswith("/"):
-        raise reject("symlink-escape", f"symlink {name} -> {target!r}: only relative targets are allowed",
+        raise reject("symlink-escape", f"symlink {q(name)} -> {target!r}: only relative targets are allowed",
                      path=name)
     if "\x00" in target:
-        raise reject("bad-path", f"symlink {name} has a NUL in its target", path=name)
+        raise reject("bad-path", f"symlink {q(name)} has a NUL in its target", path=name)
     parts = [p for p in target.split("/") if p not in ("", ".")]
     ups = 0
     while ups < len(parts) and parts[ups] == "..":
         ups += 1
     if ".." in parts[ups:]:
-        raise reject("symlink-escape", f"symlink {name} -> {target}: '..' after a name is not allowed",
+        raise reject("symlink-escape", f"symlink {q(name)} -> {q(target)}: '..' after a name is not allowed",
                      path=name)
     depth = len(PurePosixPath(name).parts) - 1
     if ups > depth:
-        raise reject("symlink-escape", f"symlink {name} -> {target} points outside the tree", path=name)
+        raise reject("symlink-escape", f"symlink {q(name)} -> {q(target)} points outside the tree", path=name)
 
 
 def members_from_tree(root: str | os.PathLike[str], *, symlinks: bool = True,
@@ -101,14 +102,14 @@ def members_from_tree(root: str | os.PathLike[str], *, symlinks: bool = True,
     """
     root = Path(root)
     if not root.is_dir():
-        raise InputError(f"{root} is not a directory")
+        raise InputError(f"{q(root)} is not a directory")
     out: list[Member] = []
 
     def walk(d: Path, rel: str) -> None:
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError as exc:
-            raise InputError(f"cannot list {d}: {exc.strerror}") from exc
+            raise InputError(f"cannot list {q(d)}: {exc.strerror}") from exc
         for e in entries:
             name = f"{rel}{e.name}"
             if exclude is not None and exclude(name):
@@ -125,8 +126,8 @@ def members_from_tree(root: str | os.PathLike[str], *, symlinks: bool = True,
                 try:
                     check_symlink_target(name, target)
                 except Exception as exc:
-                    raise InputError(f"{d / e.name} -> {target}: only relative symlinks that stay inside "
-                                     f"{root} can be archived",
+                    raise InputError(f"{d / e.name} -> {q(target)}: only relative symlinks that stay inside "
+                                     f"{q(root)} can be archived",
                                      hint="recreate it as a relative link, or build the venv with --copies"
                                      ) from exc
                 out.append(Member(name, "symlink", target=target, mode=0o777))
@@ -225,7 +226,7 @@ def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *
     for m in items:
         check_relpath(m.name, what="archive member name")
         if m.name in names:
-            raise InputError(f"archive member {m.name} is listed twice")
+            raise InputError(f"archive member {q(m.name)} is listed twice")
         names.add(m.name)
         if m.kind == "symlink":
             check_symlink_target(m.name, m.target)
@@ -240,9 +241,9 @@ def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *
                 try:
                     sizes[m.name] = os.stat(m.source).st_size
                 except OSError as exc:
-                    raise InputError(f"cannot read {m.source}: {exc.strerror}") from exc
+                    raise InputError(f"cannot read {q(m.source)}: {exc.strerror}") from exc
             else:
-                raise ValueError(f"file member {m.name} has no source")
+                raise ValueError(f"file member {q(m.name)} has no source")
     counter = ByteCounter(progress, "archiving", sum(sizes.values()))
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -253,7 +254,7 @@ def write_archive(members: Iterable[Member], out_path: str | os.PathLike[str], *
         os.chmod(tmp, 0o644)
         os.replace(tmp, out)
     except OSError as exc:
-        raise OSFailure(f"cannot write archive {out}: {exc}") from exc
+        raise OSFailure(f"cannot write archive {q(out)}: {exc}") from exc
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -286,7 +287,7 @@ def _copy_file_into(src: Path, size: int, sink: _Sink, counter: ByteCounter) -> 
     try:
         fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        raise InputError(f"cannot read {src}: {exc.strerror}") from exc
+        raise InputError(f"cannot read {q(src)}: {exc.strerror}") from exc
     try:
         while done < size:
             n = os.readv(fd, [view[: min(CHUNK, size - done)]])
@@ -299,7 +300,7 @@ def _copy_file_into(src: Path, size: int, sink: _Sink, counter: ByteCounter) -> 
     finally:
         os.close(fd)
     if done != size or grew:
-        raise InputError(f"{src} changed size while it was being archived",
+        raise InputError(f"{q(src)} changed size while it was being archived",
                          hint="stop whatever is writing to it and run again")
 
 
@@ -375,11 +376,11 @@ def open_tar_stream(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError as exc:
-        raise InputError(f"cannot read archive {path}: {exc.strerror}") from exc
+        raise InputError(f"cannot read archive {q(path)}: {exc.strerror}") from exc
     try:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{path} is not a regular file")
+            raise InputError(f"{q(path)} is not a regular file")
         head = f.read(BLOCK)
         if head[:4] == ZSTD_MAGIC:
             check_zstd_frames(f)
@@ -397,11 +398,11 @@ def open_tar_stream(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             f.seek(0)
             yield f
         elif head[:2] == b"\x1f\x8b":
-            raise reject("unsupported-compression", f"{path} is gzip-compressed; only tar and tar.zst are read")
+            raise reject("unsupported-compression", f"{q(path)} is gzip-compressed; only tar and tar.zst are read")
         elif len(head) < BLOCK:
-            raise reject("archive-truncated", f"{path} is too short to be an archive ({len(head)} bytes)")
+            raise reject("archive-truncated", f"{q(path)} is too short to be an archive ({len(head)} bytes)")
         else:
-            raise reject("unsupported-compression", f"{path} is neither a tar nor a tar.zst archive")
+            raise reject("unsupported-compression", f"{q(path)} is neither a tar nor a tar.zst archive")
     finally:
         f.close()
 
@@ -673,10 +674,10 @@ class SafeExtractor:
         try:
             self.dest.mkdir(mode=0o700)
         except FileExistsError as exc:
-            raise InputError(f"staging directory {self.dest} already exists",
+            raise InputError(f"staging directory {q(self.dest)} already exists",
                              hint="pass a path that does not exist yet") from exc
         except OSError as exc:
-            raise OSFailure(f"cannot create staging directory {self.dest}: {exc.strerror}") from exc
+            raise OSFailure(f"cannot create staging directory {q(self.dest)}: {exc.strerror}") from exc
         os.chmod(self.dest, 0o700)
 
     def remove(self) -> None:
@@ -686,23 +687,23 @@ class SafeExtractor:
         """Every structural rule, before anything is written for this entry."""
         check_relpath(e.name, what="archive entry")
         if e.kind == "hardlink":
-            raise reject("hardlink", f"archive entry {e.name} is a hardlink (to {e.target})", path=e.name)
+            raise reject("hardlink", f"archive entry {q(e.name)} is a hardlink (to {q(e.target)})", path=e.name)
         if e.kind in ("chardev", "blockdev"):
-            raise reject("device-node", f"archive entry {e.name} is a device node", path=e.name)
+            raise reject("device-node", f"archive entry {q(e.name)} is a device node", path=e.name)
         if e.kind == "fifo":
-            raise reject("fifo", f"archive entry {e.name} is a fifo", path=e.name)
+            raise reject("fifo", f"archive entry {q(e.name)} is a fifo", path=e.name)
         if e.kind == "symlink":
             if not self.symlinks:
-                raise reject("symlink", f"archive entry {e.name} is a symlink (to {e.target})", path=e.name)
+                raise reject("symlink", f"archive entry {q(e.name)} is a symlink (to {q(e.target)})", path=e.name)
             check_symlink_target(e.name, e.target)
         if e.name in self.files or e.name in self.links or (e.name in self.dirs and e.kind != "dir"):
-            raise reject("duplicate-entry", f"archive lists {e.name} more than once", path=e.name)
+            raise reject("duplicate-entry", f"archive lists {q(e.name)} more than once", path=e.name)
         for p in _parents(e.name):
             if p in self.links:
-                raise reject("path-through-symlink", f"archive entry {e.name} lies under symlink {p}",
+                raise reject("path-through-symlink", f"archive entry {q(e.name)} lies under symlink {q(p)}",
                              path=e.name)
             if p in self.files:
-                raise reject("path-conflict", f"archive entry {e.name} lies under file {p}", path=e.name)
+                raise reject("path-conflict", f"archive entry {q(e.name)} lies under file {q(p)}", path=e.name)
         self.count += 1
         if self.count > self.max_entries:
             raise reject("archive-too-large", f"archive has more than {self.max_entries} entries")
@@ -748,7 +749,7 @@ class SafeExtractor:
         finally:
             os.close(fd)
         if written != e.size:  # pragma: no cover - TarReader raises first
-            raise reject("archive-truncated", f"archive entry {e.name} is short", path=e.name)
+            raise reject("archive-truncated", f"archive entry {q(e.name)} is short", path=e.name)
         return h.hexdigest() if digest else ""
 
 

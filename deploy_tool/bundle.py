@@ -57,6 +57,7 @@ from deploy_tool.manifest import (
     verify_signature,
 )
 from deploy_tool.progress import ByteCounter, ProgressFn
+from deploy_tool.textsafe import q
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 ARCHIVE_SUFFIXES = {"zstd": ".tar.zst", "none": ".tar"}
@@ -134,20 +135,20 @@ def _check_entries(entries: Sequence[Entry]) -> list[Entry]:
         except BundleError as exc:
             raise InputError(exc.message) from exc
         if e.arcname in RESERVED_NAMES:
-            raise InputError(f"bundle entry name {e.arcname} is reserved for the bundle's own manifest")
+            raise InputError(f"bundle entry name {q(e.arcname)} is reserved for the bundle's own manifest")
         if e.arcname in seen:
-            raise InputError(f"bundle entry {e.arcname} is listed twice")
+            raise InputError(f"bundle entry {q(e.arcname)} is listed twice")
         if not isinstance(e.source, bytes | bytearray):
             src = Path(e.source)
             if not src.is_file():
-                raise InputError(f"bundle input {src} (for {e.arcname}) is not a readable file",
+                raise InputError(f"bundle input {q(src)} (for {q(e.arcname)}) is not a readable file",
                                  hint="check the path in the config")
         seen.add(e.arcname)
         out.append(Entry(e.arcname, e.source, normal_mode(e.mode)))
     for e in out:
         for parent in PurePosixPath(e.arcname).parents:
             if str(parent) in seen:
-                raise InputError(f"bundle entry {parent} is a file and also the directory of {e.arcname}")
+                raise InputError(f"bundle entry {q(parent)} is a file and also the directory of {q(e.arcname)}")
     return sorted(out, key=lambda e: e.arcname)
 
 
@@ -170,7 +171,7 @@ def _copy_and_hash(src: Path | bytes, dst: Path, mode: int, mtime: int,
             try:
                 fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
-                raise InputError(f"cannot read {src}: {exc.strerror}") from exc
+                raise InputError(f"cannot read {q(src)}: {exc.strerror}") from exc
             try:
                 while True:
                     n = os.readv(fd, [buf])
@@ -213,7 +214,7 @@ def write_bundle(entries: Sequence[Entry], out_dir: str | os.PathLike[str], *, n
         out.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=out))
     except OSError as exc:
-        raise OSFailure(f"cannot create {out}: {exc.strerror}") from exc
+        raise OSFailure(f"cannot create {q(out)}: {exc.strerror}") from exc
     try:
         total = sum(len(e.source) if isinstance(e.source, bytes | bytearray) else Path(e.source).stat().st_size
                     for e in items)
@@ -247,7 +248,7 @@ def write_bundle(entries: Sequence[Entry], out_dir: str | os.PathLike[str], *, n
         _replace_dir(staging, final)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        raise OSFailure(f"cannot write bundle into {out}: {exc}") from exc
+        raise OSFailure(f"cannot write bundle into {q(out)}: {exc}") from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -287,17 +288,17 @@ def verify_bundle(path: str | os.PathLike[str], keys_dir: str | os.PathLike[str]
     try:
         st = os.stat(p)
     except OSError as exc:
-        raise InputError(f"bundle {p} not found: {exc.strerror}",
+        raise InputError(f"bundle {q(p)} not found: {exc.strerror}",
                          hint="pass a bundle directory or its .tar.zst archive") from exc
     if stat.S_ISDIR(st.st_mode):
         vb = _verify_dir(p, keys_dir, workers=workers, progress=progress)
     elif stat.S_ISREG(st.st_mode):
         vb = _verify_archive(p, keys_dir, staging=staging, progress=progress)
     else:
-        raise InputError(f"{p} is neither a bundle directory nor an archive file")
+        raise InputError(f"{q(p)} is neither a bundle directory nor an archive file")
     if expect_id is not None and vb.bundle_id != expect_id:
         vb.cleanup()
-        raise reject("bundle-id-mismatch", f"bundle {p} is {vb.bundle_id}, expected {expect_id}")
+        raise reject("bundle-id-mismatch", f"bundle {q(p)} is {vb.bundle_id}, expected {expect_id}")
     return vb
 
 
@@ -305,28 +306,28 @@ def _read_small(path: Path, limit: int, missing_reason: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError as exc:
-        raise reject(missing_reason, f"{path.name} is missing from the bundle {path.parent}",
+        raise reject(missing_reason, f"{q(path.name)} is missing from the bundle {q(path.parent)}",
                      path=path.name) from exc
     except OSError as exc:
         if os.path.islink(path):
-            raise reject("symlink", f"{path.name} in the bundle is a symlink", path=path.name) from exc
-        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+            raise reject("symlink", f"{q(path.name)} in the bundle is a symlink", path=path.name) from exc
+        raise InputError(f"cannot read {q(path)}: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise reject(_special_reason(st.st_mode), f"{path.name} in the bundle is not a regular file",
+            raise reject(_special_reason(st.st_mode), f"{q(path.name)} in the bundle is not a regular file",
                          path=path.name)
         if st.st_nlink > 1:
-            raise reject("hardlink", f"{path.name} in the bundle is hardlinked", path=path.name)
+            raise reject("hardlink", f"{q(path.name)} in the bundle is hardlinked", path=path.name)
         if st.st_size > limit:
             reason = "manifest-too-large" if path.name == MANIFEST_NAME else "signature-malformed"
-            raise reject(reason, f"{path.name} is {st.st_size} bytes (limit {limit})", path=path.name)
+            raise reject(reason, f"{q(path.name)} is {st.st_size} bytes (limit {limit})", path=path.name)
         data = bytearray()
         while len(data) <= limit and (b := os.read(fd, limit + 1 - len(data))):
             data += b
         if len(data) > limit:
             raise reject("manifest-too-large" if path.name == MANIFEST_NAME else "signature-malformed",
-                         f"{path.name} grew beyond {limit} bytes while being read", path=path.name)
+                         f"{q(path.name)} grew beyond {limit} bytes while being read", path=path.name)
         return bytes(data)
     finally:
         os.close(fd)
@@ -360,24 +361,24 @@ def _verify_dir(root: Path, keys_dir: str | os.PathLike[str], *, workers: int | 
             st = e.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 if name not in needed_dirs:
-                    raise reject("extra-file", f"bundle has an unexpected directory {name}/", path=name)
+                    raise reject("extra-file", f"bundle has an unexpected directory {q(name)}/", path=name)
                 walk(Path(e.path), name + "/")
                 continue
             if not stat.S_ISREG(st.st_mode):
-                raise reject(_special_reason(st.st_mode), f"bundle entry {name} is a "
+                raise reject(_special_reason(st.st_mode), f"bundle entry {q(name)} is a "
                              f"{_special_reason(st.st_mode).replace('-', ' ')}, not a regular file", path=name)
             if st.st_nlink > 1:
-                raise reject("hardlink", f"bundle file {name} is hardlinked ({st.st_nlink} links)", path=name)
+                raise reject("hardlink", f"bundle file {q(name)} is hardlinked ({st.st_nlink} links)", path=name)
             if rel == "" and e.name in RESERVED_NAMES:
                 continue
             if name not in expected:
-                raise reject("extra-file", f"bundle has a file the MANIFEST does not list: {name}", path=name)
+                raise reject("extra-file", f"bundle has a file the MANIFEST does not list: {q(name)}", path=name)
             found[name] = st
 
     try:
         walk(root, "")
     except OSError as exc:
-        raise InputError(f"cannot read bundle {root}: {exc}") from exc
+        raise InputError(f"cannot read bundle {q(root)}: {exc}") from exc
     missing = sorted(set(expected) - set(found))
     if missing:
         raise reject("missing-file", f"bundle lacks {len(missing)} file(s) the MANIFEST lists: "
@@ -385,16 +386,16 @@ def _verify_dir(root: Path, keys_dir: str | os.PathLike[str], *, workers: int | 
     for f in manifest.files:
         st = found[f.path]
         if st.st_size != f.size:
-            raise reject("size-mismatch", f"{f.path}: size {st.st_size}, MANIFEST says {f.size}", path=f.path)
+            raise reject("size-mismatch", f"{q(f.path)}: size {st.st_size}, MANIFEST says {f.size}", path=f.path)
         if stat.S_IMODE(st.st_mode) != f.mode:
-            raise reject("mode-mismatch", f"{f.path}: mode {stat.S_IMODE(st.st_mode):04o}, MANIFEST says "
+            raise reject("mode-mismatch", f"{q(f.path)}: mode {stat.S_IMODE(st.st_mode):04o}, MANIFEST says "
                          f"{f.mode:04o}", path=f.path)
     hashes = hash_files([root / f.path for f in manifest.files], workers=workers, progress=progress,
                         follow_symlinks=False, phase="verifying")
     for f in manifest.files:
         actual = hashes[root / f.path]
         if actual != f.sha256:
-            raise reject("hash-mismatch", f"{f.path}: SHA-256 {actual[:16]}..., MANIFEST says {f.sha256[:16]}...",
+            raise reject("hash-mismatch", f"{q(f.path)}: SHA-256 {actual[:16]}..., MANIFEST says {f.sha256[:16]}...",
                          path=f.path, hint="the file was changed after signing; fetch the bundle again")
     return VerifiedBundle(root, manifest, key_id, root)
 
@@ -431,7 +432,7 @@ def _extract_verified(archive: Path, keys_dir: str | os.PathLike[str], ex: SafeE
             e = next(it, None)
             if e is None:
                 raise reject("manifest-missing" if want == MANIFEST_NAME else "signature-missing",
-                             f"archive ends before its {want}")
+                             f"archive ends before its {q(want)}")
             ex.check(e)
             if e.name != want or e.kind != "file":
                 raise reject("manifest-not-first",
@@ -439,7 +440,7 @@ def _extract_verified(archive: Path, keys_dir: str | os.PathLike[str], ex: SafeE
                              path=e.name)
             if e.size > limit:
                 raise reject("manifest-too-large" if want == MANIFEST_NAME else "signature-malformed",
-                             f"{want} is {e.size} bytes (limit {limit})")
+                             f"{q(want)} is {e.size} bytes (limit {limit})")
             head[want] = b"".join(reader.chunks())
         mbytes, sbytes = head[MANIFEST_NAME], head[SIGNATURE_NAME]
         key_id = verify_signature(mbytes, sbytes, keys_dir)
@@ -452,25 +453,25 @@ def _extract_verified(archive: Path, keys_dir: str | os.PathLike[str], ex: SafeE
             ex.check(e)
             if e.kind == "dir":
                 if e.name not in needed_dirs:
-                    raise reject("extra-file", f"archive has an unexpected directory {e.name}/", path=e.name)
+                    raise reject("extra-file", f"archive has an unexpected directory {q(e.name)}/", path=e.name)
                 ex.write(e, ())
                 continue
             fe = expected.get(e.name)
             if fe is None:
-                raise reject("extra-file", f"archive has a file the MANIFEST does not list: {e.name}",
+                raise reject("extra-file", f"archive has a file the MANIFEST does not list: {q(e.name)}",
                              path=e.name)
             if e.size > fe.size:
-                raise reject("entry-too-large", f"archive entry {e.name} is {e.size} bytes, MANIFEST says "
+                raise reject("entry-too-large", f"archive entry {q(e.name)} is {e.size} bytes, MANIFEST says "
                              f"{fe.size}", path=e.name)
             if e.size != fe.size:
-                raise reject("size-mismatch", f"archive entry {e.name} is {e.size} bytes, MANIFEST says "
+                raise reject("size-mismatch", f"archive entry {q(e.name)} is {e.size} bytes, MANIFEST says "
                              f"{fe.size}", path=e.name)
             if e.mode != fe.mode:
-                raise reject("mode-mismatch", f"archive entry {e.name}: mode {e.mode:04o}, MANIFEST says "
+                raise reject("mode-mismatch", f"archive entry {q(e.name)}: mode {e.mode:04o}, MANIFEST says "
                              f"{fe.mode:04o}", path=e.name)
             sha = ex.write(e, reader.chunks(), mode=fe.mode)
             if sha != fe.sha256:
-                raise reject("hash-mismatch", f"{e.name}: SHA-256 {sha[:16]}..., MANIFEST says "
+                raise reject("hash-mismatch", f"{q(e.name)}: SHA-256 {sha[:16]}..., MANIFEST says "
                              f"{fe.sha256[:16]}...", path=e.name,
                              hint="the archive was changed after signing; fetch it again")
             if progress is not None:

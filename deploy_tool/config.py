@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 import re
 import stat
 import types
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from deploy_tool.errors import ConfigError, InputError
+from deploy_tool.textsafe import describe, unsafe_char
+from deploy_tool.textsafe import key as key_part
 
 CONFIG_VERSION = 1
 DEFAULT_CONFIG_PATH = Path("/etc/deploytool/deploytool.yaml")
@@ -96,7 +99,57 @@ def _cc(v: str) -> str | None:
 def _abs_or_placeholder(v: str) -> str | None:
     if v.startswith("{") and not v.startswith(("{current}", "{venv}")):
         return "may only start with the placeholders {current} or {venv}"
-    return None if v.strip() else "must not be empty"
+    if not v.strip():
+        return "must not be empty"
+    if v != v.strip():
+        return "begins or ends with white space (expected a path)"
+    if ".." in v.split("/"):
+        return "has a '..' component (expected a path without it: systemd refuses such paths)"
+    if v.startswith("{"):
+        rest = v[v.index("}") + 1:]
+        if rest and (not rest.startswith("/") or rest.endswith("/") or posixpath.normpath(rest) != rest):
+            return "is not a normalized path after its placeholder (expected e.g. '{venv}/bin/ftllm')"
+    return None
+
+
+USER_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,30}$")
+HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                          r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def _user(v: str) -> str | None:
+    if v == "nobody":  # systemd: "Special user nobody configured, this is not safe!"
+        return "is the user other services share; systemd refuses it as unsafe (use 'dynamic')"
+    if v == "dynamic" or USER_NAME_RE.match(v):
+        return None
+    return ("is not a user name (expected 'dynamic' or a name of letters, digits, '_' and '-', starting with a "
+            "letter or '_', at most 31 characters)")
+
+
+def _host(v: str) -> str | None:
+    import ipaddress  # lazy: only a non-default host needs it
+
+    try:
+        ipaddress.ip_address(v)
+        return None
+    except ValueError:
+        pass
+    return None if HOST_NAME_RE.match(v) else "is not an IP address or host name (expected e.g. 127.0.0.1)"
+
+
+def _argument_value(v: str) -> str | None:
+    """A value passed after an option (--model_name VALUE): not empty and not taken for an option itself."""
+    if not v:
+        return "must not be empty"
+    return "begins with '-', so the server would take it for an option" if v.startswith("-") else None
+
+
+def _unit_text(v: str) -> str | None:
+    """Free text on a unit line (Description=): systemd strips white space around a value and joins a line that
+    ends with a backslash to the next."""
+    if v != v.strip(" "):
+        return "begins or ends with a space, which systemd would drop"
+    return "ends with a backslash, which systemd reads as a line continuation" if v.endswith("\\") else None
 
 
 @dataclass(frozen=True)
@@ -111,13 +164,14 @@ class Host:
 @dataclass(frozen=True)
 class Serve:
     host: str = _doc("address both backends bind (one port, one model name, whichever backend runs)",
-                     default="127.0.0.1")
+                     _host, default="127.0.0.1")
     port: int = _doc("TCP port both backends bind", rng=PORT, default=8082)
-    model_name: str = _doc("the model name clients send; both backends answer to it", default="model")
+    model_name: str = _doc("the model name clients send; both backends answer to it", _argument_value,
+                           default="model")
     api_key_file: str | None = _doc("file holding the API key (kept out of unit files; written 0600)",
                                     default=None)
     user: str = _doc("who the services run as: 'dynamic' (DynamicUser=yes, the safest; model files must be "
-                     "world-readable) or a user name such as 'root'", default="dynamic")
+                     "world-readable) or a user name such as 'root'", _user, default="dynamic")
 
 
 @dataclass(frozen=True)
@@ -217,7 +271,8 @@ class Speculative:
 
 @dataclass(frozen=True)
 class LlamaSpec:
-    type: str = _doc("--spec-type (draft-mtp uses the GGUF's built-in MTP heads)", default="draft-mtp")
+    type: str = _doc("--spec-type (draft-mtp uses the GGUF's built-in MTP heads)", _argument_value,
+                     default="draft-mtp")
     draft_n_max: int = _doc("--spec-draft-n-max", rng=DRAFT_N_MAX, default=3)
 
 
@@ -286,7 +341,7 @@ class _BackendCommon:
     env: Mapping[str, str] = _doc("extra environment (EnvironmentFile syntax is handled for you)",
                                   default_factory=dict)
     extra_args: tuple[str, ...] = _doc("extra arguments appended to the launch line", default=())
-    description: str | None = _doc("unit Description=", default=None)
+    description: str | None = _doc("unit Description=", _unit_text, default=None)
     model_config: str | None = _doc("the model's config.json (capacity math; default <model>/config.json)",
                                     default=None)
     start_timeout_s: float | None = _doc("this backend's own time to become ready (default: "
@@ -456,7 +511,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(f"{path}: key {_fmt(k)} is not a string")
-            out[k] = _convert(v_tp, v, f"{path}.{k}")
+            out[k] = _convert(v_tp, v, f"{path}.{key_part(k)}")
         return types.MappingProxyType(out)
     if dataclasses.is_dataclass(tp):
         return _load_dataclass(tp, value, path)  # type: ignore[arg-type]
@@ -489,6 +544,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         s = str(value)
         if "\x00" in s:
             raise ConfigError(f"{path}: contains a NUL byte")
+        if any("\ud800" <= c <= "\udfff" for c in s):  # YAML's "\ud800": no file name or UTF-8 file holds it
+            raise ConfigError(f"{path}: {_fmt(s)} is not valid Unicode text (it holds a lone surrogate)")
         return s
     raise AssertionError(f"unsupported schema type {tp!r}")
 
@@ -550,7 +607,7 @@ def _load_dataclass(cls: type, raw: Any, path: str) -> Any:
 
 
 def _backend_from_raw(name: str, raw: Any) -> Backend:
-    path = f"backends.{name}"
+    path = f"backends.{key_part(name)}"
     if not BACKEND_NAME_RE.match(name):
         raise ConfigError(f"{path}: {name!r} is not a valid backend name (expected lowercase letters, digits and "
                           f"'-', starting with a letter, at most 40 characters; it becomes the unit name)")
@@ -627,15 +684,82 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
     cfg = Config(version=CONFIG_VERSION, default_backend=default, backends=types.MappingProxyType(backends),
                  host=parts.host, serve=parts.serve, paths=parts.paths, systemd=parts.systemd,
                  health=parts.health, bundle=parts.bundle, source_path=source_path, source_sha256=source_sha256)
-    return _resolve_paths(cfg, raw)
+    _refuse_unsafe_text(cfg, "")  # as written (before paths are resolved, which could fail on such text)
+    cfg = _resolve_paths(cfg, raw)
+    _refuse_unsafe_text(cfg, "")  # as resolved: the config's own directory is part of relative paths
+    _check_programs(cfg)
+    return cfg
+
+
+def expand(cfg: Config, path: str) -> str:
+    """Expand the {current} and {venv} placeholders to paths under the install root."""
+    return path.replace("{venv}", cfg.paths.current + "/venv").replace("{current}", cfg.paths.current)
+
+
+def _check_programs(cfg: Config) -> None:
+    """The programs the units run, as expanded: absolute, normalized, without `$`. systemd takes the program
+    path of an Exec*= line as it is but substitutes variables in its argv[0], so no escaping of `$` is right
+    for both."""
+    progs = [("paths.deploytool", cfg.paths.deploytool)]
+    progs += [(f"backends.{n}.executable", b.executable) if isinstance(b, FtllmBackend)
+              else (f"backends.{n}.binary", b.binary) for n, b in sorted(cfg.backends.items())]
+    if "\\" in cfg.paths.env_dir:  # EnvironmentFile= reads backslashes as C escapes (measured: systemd 252)
+        raise ConfigError(f"paths.env_dir: {_fmt(cfg.paths.env_dir)} contains a backslash, which systemd reads as "
+                          f"an escape in EnvironmentFile=", hint="use a directory without a backslash (the "
+                          "config's directory too, when paths.env_dir is relative)")
+    for key, p in progs:
+        e = expand(cfg, p)
+        bad = sorted(set(e) & set("$\"'\\"))
+        if bad:  # '$': see above; quotes and backslashes: systemd's string_is_safe() refuses them
+            raise ConfigError(f"{key}: {_fmt(e)} contains {', '.join(map(repr, bad))}, which systemd refuses in "
+                              f"a program path", hint="install the program under a path without them (paths.root "
+                              "and the config's directory too)")
+        if not e.startswith("/") or e.endswith("/") or "//" in e or posixpath.normpath(e) != e:
+            raise ConfigError(f"{key}: {_fmt(e)} is not an absolute, normalized path to a program")
+
+
+# Free text that never reaches a unit file, an env file or a message line (a chat-template substitution).
+_MULTILINE_TEXT = frozenset({"bundle.chat_template.patch.find", "bundle.chat_template.patch.replace"})
+
+
+def _refuse_unsafe_text(obj: Any, path: str) -> None:
+    """Every string of the loaded config (paths as resolved, the config file's own path among them) is free of
+    control characters and the like (textsafe.unsafe_char); else a ConfigError naming the key path. A unit file
+    line ends at LF and at CR, so such a character in any value could start a directive of its own."""
+    if isinstance(obj, str):
+        c = unsafe_char(obj)
+        if c is not None and path not in _MULTILINE_TEXT:
+            raise ConfigError(f"{path}: {_fmt(obj)} contains the control character {describe(c)}",
+                              hint="remove it: unit files, env files and messages cannot carry it")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.name not in ("source_sha256", "kind"):
+                sub = f"{path}.{f.name}" if path else f.name
+                sub = "the config file's own path" if sub == "source_path" else sub
+                if f.name == "env" and isinstance(obj, BackendBase):
+                    for k, v in obj.env:
+                        _refuse_unsafe_text(v, f"{sub}.{k}")
+                else:
+                    _refuse_unsafe_text(getattr(obj, f.name), sub)
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _refuse_unsafe_text(k, f"{path} key {_fmt(k)}")
+            _refuse_unsafe_text(v, f"{path}.{key_part(k)}")
+    elif isinstance(obj, tuple):
+        for i, v in enumerate(obj):
+            _refuse_unsafe_text(v, f"{path}[{i}]")
 
 
 def _abs(base: Path, p: str | None) -> str | None:
     """Relative paths are taken from the config file's directory; {current}/{venv} placeholders stay."""
     if p is None or p.startswith("{"):
         return p
-    q = Path(p).expanduser()
-    return str(q if q.is_absolute() else (base / q).resolve())
+    try:
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else (base / q).resolve())
+    except RuntimeError as exc:  # '~name/...' for a user this machine does not have; a symlink loop
+        raise ConfigError(f"{_fmt(p)}: cannot resolve this path ({exc})",
+                          hint="write the path out (absolute, or relative to the config file)") from None
 
 
 def _resolve_paths(cfg: Config, raw: dict[str, Any]) -> Config:

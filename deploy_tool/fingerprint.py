@@ -75,6 +75,7 @@ from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE, expand
+from deploy_tool.textsafe import q
 
 PINS_FORMAT = 1
 CACHE_FORMAT = 1
@@ -651,11 +652,11 @@ def _collect_model(c: _Collector, prefix: str, what: str, model: str, model_conf
             if not _is_file(e) or Path(e.path) == cfgp:
                 continue
             if e.name.endswith(WEIGHT_SUFFIXES):
-                c.size(f"{prefix}.weight/{e.name}", f"{what} weight {e.name} size", e.path)
+                c.size(f"{prefix}.weight/{e.name}", f"{what} weight {q(e.name)} size", e.path)
             elif e.name.endswith(META_SUFFIXES):
                 with contextlib.suppress(OSError):
                     if e.stat().st_size <= META_MAX_BYTES:
-                        c.sha256(f"{prefix}.file/{e.name}", f"{what} file {e.name}", e.path)
+                        c.sha256(f"{prefix}.file/{e.name}", f"{what} file {q(e.name)}", e.path)
         return
     if not p.exists():
         c.value(f"{prefix}.config", f"{what} config.json", p / "config.json", MISSING)
@@ -667,14 +668,14 @@ def _collect_model(c: _Collector, prefix: str, what: str, model: str, model_conf
 
 def _collect_gguf(c: _Collector, prefix: str, what: str, path: str | os.PathLike[str]) -> None:
     p = Path(path)
-    c.size(f"{prefix}.size", f"{what} {p.name} size", p)
-    c.head(f"{prefix}.header", f"{what} {p.name} header (1 MiB) SHA-256", p)
+    c.size(f"{prefix}.size", f"{what} {q(p.name)} size", p)
+    c.head(f"{prefix}.header", f"{what} {q(p.name)} header (1 MiB) SHA-256", p)
     m = _SPLIT_GGUF.match(p.name)
     if m:  # the other parts of a split GGUF (llama.cpp opens them by name)
         for i in range(1, int(m.group("total")) + 1):
             part = p.with_name(f"{m.group('stem')}-{i:05d}-of-{m.group('total')}.gguf")
             if part != p:
-                c.size(f"{prefix}.split/{part.name}", f"{what} part {part.name} size", part)
+                c.size(f"{prefix}.split/{part.name}", f"{what} part {q(part.name)} size", part)
 
 
 def _arch_value(cc: str, policy: str) -> Callable[[str], str]:
@@ -874,12 +875,12 @@ def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise StateError(f"{b.name} is not pinned: {path} does not exist, so there is nothing to verify against",
+        raise StateError(f"{b.name} is not pinned: {q(path)} does not exist, so there is nothing to verify against",
                          hint=f"run `deploytool install`, or pin what is installed now with "
                               f"`deploytool pin {b.name} --reason TEXT`") from None
     except OSError as exc:
         raise os_error(exc, f"cannot read the pins {path}") from None
-    bad = StateError(f"the pins file {path} is damaged (not a format-{PINS_FORMAT} pins file)",
+    bad = StateError(f"the pins file {q(path)} is damaged (not a format-{PINS_FORMAT} pins file)",
                      hint=f"re-pin deliberately with `deploytool pin {b.name} --reason TEXT` "
                           f"(or reinstall the release)")
     try:

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from deploy_tool.errors import BundleError, InputError, OSFailure
 from deploy_tool.progress import ByteCounter, ProgressFn
+from deploy_tool.textsafe import q
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = frozenset({1})
@@ -104,12 +105,12 @@ def hash_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True,
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror}",
+        raise InputError(f"cannot read {q(path)}: {exc.strerror}",
                          hint="check that the file exists and is readable") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"not a regular file: {path}")
+            raise InputError(f"not a regular file: {q(path)}")
         h = hashlib.sha256()
         if st.st_size < CHUNK:  # small file: one read, no buffer juggling
             data = os.read(fd, CHUNK)
@@ -127,7 +128,7 @@ def hash_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True,
             if on_bytes is not None:
                 on_bytes(n)
     except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+        raise InputError(f"cannot read {q(path)}: {exc.strerror}") from exc
     finally:
         os.close(fd)
     return h.hexdigest()
@@ -242,7 +243,7 @@ def source_date_epoch(env: Mapping[str, str] | None = None) -> int:
                          hint="unset it or set e.g. SOURCE_DATE_EPOCH=$(git log -1 --format=%ct)")
     value = int(raw)
     if value > 253402300799:  # 9999-12-31T23:59:59Z
-        raise InputError(f"SOURCE_DATE_EPOCH is out of range: {raw}")
+        raise InputError(f"SOURCE_DATE_EPOCH is out of range: {q(raw)}")
     return value
 
 
@@ -371,7 +372,7 @@ class Manifest:
         expected_id = compute_bundle_id(entries, inputs, libs, version)
         if expected_id != bundle_id:
             raise reject("bundle-id-mismatch",
-                         f"MANIFEST bundle_id {bundle_id} does not match its content ({expected_id})")
+                         f"MANIFEST bundle_id {q(bundle_id)} does not match its content ({expected_id})")
         if m.to_bytes() != data:
             raise reject("manifest-not-canonical",
                          "MANIFEST is not in canonical form (key order, spacing or escaping differs)")
@@ -388,7 +389,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
+    raise ValueError(f"{q(name)} is not allowed")
 
 
 def _keys(obj: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
@@ -417,24 +418,24 @@ def _check_entries(entries: Sequence[FileEntry], *, sorted_required: bool = Fals
     for e in entries:
         check_relpath(e.path)
         if e.path in RESERVED_NAMES:
-            raise reject("reserved-path", f"{e.path} is reserved for the bundle's own manifest", path=e.path)
+            raise reject("reserved-path", f"{q(e.path)} is reserved for the bundle's own manifest", path=e.path)
         if e.path in seen:
-            raise reject("duplicate-path", f"MANIFEST lists {e.path} twice", path=e.path)
+            raise reject("duplicate-path", f"MANIFEST lists {q(e.path)} twice", path=e.path)
         if sorted_required and prev is not None and e.path < prev:
-            raise reject("manifest-not-canonical", f"MANIFEST files are not sorted at {e.path}", path=e.path)
+            raise reject("manifest-not-canonical", f"MANIFEST files are not sorted at {q(e.path)}", path=e.path)
         if e.mode not in FILE_MODES:
-            raise reject("bad-mode", f"{e.path}: mode {e.mode:04o} is not 0644 or 0755", path=e.path)
+            raise reject("bad-mode", f"{q(e.path)}: mode {e.mode:04o} is not 0644 or 0755", path=e.path)
         if type(e.size) is not int or e.size < 0:
-            raise reject("wrong-type", f"{e.path}: size must be a non-negative integer", path=e.path)
+            raise reject("wrong-type", f"{q(e.path)}: size must be a non-negative integer", path=e.path)
         if not isinstance(e.sha256, str) or not _HEX64.match(e.sha256):
-            raise reject("bad-hash", f"{e.path}: sha256 is not 64 lowercase hex digits", path=e.path)
+            raise reject("bad-hash", f"{q(e.path)}: sha256 is not 64 lowercase hex digits", path=e.path)
         seen.add(e.path)
         prev = e.path
     # A path cannot be both a file and the directory of another file.
     for e in entries:
         for parent in PurePosixPath(e.path).parents:
             if str(parent) in seen:
-                raise reject("path-conflict", f"{parent} is a file and also the directory of {e.path}",
+                raise reject("path-conflict", f"{q(parent)} is a file and also the directory of {q(e.path)}",
                              path=e.path)
 
 
@@ -480,7 +481,7 @@ def _write_atomic(path: Path, data: bytes, mode: int, *, force: bool) -> None:
             try:
                 os.link(tmp, path)
             except FileExistsError as exc:
-                raise InputError(f"{path} already exists", hint="pass --force to overwrite it") from exc
+                raise InputError(f"{q(path)} already exists", hint="pass --force to overwrite it") from exc
             os.unlink(tmp)
     finally:
         if fd >= 0:
@@ -497,7 +498,7 @@ def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os
     if not force:
         for p in (priv_p, pub_p):
             if p.exists() or p.is_symlink():
-                raise InputError(f"{p} already exists", hint="pass --force to overwrite it")
+                raise InputError(f"{q(p)} already exists", hint="pass --force to overwrite it")
     key = ed25519.Ed25519PrivateKey.generate()
     priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -516,14 +517,14 @@ def _load_private(path: Path) -> Any:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise InputError(f"cannot read signing key {path}: {exc.strerror}",
+        raise InputError(f"cannot read signing key {q(path)}: {exc.strerror}",
                          hint="create one with `deploytool keygen --out DIR`") from exc
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
-        raise InputError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
+        raise InputError(f"{q(path)} is not an unencrypted PEM private key: {exc}") from exc
     if not isinstance(key, ed25519.Ed25519PrivateKey):
-        raise InputError(f"{path} is not an Ed25519 private key", hint="create one with `deploytool keygen`")
+        raise InputError(f"{q(path)} is not an Ed25519 private key", hint="create one with `deploytool keygen`")
     return key
 
 
@@ -570,21 +571,21 @@ def load_trusted_keys(keys_dir: str | os.PathLike[str]) -> dict[str, Any]:
     ed25519, serialization, _ = _crypto()
     d = Path(keys_dir)
     if not d.is_dir():
-        raise reject("no-trusted-keys", f"trusted keys directory {d} does not exist",
+        raise reject("no-trusted-keys", f"trusted keys directory {q(d)} does not exist",
                      hint="copy the signer's .pub file there, or pass --keys DIR")
     keys: dict[str, Any] = {}
     for p in sorted(d.glob("*.pub")):
         try:
             key = serialization.load_pem_public_key(p.read_bytes())
         except (OSError, ValueError, TypeError) as exc:
-            raise reject("trusted-key-invalid", f"trusted key {p} is not a PEM public key: {exc}",
+            raise reject("trusted-key-invalid", f"trusted key {q(p)} is not a PEM public key: {exc}",
                          hint="remove or replace that file") from exc
         if not isinstance(key, ed25519.Ed25519PublicKey):
-            raise reject("trusted-key-invalid", f"trusted key {p} is not an Ed25519 key",
+            raise reject("trusted-key-invalid", f"trusted key {q(p)} is not an Ed25519 key",
                          hint="remove or replace that file")
         keys[key_id_of(key)] = key
     if not keys:
-        raise reject("no-trusted-keys", f"no trusted public keys (*.pub) in {d}",
+        raise reject("no-trusted-keys", f"no trusted public keys (*.pub) in {q(d)}",
                      hint="copy the signer's .pub file there, or pass --keys DIR")
     return keys
 
@@ -596,12 +597,12 @@ def verify_signature(manifest_bytes: bytes, sig_bytes: bytes, keys_dir: str | os
     keys = load_trusted_keys(keys_dir)
     key = keys.get(kid)
     if key is None:
-        raise reject("untrusted-key", f"bundle is signed by key {kid}, which is not among the trusted keys "
-                     f"in {keys_dir} ({', '.join(sorted(keys))})",
+        raise reject("untrusted-key", f"bundle is signed by key {q(kid)}, which is not among the trusted keys "
+                     f"in {q(keys_dir)} ({', '.join(sorted(keys))})",
                      hint="if you trust the signer, copy their .pub file into the keys directory")
     try:
         key.verify(raw, manifest_bytes)
     except InvalidSignature as exc:
-        raise reject("signature-invalid", f"MANIFEST signature does not verify with trusted key {kid}: "
+        raise reject("signature-invalid", f"MANIFEST signature does not verify with trusted key {q(kid)}: "
                      "the MANIFEST or its signature was altered") from exc
     return kid

@@ -7,13 +7,24 @@ same config gives the same bytes.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from deploy_tool import __version__
-from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
+from deploy_tool.config import (
+    BACKEND_NAME_RE,
+    ENV_NAME_RE,
+    USER_NAME_RE,
+    Backend,
+    Config,
+    FtllmBackend,
+    LlamacppBackend,
+)
+from deploy_tool.config import expand as config_expand
 from deploy_tool.errors import ConfigError
+from deploy_tool.textsafe import describe, q, unsafe_char
 
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
 BUNDLED_TEMPLATE = "templates/chat_template.jinja"
@@ -30,32 +41,135 @@ class RenderedFile:
     mode: int
 
 
-def expand(cfg: Config, path: str) -> str:
-    """Expand the {current} and {venv} placeholders to paths under the install root."""
-    return path.replace("{venv}", cfg.paths.current + "/venv").replace("{current}", cfg.paths.current)
+class Escaped(str):
+    """Text already validated and escaped for the one place in a unit or env file it is rendered into. The
+    templates output nothing else (and integers): `_finalize` refuses a plain string, so no config value can
+    reach a unit file without passing one of the escaping functions below."""
 
 
-def systemd_quote(arg: str) -> str:
-    """Quote one argument for ExecStart=: specifiers (%) and variables ($) are escaped, odd ones double-quoted."""
-    if "\n" in arg or "\x00" in arg:
-        raise ConfigError(f"argument {arg!r} contains a newline or NUL byte; systemd cannot pass it")
-    esc = arg.replace("%", "%%").replace("$", "$$")
+@dataclass(frozen=True)
+class EnvRef:
+    """An ExecStart= argument systemd replaces with the value of an environment variable (`${NAME}`, one word)."""
+
+    name: str
+
+
+Arg = str | EnvRef
+
+
+expand = config_expand  # where fingerprint, checks and selfcheck have always found it
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One escaping function per target syntax. Each takes the key path the value came from, refuses what the
+# syntax cannot carry (ConfigError naming that key) and returns Escaped text. config.py refuses all of it at
+# load already; these are the last line, and what the templates are allowed to print.
+
+
+def _refuse(key: str, value: str, why: str) -> ConfigError:
+    return ConfigError(f"{key}: {q(value)} {why}", hint="fix the value in the config")
+
+
+def _clean(value: str, key: str) -> str:
+    c = unsafe_char(value)
+    if c is not None:
+        raise _refuse(key, value, f"contains the control character {describe(c)}, which a unit or env file "
+                                  f"cannot carry")
+    return value
+
+
+def _specifiers(text: str) -> str:
+    """systemd.unit(5) "Specifiers": `%` starts one; `%%` is a literal percent sign."""
+    return text.replace("%", "%%")
+
+
+def unit_text(value: str, key: str) -> Escaped:
+    """Free text as the whole value of a unit line (Description=, comments). systemd.syntax(7): the line ends at
+    LF or CR, white space around the value is dropped, a trailing backslash joins the next line; the value
+    then goes through specifier expansion (no quotes, no C escapes)."""
+    _clean(value, key)
+    if value != value.strip(" "):
+        raise _refuse(key, value, "begins or ends with a space, which systemd would drop")
+    if value.endswith("\\"):
+        raise _refuse(key, value, "ends with a backslash, which systemd reads as a line continuation")
+    return Escaped(_specifiers(value))
+
+
+def _abs_path(value: str, key: str) -> str:
+    """An absolute, normalized path as systemd accepts it (path_is_normalized: no '.', '..' or '//')."""
+    _clean(value, key)
+    if not value.startswith("/") or (value != "/" and (posixpath.normpath(value) != value or "//" in value)):
+        raise _refuse(key, value, "is not an absolute, normalized path")
+    return value
+
+
+def unit_path(value: str, key: str) -> Escaped:
+    """An absolute path as the whole value of a unit line (EnvironmentFile=): specifiers escaped, the value
+    taken without quotes; systemd 252 reads backslashes in EnvironmentFile= as C escapes (measured in the
+    sandbox: `a\\b` names `a<BS>b`), so a path with a backslash is refused."""
+    if "\\" in value:
+        raise _refuse(key, value, "contains a backslash, which systemd reads as an escape in this setting")
+    return unit_text(_abs_path(value, key), key)
+
+
+def unit_name(name: str) -> Escaped:
+    """A unit name made of a backend name (Conflicts=, comments)."""
+    if not BACKEND_NAME_RE.match(name):
+        raise _refuse("backends", name, "is not a valid backend name")
+    return Escaped(f"{name}.service")
+
+
+def file_url(path: str, key: str) -> Escaped:
+    """Documentation=file:PATH. The value is a list of URLs split at white space, each of them ASCII: the path
+    is percent-encoded (RFC 3986), then specifier-escaped (%20 -> %%20)."""
+    from urllib.parse import quote
+
+    return Escaped("file:" + _specifiers(quote(_abs_path(path, key), safe="/")))
+
+
+def user_name(value: str, key: str) -> Escaped:
+    """User=: a plain user name (no specifiers, no quoting needed)."""
+    if not USER_NAME_RE.match(value):
+        raise _refuse(key, value, "is not a user name")
+    return Escaped(value)
+
+
+def systemd_quote(arg: Arg, key: str = "argument") -> str:
+    """One word of an ExecStart= command line (systemd.service(5) "Command lines"): `%` and `$` doubled (no
+    specifier, no variable), then, unless the word is plain, double-quoted with backslash and double quote
+    C-escaped. An EnvRef becomes `${NAME}`, which systemd replaces with the variable's value as one word."""
+    if isinstance(arg, EnvRef):
+        if not ENV_NAME_RE.match(arg.name):
+            raise _refuse(key, arg.name, "is not an environment variable name")
+        return "${" + arg.name + "}"
+    esc = _clean(arg, key).replace("%", "%%").replace("$", "$$")
     if _SAFE_ARG.match(arg):
         return esc
     return '"' + esc.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def env_quote(name: str, value: str) -> str:
-    """One `NAME="value"` line in EnvironmentFile= syntax (no `export`); round-trips any text but NL/NUL."""
-    if "\n" in value or "\r" in value or "\x00" in value:
-        raise ConfigError(f"environment variable {name}: value contains a newline or NUL byte, which an "
-                          f"EnvironmentFile cannot hold", hint="put such data in a file and pass its path")
-    esc = "".join("\\" + c if c in '"\\`$' else c for c in value)
-    return f'{name}="{esc}"'
+def exec_line(argv: list[Arg], key: str) -> Escaped:
+    """A whole ExecStart= command line: an absolute, normalized executable path, then the arguments."""
+    exe = argv[0]
+    if isinstance(exe, EnvRef):
+        raise _refuse(key, exe.name, "cannot be the executable")
+    _abs_path(exe, key)
+    return Escaped(" ".join(systemd_quote(a, key) for a in argv))
 
 
-def ftllm_argv(cfg: Config, b: FtllmBackend) -> list[str]:
-    argv = [expand(cfg, b.executable), "server", "-p", b.model, "--model_name", cfg.serve.model_name]
+def env_quote(name: str, value: str, key: str | None = None) -> Escaped:
+    """One `NAME="value"` line in EnvironmentFile= syntax (systemd.exec(5), no `export`): inside double quotes
+    a backslash escapes exactly `"`, `\\`, `` ` `` and `$`; everything else but control characters is taken
+    as it is."""
+    key = key or f"environment variable {name}"
+    if not ENV_NAME_RE.match(name):
+        raise _refuse(key, name, "is not an environment variable name")
+    esc = "".join("\\" + c if c in '"\\`$' else c for c in _clean(value, key))
+    return Escaped(f'{name}="{esc}"')
+
+
+def ftllm_argv(cfg: Config, b: FtllmBackend) -> list[Arg]:
+    argv: list[Arg] = [expand(cfg, b.executable), "server", "-p", b.model, "--model_name", cfg.serve.model_name]
     if b.device == "cpu":
         argv += ["--device", "cpu"]
     if b.threads is not None:
@@ -86,12 +200,12 @@ def ftllm_argv(cfg: Config, b: FtllmBackend) -> list[str]:
         argv += ["--chat_template", f"{cfg.paths.current}/{BUNDLED_TEMPLATE}"]
     argv += ["--host", cfg.serve.host, "--port", str(cfg.serve.port)]
     if cfg.serve.api_key_file:
-        argv += ["--api_key", "${" + API_KEY_VAR + "}"]
+        argv += ["--api_key", EnvRef(API_KEY_VAR)]
     return argv + list(b.extra_args)
 
 
-def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[str]:
-    argv = [expand(cfg, b.binary), "-m", b.model, "--alias", cfg.serve.model_name]
+def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[Arg]:
+    argv: list[Arg] = [expand(cfg, b.binary), "-m", b.model, "--alias", cfg.serve.model_name]
     if b.split_mode is not None:
         argv += ["-sm", b.split_mode]
     if b.flash_attn is not None:
@@ -114,7 +228,7 @@ def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[str]:
     return argv + list(b.extra_args)
 
 
-def launch_argv(cfg: Config, b: Backend) -> list[str]:
+def launch_argv(cfg: Config, b: Backend) -> list[Arg]:
     """The backend's launch line as an argv list (placeholders expanded; ${VAR} left for systemd)."""
     return ftllm_argv(cfg, b) if isinstance(b, FtllmBackend) else llamacpp_argv(cfg, b)
 
@@ -131,10 +245,18 @@ def backend_env(cfg: Config, b: Backend) -> list[tuple[str, str]]:
     return list(env.items())
 
 
-def verify_argv(cfg: Config, b: Backend) -> list[str]:
+def verify_argv(cfg: Config, b: Backend) -> list[Arg]:
     # --await-port: a switch starts the target while the current backend exits; the server execs once the
     # port is free (and a foreign holder fails the start at once, named)
     return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "verify", b.name, "--await-port"]
+
+
+def _finalize(value: object) -> object:
+    """What a template may print: Escaped text and integers; anything else is a template bug."""
+    if isinstance(value, Escaped) or (type(value) is int):
+        return value
+    raise TypeError(f"a template printed an unescaped {type(value).__name__} ({value!r}); pass it through one "
+                    f"of render.py's escaping functions")
 
 
 def _env():
@@ -142,16 +264,15 @@ def _env():
 
     from deploy_tool import templates as tpl_pkg
 
-    env = jinja2.Environment(
+    return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(Path(tpl_pkg.__file__).parent)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
         autoescape=False,
+        finalize=_finalize,
     )
-    env.filters["sq"] = systemd_quote
-    return env
 
 
 def _render(template: str, **ctx: object) -> str:
@@ -166,20 +287,29 @@ def _render(template: str, **ctx: object) -> str:
 
 
 def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
-    others = [o.unit for o in cfg.other_backends(b.name)]
-    argv = launch_argv(cfg, b)
-    env_lines = [env_quote(k, v) for k, v in backend_env(cfg, b)]
+    """The unit and the env file of one backend. Every value the templates print went through the escaping
+    function of the syntax it lands in, with the key path it came from (see Escaped)."""
+    key = f"backends.{b.name}"
+    own = dict(b.env)
+    env_lines = [env_quote(k, v, f"{key}.env.{k}" if k in own else f"{key} (environment {k})")
+                 for k, v in backend_env(cfg, b)]
+    description = (unit_text(b.description, f"{key}.description") if b.description
+                   else unit_text(f"{b.kind} inference server {b.name}", key))
     ctx = dict(
-        version=__version__, cfg=cfg, b=b, conflicts=others, exec_start=" ".join(systemd_quote(a) for a in argv),
-        exec_start_pre=" ".join(systemd_quote(a) for a in verify_argv(cfg, b)),
-        env_file=f"{cfg.paths.env_dir}/{b.name}.env",
-        secrets_file=f"{cfg.paths.env_dir}/{SECRETS_ENV}" if cfg.serve.api_key_file else None,
-        gpus=list(cfg.host.gpus) if b.device == "cuda" else [],
-        description=b.description or f"{b.kind} inference server {b.name}",
+        version=unit_text(__version__, "version"), unit=unit_name(b.name),
+        description=description, documentation=file_url(cfg.paths.config, "paths.config"),
+        conflicts=[unit_name(o.name) for o in cfg.other_backends(b.name)],
+        exec_start=exec_line(launch_argv(cfg, b), f"{key} (ExecStart=)"),
+        exec_start_pre=exec_line(verify_argv(cfg, b), f"{key} (ExecStartPre=)"),
+        env_file=unit_path(f"{cfg.paths.env_dir}/{b.name}.env", "paths.env_dir"),
+        secrets_file=(unit_path(f"{cfg.paths.env_dir}/{SECRETS_ENV}", "paths.env_dir")
+                      if cfg.serve.api_key_file else None),
+        gpus=[int(g) for g in cfg.host.gpus] if b.device == "cuda" else [],
         timeout_start=int(b.start_timeout_s or cfg.health.start_timeout_s),
+        user=None if cfg.serve.user == "dynamic" else user_name(cfg.serve.user, "serve.user"),
     )
     unit = _render("backend.service.j2", **ctx)
-    envf = _render("backend.env.j2", version=__version__, b=b, lines=env_lines)
+    envf = _render("backend.env.j2", version=ctx["version"], unit=ctx["unit"], lines=env_lines)
     return [RenderedFile(f"{b.name}.service", "unit", unit, 0o644),
             RenderedFile(f"{b.name}.env", "env", envf, 0o644)]
 
@@ -194,5 +324,6 @@ def render_all(cfg: Config) -> list[RenderedFile]:
 
 def render_secrets(cfg: Config, api_key: str) -> RenderedFile:
     """The 0600 env file holding the API key (written at install time on the box, never bundled)."""
-    return RenderedFile(SECRETS_ENV, "env", env_quote(API_KEY_VAR, api_key) + "\n" + env_quote("LLAMA_API_KEY", api_key)
-                        + "\n", 0o600)
+    key = f"the API key in {q(cfg.serve.api_key_file)} (serve.api_key_file)"
+    return RenderedFile(SECRETS_ENV, "env", env_quote(API_KEY_VAR, api_key, key) + "\n"
+                        + env_quote("LLAMA_API_KEY", api_key, key) + "\n", 0o600)
