@@ -175,6 +175,8 @@ CASES: list[Case] = [
     ("extra-model-name", "cpu-demo", [(f"{FT}.extra_args", ["--model_name=other"])], "extra-args-override", "error",
      ["--model_name=other", "answer to 'other'"]),
     ("threads", "cpu-demo", [(f"{FT}.threads", 4096)], "threads-beyond-cores", "warning", ["-t 4096", "15 s"]),
+    ("draft-unused", "two-2080ti", [(f"{FT}.speculative.algorithm", "none")], "ftllm-draft-unused", "warning",
+     ["never loaded", "33.7 tok/s"]),
     ("ctx-over-training", "cpu-demo", [(f"{LL}.ctx_size", 8192)], "llamacpp-ctx-over-training", "warning",
      ["-c 8,192", "2,048 tokens", "capping", "only on paper"]),
 ]
@@ -245,7 +247,8 @@ def test_bad_case_not_on_examples(case: Case, tmp_path: Path, cpu_demo_files: Pa
 def test_every_catalog_id_is_tested() -> None:
     """Every check id in the catalog appears in this file's bad cases or in a dedicated test below."""
     dedicated = {"ftllm-nccl-arch", "ftllm-nccl-unreadable", "model-config-unreadable", "template-patch-match",
-                 "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable"}
+                 "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable",
+                 "serve-port-in-use"}  # serve-port-in-use: test_checks_contradictions.py, a real listener
     tested = {c[3] for c in CASES} | dedicated
     assert tested == checks.CHECK_IDS
 

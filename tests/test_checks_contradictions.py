@@ -249,3 +249,36 @@ def test_check_cli_refuses_a_config_that_cannot_run(tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["--config", str(cfg_path), "check", "--no-files"])
     assert r.exit_code == 4
     assert "llamacpp-tensor-one-device" in r.output and "unsupported mul_mat split states" in r.output
+
+
+# ------------------------------------------------------------------------------------- port, draft
+
+
+def test_port_held_by_a_foreign_process_is_named(cfgs, tmp_path: Path) -> None:
+    """On the box, a real listener on serve.port that is not a backend's: an info naming its pid; none
+    without a listener, and nothing said away from the box."""
+    import os
+    import socket
+
+    from tests.support.sandbox import free_port
+
+    port = free_port()
+    cfg = dataclasses.replace(cfgs["cpu-demo"], serve=dataclasses.replace(cfgs["cpu-demo"].serve, port=port))
+    assert list(checks.check_port_in_use(checks._Ctx(cfg, True, True))) == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        found = list(checks.check_port_in_use(checks._Ctx(cfg, True, True)))
+        assert len(found) == 1 and f"pid {os.getpid()}" in found[0].message and str(port) in found[0].message
+        assert list(checks.check_port_in_use(checks._Ctx(cfg, True, False))) == []
+
+
+def test_draft_model_without_speculation_warns(cfgs) -> None:
+    """A draft model with algorithm 'none' is never passed to ftllm: a warning; with dflash: none."""
+    cfg = cfgs["two-2080ti"]
+    b = cfg.backends[FT]
+    assert b.speculative is not None
+    off = dataclasses.replace(b, speculative=dataclasses.replace(b.speculative, algorithm="none"))
+    found = run(checks.check_draft_unused, with_backend(cfg, off), off)
+    assert len(found) == 1 and "--speculative_algorithm" not in " ".join(launch_argv(cfg, off))
+    assert run(checks.check_draft_unused, cfg, b) == []
