@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -162,6 +162,9 @@ class _Ctx:
     cfg: Config
     inspect_files: bool
     on_box: bool  # this machine has an NVIDIA driver: cuda backends run here
+    # each model's GGUF header, read once per run: three checks use it, and a 27B model's header (its
+    # vocabulary arrays) is megabytes that switch's preflight would otherwise parse three times
+    headers: dict[str, tuple[object | None, Finding | None]] = field(default_factory=dict)  # by backend
 
 
 def _f(id_: str, severity: Severity, backend: str | None, message: str, fix: str, source: str | None = None) -> Finding:
@@ -604,14 +607,17 @@ def _gguf(ctx: _Ctx, b: Backend) -> tuple[object | None, Finding | None]:
     """The model's GGUF header when the model is a .gguf file here (or a finding saying why it is unreadable)."""
     if not ctx.inspect_files or not b.model.endswith(".gguf") or not os.path.isfile(b.model):
         return None, None
-    from deploy_tool import gguf_header
-    from deploy_tool.errors import DeployError
+    if b.name not in ctx.headers:
+        from deploy_tool import gguf_header
+        from deploy_tool.errors import DeployError
 
-    try:
-        return gguf_header.read_header(b.model), None
-    except DeployError as exc:
-        return None, _f("model-unreadable", "error", b.name, f"backends.{b.name}.model: {exc.message}",
-                        "point it at a GGUF model file (llama.cpp's format)")
+        try:
+            ctx.headers[b.name] = gguf_header.read_header(b.model), None
+        except DeployError as exc:
+            ctx.headers[b.name] = None, _f("model-unreadable", "error", b.name,
+                                            f"backends.{b.name}.model: {exc.message}",
+                                            "point it at a GGUF model file (llama.cpp's format)")
+    return ctx.headers[b.name]
 
 
 def check_gguf(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
