@@ -116,6 +116,8 @@ CATALOG: tuple[CheckInfo, ...] = (
               "config"),
     CheckInfo("ftllm-draft-unused", "warning", "a draft model configured while speculative decoding is off",
               "config"),
+    CheckInfo("serve-context-differs", "info", "the backends behind one port and model name hold different contexts",
+              "config"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -1111,6 +1113,30 @@ def check_port_in_use(ctx: _Ctx) -> Iterator[Finding]:
                  "stop that process, or choose another serve.port")
 
 
+def _context(cfg: Config, b: Backend) -> int | None:
+    """The context the server is told to hold (ftllm --tokens, llama-server -c; extra_args' last value wins)."""
+    names = ("--tokens",) if isinstance(b, FtllmBackend) else ("-c", "--ctx-size")
+    v = _last_flag_value(_launch(cfg, b), names)
+    try:
+        n = int(v) if v is not None else None
+    except ValueError:
+        return None
+    return n if n is not None and n > 0 else None
+
+
+def check_context_differs(ctx: _Ctx) -> Iterator[Finding]:
+    cfg = ctx.cfg
+    sizes = {n: c for n, b in sorted(cfg.backends.items()) if (c := _context(cfg, b)) is not None}
+    if len(set(sizes.values())) < 2:
+        return
+    small = min(sizes, key=lambda n: sizes[n])
+    listed = ", ".join(f"{n} {_fmt_int(c)}" for n, c in sizes.items())
+    yield _f("serve-context-differs", "info", None,
+             f"the backends answer on one port to one model name ({cfg.serve.model_name!r}) but hold different "
+             f"contexts ({listed} tokens): after a switch to {small}, a prompt that worked before can fail",
+             "give the backends the same context, or tell clients the smaller one")
+
+
 # ----------------------------------------------------------------------------------------- driver
 
 BackendCheck = Callable[[_Ctx, Backend], Iterator[Finding]]
@@ -1123,7 +1149,8 @@ BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_visible_devices_allowed, check_llama_verbosity, check_threads, check_ctx_over_training,
     check_draft_unused,
 )
-BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_port_in_use)
+BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_port_in_use,
+                                    check_context_differs)
 
 
 def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:

@@ -177,6 +177,10 @@ CASES: list[Case] = [
     ("threads", "cpu-demo", [(f"{FT}.threads", 4096)], "threads-beyond-cores", "warning", ["-t 4096", "15 s"]),
     ("draft-unused", "two-2080ti", [(f"{FT}.speculative.algorithm", "none")], "ftllm-draft-unused", "warning",
      ["never loaded", "33.7 tok/s"]),
+    ("context-differs", "two-2080ti", [(f"{LL}.ctx_size", 196608)], "serve-context-differs", "info",
+     ["ftllm-dflash 262,144", "llamacpp-tensor 196,608", "after a switch to llamacpp-tensor"]),
+    ("context-differs-extra", "two-2080ti", [(f"{FT}.extra_args", ["--tokens", "131072"])],
+     "serve-context-differs", "info", ["ftllm-dflash 131,072"]),
     ("ctx-over-training", "cpu-demo", [(f"{LL}.ctx_size", 8192)], "llamacpp-ctx-over-training", "warning",
      ["-c 8,192", "2,048 tokens", "capping", "only on paper"]),
 ]

@@ -282,3 +282,18 @@ def test_draft_model_without_speculation_warns(cfgs) -> None:
     found = run(checks.check_draft_unused, with_backend(cfg, off), off)
     assert len(found) == 1 and "--speculative_algorithm" not in " ".join(launch_argv(cfg, off))
     assert run(checks.check_draft_unused, cfg, b) == []
+
+
+@settings(max_examples=60, deadline=2000)
+@given(tokens=st.none() | st.integers(1, 1 << 20), ctx_size=st.none() | st.integers(1, 1 << 20),
+       extra_c=st.none() | st.integers(1, 1 << 20))
+def test_context_differs_iff_the_servers_are_told_different_contexts(cfgs, tokens, ctx_size, extra_c):
+    """An info iff both contexts are known and differ, counting a -c in extra_args as the one that wins."""
+    cfg = cfgs["two-2080ti"]
+    ft = dataclasses.replace(cfg.backends[FT], tokens=tokens)
+    ll = dataclasses.replace(cfg.backends[LL], ctx_size=ctx_size,
+                             extra_args=("-c", str(extra_c)) if extra_c is not None else ())
+    cfg2 = with_backend(with_backend(cfg, ft), ll)
+    eff = extra_c if extra_c is not None else ctx_size
+    found = list(checks.check_context_differs(checks._Ctx(cfg2, False, False)))
+    assert bool(found) == (tokens is not None and eff is not None and tokens != eff)
