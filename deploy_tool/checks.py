@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -102,6 +102,22 @@ CATALOG: tuple[CheckInfo, ...] = (
     CheckInfo("ftllm-gguf-f32", "error", "ftllm on a GGUF with F32 weight matrices dies with SIGFPE",
               "field notes, facts about the servers"),
     CheckInfo("model-unreadable", "error", "the model file is not a readable GGUF", "config"),
+    CheckInfo("llamacpp-tensor-one-device", "error", "-sm tensor with one visible GPU aborts at the first decode",
+              "field notes, pitfall 15"),
+    CheckInfo("llamacpp-log-verbosity", "info", "llama-server's default verbosity logs no buffer sizes",
+              "field notes, pitfall 16"),
+    CheckInfo("cuda-devices-not-allowed", "error", "CUDA_VISIBLE_DEVICES names GPUs the unit's DeviceAllow= denies",
+              "config"),
+    CheckInfo("extra-args-override", "error", "extra_args repeat a flag the unit already renders", "config"),
+    CheckInfo("threads-beyond-cores", "warning", "more threads than this machine's CPUs", "config"),
+    CheckInfo("llamacpp-ctx-over-training", "warning", "-c above the model's training context is capped",
+              "config"),
+    CheckInfo("serve-port-in-use", "info", "the served port is held now by a process that is not a backend",
+              "config"),
+    CheckInfo("ftllm-draft-unused", "warning", "a draft model configured while speculative decoding is off",
+              "config"),
+    CheckInfo("serve-context-differs", "info", "the backends behind one port and model name hold different contexts",
+              "config"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -148,6 +164,9 @@ class _Ctx:
     cfg: Config
     inspect_files: bool
     on_box: bool  # this machine has an NVIDIA driver: cuda backends run here
+    # each model's GGUF header, read once per run: three checks use it, and a 27B model's header (its
+    # vocabulary arrays) is megabytes that switch's preflight would otherwise parse three times
+    headers: dict[str, tuple[object | None, Finding | None]] = field(default_factory=dict)  # by backend
 
 
 def _f(id_: str, severity: Severity, backend: str | None, message: str, fix: str, source: str | None = None) -> Finding:
@@ -590,14 +609,17 @@ def _gguf(ctx: _Ctx, b: Backend) -> tuple[object | None, Finding | None]:
     """The model's GGUF header when the model is a .gguf file here (or a finding saying why it is unreadable)."""
     if not ctx.inspect_files or not b.model.endswith(".gguf") or not os.path.isfile(b.model):
         return None, None
-    from deploy_tool import gguf_header
-    from deploy_tool.errors import DeployError
+    if b.name not in ctx.headers:
+        from deploy_tool import gguf_header
+        from deploy_tool.errors import DeployError
 
-    try:
-        return gguf_header.read_header(b.model), None
-    except DeployError as exc:
-        return None, _f("model-unreadable", "error", b.name, f"backends.{b.name}.model: {exc.message}",
-                        "point it at a GGUF model file (llama.cpp's format)")
+        try:
+            ctx.headers[b.name] = gguf_header.read_header(b.model), None
+        except DeployError as exc:
+            ctx.headers[b.name] = None, _f("model-unreadable", "error", b.name,
+                                            f"backends.{b.name}.model: {exc.message}",
+                                            "point it at a GGUF model file (llama.cpp's format)")
+    return ctx.headers[b.name]
 
 
 def check_gguf(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
@@ -835,6 +857,287 @@ def check_files(ctx: _Ctx) -> Iterator[Finding]:
                  "run `deploytool check` on the box itself")
 
 
+# ----------------------------------------------------------------------------------------- what the server gets
+# The unit's launch line is the rendered flags followed by extra_args, and both servers take the LAST value of a
+# repeated flag; CUDA_VISIBLE_DEVICES from a backend's env replaces the one derived from host.gpus. These checks
+# judge what the server will actually be given, not what the config's typed keys say.
+
+# the flags render.py writes, by server; each group lists the spellings of one option (llama-server --help,
+# ftllm's argparse)
+LLAMA_FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("-m", "--model"), ("-a", "--alias"), ("-sm", "--split-mode"), ("-fa", "--flash-attn"), ("-c", "--ctx-size"),
+    ("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v"), ("--spec-type",), ("--spec-draft-n-max",),
+    ("-mm", "--mmproj"), ("-t", "--threads"), ("-ngl", "--gpu-layers", "--n-gpu-layers"), ("--host",),
+    ("--port",))
+FTLLM_FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("-p", "--path"), ("--model_name",), ("--device",), ("-t", "--threads"), ("--tp",), ("--max_batch",),
+    ("--tokens",), ("--gpu_mem_ratio",), ("--kv_cache_dtype",), ("--cuda_embedding",),
+    ("--speculative_algorithm", "--speculative-algorithm"),
+    ("--speculative_draft_model_path", "--speculative-draft-model-path"),
+    ("--speculative_num_draft_tokens", "--speculative-num-draft-tokens"), ("--prefix_cache", "--prefix-cache"),
+    ("--think",), ("--chat_template",), ("--host",), ("--port",), ("--api_key",))
+# which config key a rendered flag comes from (for the message), by its first spelling
+FLAG_KEYS = {"--host": "serve.host", "--port": "serve.port", "-a": "serve.model_name",
+             "--model_name": "serve.model_name", "-m": "model", "-p": "model", "--api_key": "serve.api_key_file",
+             "-sm": "split_mode", "-fa": "flash_attn", "-c": "ctx_size", "-ctk": "cache_type_k",
+             "-ctv": "cache_type_v", "--spec-type": "spec.type", "--spec-draft-n-max": "spec.draft_n_max",
+             "-mm": "mmproj", "-t": "threads", "-ngl": "device", "--device": "device", "--tp": "tp",
+             "--max_batch": "max_batch", "--tokens": "tokens", "--gpu_mem_ratio": "gpu_mem_ratio",
+             "--kv_cache_dtype": "kv_cache_dtype", "--cuda_embedding": "cuda_embedding",
+             "--speculative_algorithm": "speculative.algorithm",
+             "--speculative_draft_model_path": "speculative.draft_model",
+             "--speculative_num_draft_tokens": "speculative.num_draft_tokens", "--prefix_cache": "prefix_cache",
+             "--think": "think", "--chat_template": "chat_template"}
+LAST_WINS = ("the server takes the last value of a repeated flag (the real llama-server logs \"argument '-c' "
+             "specified multiple times ... (only last value will be used)\"; ftllm's argparse keeps the last one "
+             "silently)")
+
+
+def _flag_groups(b: Backend) -> tuple[tuple[str, ...], ...]:
+    return FTLLM_FLAG_GROUPS if isinstance(b, FtllmBackend) else LLAMA_FLAG_GROUPS
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=", 1)[0] if arg.startswith("--") else arg
+
+
+def _last_flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The value the server ends up with for an option spelled `names` in `argv` (the last one wins)."""
+    val = None
+    for i, a in enumerate(argv):
+        if a in names and i + 1 < len(argv):
+            val = argv[i + 1]
+        elif a.startswith("--") and "=" in a and a.split("=", 1)[0] in names:
+            val = a.split("=", 1)[1]
+    return val
+
+
+def _launch(cfg: Config, b: Backend) -> list[str]:
+    from deploy_tool.render import launch_argv  # lazy: checks import no templates until they need them
+
+    # an argument systemd fills from the environment (the API key) is no flag and no value a check compares
+    return [a if isinstance(a, str) else "${" + a.name + "}" for a in launch_argv(cfg, b)]
+
+
+def check_extra_args_override(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    """extra_args repeating a flag the unit renders from a typed key: two values, the server silently takes the
+    extra one, while the health gate, the checks and the pins judge the config's."""
+    argv = _launch(ctx.cfg, b)
+    rendered = argv[: len(argv) - len(b.extra_args)]
+    extra = list(b.extra_args)
+    for group in _flag_groups(b):
+        if not any(a in group for a in rendered[1:]):
+            continue
+        dups = [a for a in extra if _flag_name(a) in group]
+        if not dups:
+            continue
+        key = FLAG_KEYS.get(group[0], group[0])
+        key = key if key.startswith("serve.") else f"backends.{b.name}.{key}"
+        ours = _last_flag_value(rendered, group)
+        theirs = _last_flag_value(rendered + extra, group)
+        effect = ""
+        if group[0] == "--port":
+            effect = f": it would listen on {theirs} while the health gate and clients use {ctx.cfg.serve.port}"
+        elif group[0] in ("-a", "--model_name"):
+            effect = (f": it would answer to {theirs!r}, and requests for {ctx.cfg.serve.model_name!r} (the gate's "
+                      f"smoke test, every client) fail")
+        elif group[0] == "--host":
+            effect = f": it would bind {theirs} instead of {ctx.cfg.serve.host}"
+        shown = f"{ours!r} from {key}" if ours is not None else f"{group[0]} from {key}"
+        yield _f("extra-args-override", "error", b.name,
+                 f"backends.{b.name}.extra_args repeat {' '.join(dups)}, which the unit already passes ({shown}); "
+                 f"{LAST_WINS}{effect}",
+                 f"remove {dups[0]} from backends.{b.name}.extra_args and set {key} instead")
+
+
+def _visible_cuda_devices(cfg: Config, b: Backend) -> tuple[list[str], str]:
+    """The CUDA devices the process will see, and where that comes from: a backend's own CUDA_VISIBLE_DEVICES
+    replaces the one derived from host.gpus (the env file lists the config's env after the derived values)."""
+    env = _env(b)
+    if "CUDA_VISIBLE_DEVICES" in env:
+        val = env["CUDA_VISIBLE_DEVICES"]
+        return [x.strip() for x in val.split(",") if x.strip()], f"backends.{b.name}.env.CUDA_VISIBLE_DEVICES={val!r}"
+    gpus = [str(g) for g in cfg.host.gpus]
+    return gpus, f"host.gpus [{', '.join(gpus)}]"
+
+
+def _llama_devices(cfg: Config, b: LlamacppBackend) -> tuple[int, str]:
+    """How many GPUs llama-server will split over: its -dev/--device list (or LLAMA_ARG_DEVICE) when given,
+    else every visible CUDA device."""
+    argv = _launch(cfg, b)
+    dev = _last_flag_value(argv, ("-dev", "--device"))
+    if dev is None and "LLAMA_ARG_DEVICE" in _env(b):
+        dev = _env(b)["LLAMA_ARG_DEVICE"]
+        where = f"backends.{b.name}.env.LLAMA_ARG_DEVICE={dev!r}"
+    else:
+        where = f"--device {dev} in backends.{b.name}.extra_args"
+    if dev is not None:
+        devs = [d.strip() for d in dev.split(",") if d.strip() and d.strip().lower() != "none"]
+        return len(devs), where
+    visible, src = _visible_cuda_devices(cfg, b)
+    return len(visible), src
+
+
+def _split_mode(cfg: Config, b: LlamacppBackend) -> str | None:
+    sm = _last_flag_value(_launch(cfg, b), ("-sm", "--split-mode"))
+    return sm if sm is not None else _env(b).get("LLAMA_ARG_SPLIT_MODE")
+
+
+def check_tensor_one_device(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, LlamacppBackend) or b.device != "cuda" or _split_mode(ctx.cfg, b) != "tensor":
+        return
+    n, where = _llama_devices(ctx.cfg, b)
+    if n != 1:
+        return
+    yield _f("llamacpp-tensor-one-device", "error", b.name,
+             f"-sm tensor with one device ({where}): measured on a real GPU, llama-server warns "
+             f"'llama_params_fit is not implemented for SPLIT_MODE_TENSOR' and 'SPLIT_MODE_TENSOR being used for a "
+             f"single device is not recommended', then aborts at the first decode ('ggml-backend-meta.cpp: "
+             f"unsupported mul_mat split states'), so the unit crash-loops",
+             f"give it two or more GPUs (host.gpus, or backends.{b.name}.env.CUDA_VISIBLE_DEVICES), or use "
+             f"backends.{b.name}.split_mode: none on one GPU")
+
+
+def check_visible_devices_allowed(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if b.device != "cuda" or "CUDA_VISIBLE_DEVICES" not in _env(b):
+        return
+    visible, where = _visible_cuda_devices(ctx.cfg, b)
+    allowed = {str(g) for g in ctx.cfg.host.gpus}
+    denied = [v for v in visible if v.isdigit() and v not in allowed]
+    if denied:
+        yield _f("cuda-devices-not-allowed", "error", b.name,
+                 f"{where} names GPU {', '.join(denied)}, but the unit allows only /dev/nvidia{{"
+                 f"{','.join(sorted(allowed)) or ''}}} (DevicePolicy=closed, DeviceAllow= from host.gpus): the "
+                 f"server cannot open /dev/nvidia{denied[0]} (a running llama-server holds /dev/nvidiaN, "
+                 f"/dev/nvidiactl and /dev/nvidia-uvm open), so CUDA finds no such device",
+                 f"add {', '.join(denied)} to host.gpus, or drop CUDA_VISIBLE_DEVICES from backends.{b.name}.env")
+        return
+    if isinstance(b, FtllmBackend) and b.tp > len(visible):
+        yield _f("device-tp-gpus", "error", b.name,
+                 f"--tp {b.tp} needs {b.tp} GPUs but {where} leaves {len(visible)}",
+                 f"list {b.tp} GPUs in CUDA_VISIBLE_DEVICES, or set backends.{b.name}.tp: {len(visible)}")
+
+
+LLAMA_DEFAULT_VERBOSITY = 3
+LLAMA_LV4_LINES = "185 startup lines and about 33 per request instead of 13 and 7"  # the real llama-server here
+
+
+def _llama_verbosity(cfg: Config, b: LlamacppBackend) -> int:
+    v = _last_flag_value(_launch(cfg, b), ("-lv", "--verbosity", "--log-verbosity"))
+    if v is None:
+        v = _env(b).get("LLAMA_ARG_LOG_VERBOSITY")
+    try:
+        return int(v) if v is not None else LLAMA_DEFAULT_VERBOSITY
+    except ValueError:
+        return LLAMA_DEFAULT_VERBOSITY
+
+
+def check_llama_verbosity(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, LlamacppBackend) or b.device != "cuda" or _llama_verbosity(ctx.cfg, b) >= 4:
+        return
+    yield _f("llamacpp-log-verbosity", "info", b.name,
+             f"llama-server at its default verbosity ({LLAMA_DEFAULT_VERBOSITY}) logs no buffer sizes: no 'CUDA0 KV "
+             f"buffer size' or model buffer lines, only n_slots, n_ctx_slot and the capped context (measured on a "
+             f"real GPU). The gate and `status --deep` then report the context it runs at, but whether the "
+             f"model and KV cache live on the GPUs as 'could not determine'",
+             f"to have them checked, add [\"-lv\", \"4\"] to backends.{b.name}.extra_args (costs "
+             f"{LLAMA_LV4_LINES} in the journal)")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if b.threads is None or not _runs_here(ctx, b):
+        return  # only this machine's CPU count is known, and only a backend that runs here uses it
+    n = _cpus()
+    if b.threads > n:
+        yield _f("threads-beyond-cores", "warning", b.name,
+                 f"-t {b.threads} but this machine gives the process {n} CPU(s): the threads only contend for them (on "
+                 f"this project's 2-core test machines ftllm took 15 s per request even at -t 2, which is why the "
+                 f"tests run it at -t 1)",
+                 f"set backends.{b.name}.threads to {n} or fewer")
+
+
+def check_ctx_over_training(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, LlamacppBackend) or b.ctx_size is None:
+        return
+    header, _problem = _gguf(ctx, b)  # check_gguf reports an unreadable file
+    if header is None:
+        return
+    meta = getattr(header, "metadata", {})
+    arch = meta.get("general.architecture")
+    train = meta.get(f"{arch}.context_length") if isinstance(arch, str) else None
+    if not isinstance(train, int) or isinstance(train, bool) or train <= 0 or b.ctx_size <= train:
+        return
+    yield _f("llamacpp-ctx-over-training", "warning", b.name,
+             f"-c {_fmt_int(b.ctx_size)} but {b.model} was trained for {_fmt_int(train)} tokens "
+             f"({arch}.context_length): llama-server caps each slot at the training context ('the slot context "
+             f"({b.ctx_size}) exceeds the training context of the model ({train}) - capping', then n_ctx_slot = "
+             f"{train}), so the configured context is only on paper",
+             f"set backends.{b.name}.ctx_size: {train}, or use a model (or RoPE scaling) made for the longer context")
+
+
+def check_draft_unused(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    if not isinstance(b, FtllmBackend) or b.speculative is None or not b.speculative.draft_model:
+        return
+    if b.speculative.algorithm == "none":
+        yield _f("ftllm-draft-unused", "warning", b.name,
+                 f"backends.{b.name}.speculative.draft_model is {b.speculative.draft_model} but the algorithm is "
+                 f"'none': the unit passes no --speculative_* flag, so the draft is never loaded and the server "
+                 f"decodes without speculation (on the field box 33.7 tok/s for code instead of 156.0 with DFlash2)",
+                 f"set backends.{b.name}.speculative.algorithm: dflash, or remove draft_model")
+
+
+def check_port_in_use(ctx: _Ctx) -> Iterator[Finding]:
+    """Something other than a backend listens on the served port now. Only on the box (a machine with an NVIDIA
+    driver): elsewhere the port is some other machine's, and a shared test or demo machine has its own
+    listeners."""
+    cfg = ctx.cfg
+    if not ctx.inspect_files or not ctx.on_box:
+        return
+    from deploy_tool import portwait
+
+    held = portwait.holders(portwait.listening_inodes(cfg.serve.port))
+    units = tuple(f"/{b.unit}" for b in cfg.backends.values())
+    foreign = [h for h in held if not h.cgroup.endswith(units)]
+    if foreign or (portwait.listening_inodes(cfg.serve.port) and not held):
+        who = ", ".join(h.describe() for h in foreign) or "a process this user cannot see"
+        yield _f("serve-port-in-use", "info", None,
+                 f"port {cfg.serve.port} is held now by {who}, not by one of the backends: a backend's start "
+                 f"would be refused by its ExecStartPre (deploytool verify --await-port names the holder), and "
+                 f"a switch would roll back",
+                 "stop that process, or choose another serve.port")
+
+
+def _context(cfg: Config, b: Backend) -> int | None:
+    """The context the server is told to hold (ftllm --tokens, llama-server -c; extra_args' last value wins)."""
+    names = ("--tokens",) if isinstance(b, FtllmBackend) else ("-c", "--ctx-size")
+    v = _last_flag_value(_launch(cfg, b), names)
+    try:
+        n = int(v) if v is not None else None
+    except ValueError:
+        return None
+    return n if n is not None and n > 0 else None
+
+
+def check_context_differs(ctx: _Ctx) -> Iterator[Finding]:
+    cfg = ctx.cfg
+    sizes = {n: c for n, b in sorted(cfg.backends.items()) if (c := _context(cfg, b)) is not None}
+    if len(set(sizes.values())) < 2:
+        return
+    small = min(sizes, key=lambda n: sizes[n])
+    listed = ", ".join(f"{n} {_fmt_int(c)}" for n, c in sizes.items())
+    yield _f("serve-context-differs", "info", None,
+             f"the backends answer on one port to one model name ({cfg.serve.model_name!r}) but hold different "
+             f"contexts ({listed} tokens): after a switch to {small}, a prompt that worked before can fail",
+             "give the backends the same context, or tell clients the smaller one")
+
+
 # ----------------------------------------------------------------------------------------- driver
 
 BackendCheck = Callable[[_Ctx, Backend], Iterator[Finding]]
@@ -843,9 +1146,12 @@ BoxCheck = Callable[[_Ctx], Iterator[Finding]]
 BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_device, check_cuda_graph, check_nccl, check_draft_tokens, check_fp8_kv_dflash, check_cuda_embedding,
     check_gpu_mem_ratio, check_chat_template_thinking, check_think, check_capacity, check_split_row, check_tensor,
-    check_mtp_kv, check_q8_f16_context, check_gguf,
+    check_mtp_kv, check_q8_f16_context, check_gguf, check_extra_args_override, check_tensor_one_device,
+    check_visible_devices_allowed, check_llama_verbosity, check_threads, check_ctx_over_training,
+    check_draft_unused,
 )
-BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files)
+BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_port_in_use,
+                                    check_context_differs)
 
 
 def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:

@@ -797,6 +797,9 @@ def _llamacpp_capacity(text: str, configured: int | None, policy: str) -> Capaci
         detail += ")"
     if buffers:
         detail += "; KV buffers: " + ", ".join(f"{d} {m:.2f} MiB" for d, m in sorted(buffers.items()))
+    else:  # llama-server's default verbosity (3) logs no buffer lines (field notes, pitfall 16): say so, never guess
+        detail += ("; per-device KV buffer sizes: could not determine (the log has no 'KV buffer size' lines; "
+                   "llama-server writes them at -lv 4 and above)")
     if configured and per_seq < configured:
         return CapacityReport(cards, per_seq, policy,
                               f"context {_fmt_tokens(configured)} is only on paper: the server runs at "

@@ -142,28 +142,141 @@ class Store:
 
     @contextlib.contextmanager
     def lock(self, *, wait: float = 0.0, what: str = "operation") -> Iterator[None]:
-        """Hold the exclusive lock; wait up to `wait` seconds, else fail fast naming the holder."""
+        """Hold the exclusive lock for the operation `what`; wait up to `wait` seconds, else fail (exit 12)
+        naming the holder's operation and pid.
+
+        The lock is a flock on the file `lock`, whose content is the holder's record (JSON: operation, pid,
+        since). The record is written atomically: the holder writes a new file, locks it, and renames it over
+        the lock file while still holding the old one, so a reader only ever sees a complete record, and a
+        process that locked the replaced file notices (its inode is no longer the lock file's) and tries again.
+        (Only the very first lock on a box creates an empty file, replaced by its holder's record at once.)
+        """
         self.ensure()
+        deadline = time.monotonic() + wait
+        while True:
+            fd = self._open(self.lock_path, os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise os_error(exc, f"cannot lock {self.lock_path}") from None
+                if time.monotonic() >= deadline:
+                    raise self._locked_error(what) from None
+                time.sleep(0.05)
+                continue
+            if _same_file(fd, self.lock_path):
+                break
+            os.close(fd)  # we locked a file the previous holder had already replaced: take the new one
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise os_error(exc, f"cannot open lock {self.lock_path}") from None
-        try:
-            deadline = time.monotonic() + wait
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if time.monotonic() >= deadline:
-                        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
-                        raise LockedError(f"another deploytool {what} is running ({holder})",
-                                          hint="wait for it to finish, or pass --wait SECONDS") from None
-                    time.sleep(0.1)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()}, {what} since {now_iso()}\n".encode(), 0)
+            fd = self._replace_record(fd, what)
             yield
         finally:
             os.close(fd)  # closing releases the flock; a killed holder releases it too
+
+    def _open(self, path: Path, flags: int) -> int:
+        try:
+            return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise os_error(exc, f"cannot open lock {path}") from None
+
+    def _replace_record(self, old_fd: int, what: str) -> int:
+        """Put a lock file holding this process's record in place of the one `old_fd` locks; return its fd
+        (locked). On any failure the old lock is kept (the record is only for messages)."""
+        rec = json.dumps({"operation": what, "pid": os.getpid(), "since": now_iso()}, sort_keys=True) + "\n"
+        tmp = self.dir / ".lock.new"  # only the lock holder writes it
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            return old_fd
+        try:
+            os.write(fd, rec.encode())
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can have it open yet
+            os.rename(tmp, self.lock_path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return old_fd
+        os.close(old_fd)
+        return fd
+
+    def holder(self) -> dict[str, Any] | None:
+        """The record of the process holding the lock ({"operation", "pid", "since"}), None when it is free.
+
+        The pid is the kernel's (/proc/locks); the operation comes from the record, used only when its pid is
+        that holder's (a new holder replaces the record right after taking the lock: wait a moment for it).
+        """
+        rec: dict[str, Any] = {}
+        pids: list[int] = []
+        for _ in range(100):
+            try:
+                fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                return None
+            try:
+                st = os.fstat(fd)
+                raw = os.pread(fd, 4096, 0)
+            finally:
+                os.close(fd)
+            rec = _parse_record(raw)
+            found = _flock_holders(st)
+            if found is None or 0 in found:  # no /proc/locks, or a holder outside our pid namespace
+                return rec or None
+            pids = found
+            if not pids:
+                return None
+            if rec.get("pid") in pids:
+                return rec
+            time.sleep(0.005)
+        return {"operation": None, "pid": pids[0], "since": None}
+
+    def _locked_error(self, what: str) -> LockedError:
+        h = self.holder()
+        if h is None:  # released between our try and this look: say so rather than guess
+            who = "another deploytool"
+        else:
+            parts = [str(h["operation"]) if h.get("operation") else "operation unknown", f"pid {h['pid']}"]
+            if h.get("since"):
+                parts.append(f"since {h['since']}")
+            who = f"another deploytool ({', '.join(parts)})"
+        return LockedError(f"cannot {what}: {who} holds the lock {self.lock_path}",
+                           hint="wait for it to finish, or pass --wait SECONDS", details={"holder": h})
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _parse_record(raw: bytes) -> dict[str, Any]:
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(d, dict) or not isinstance(d.get("pid"), int) or isinstance(d.get("pid"), bool):
+        return {}
+    return {"operation": str(d.get("operation") or "") or None, "pid": d["pid"],
+            "since": str(d["since"]) if d.get("since") else None}
+
+
+def _flock_holders(st: os.stat_result) -> list[int] | None:
+    """PIDs holding a flock on the file `st` describes, from /proc/locks (`1: FLOCK ADVISORY WRITE 4242
+    fe:00:2146450 0 EOF`; blocked waiters are `1: -> FLOCK ...`); None when /proc/locks cannot be read."""
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    out = []
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+                    with contextlib.suppress(ValueError):
+                        out.append(int(parts[4]))
+    except OSError:
+        return None
+    return out

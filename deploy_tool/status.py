@@ -33,7 +33,7 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
             try:
                 u = sd.show(b.unit)
                 rep["units"][name] = {"active": u.active_state, "sub": u.sub_state, "result": u.result,
-                                      "enabled": u.unit_file_state, "main_pid": u.main_pid,
+                                      "enabled": boot_enablement(sd, b.unit), "main_pid": u.main_pid,
                                       "restarts": u.n_restarts}
             except DeployError as exc:
                 rep["units"][name] = {"error": exc.message}
@@ -54,6 +54,22 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
     return rep
+
+
+def boot_enablement(sd: Any, unit: str) -> str:
+    """Whether systemd will start `unit` at the next boot: enabled, disabled, masked, static, not-found, ...
+
+    Not `systemctl show -p UnitFileState`: the manager caches that per unit until a daemon-reload, and switch
+    flips the [Install] symlinks with `enable/disable --no-reload`, so after a switch it still names the old
+    backend as enabled. `systemctl is-enabled` asks the manager's GetUnitFileState, which reads the unit
+    directories' symlinks (the *.wants/ links that boot acts on, masks in /etc and /run) afresh on every call,
+    with systemd's own install logic: true without a reload (status must not reload the manager), and one
+    ~10 ms call per backend.
+    """
+    try:
+        return str(sd.is_enabled(unit))
+    except DeployError:
+        return "unknown"
 
 
 def _health(cfg: Config, active: str | None) -> dict[str, Any]:

@@ -36,6 +36,7 @@ EXAMPLE_FINDINGS = {
         ("serve-public-no-api-key", "info", None),
         ("file-not-on-this-machine", "info", "ftllm-dflash"),
         ("file-not-on-this-machine", "info", "llamacpp-tensor"),
+        ("llamacpp-log-verbosity", "info", "llamacpp-tensor"),
     },
     "cpu-demo": set(),
 }
@@ -152,6 +153,36 @@ CASES: list[Case] = [
      "device-cpu-cuda-flags", "warning", ["tp 2", "env FASTLLM_CUDA_GRAPH"]),
     ("cpu-llama-tensor", "cpu-demo", [(f"{LL}.split_mode", "tensor")], "device-cpu-cuda-flags", "warning",
      ["split_mode tensor"]),
+    ("tensor-one-gpu", "two-2080ti", [("host.gpus", [0])], "llamacpp-tensor-one-device", "error",
+     ["host.gpus [0]", "llama_params_fit is not implemented for SPLIT_MODE_TENSOR",
+      "SPLIT_MODE_TENSOR being used for a single device is not recommended", "unsupported mul_mat split states"]),
+    ("tensor-one-visible", "two-2080ti",
+     [(f"{LL}.env", {"GGML_CUDA_ALLREDUCE": "internal", "CUDA_VISIBLE_DEVICES": "1"})],
+     "llamacpp-tensor-one-device", "error", ["CUDA_VISIBLE_DEVICES='1'", "crash-loops"]),
+    ("tensor-one-dev", "two-2080ti", [(f"{LL}.extra_args", ["-dev", "CUDA0"])], "llamacpp-tensor-one-device",
+     "error", ["--device CUDA0"]),
+    ("tensor-in-extra-args", "two-2080ti", [(f"{LL}.split_mode", None), (f"{LL}.extra_args", ["-sm", "tensor"]),
+                                            ("host.gpus", [0])], "llamacpp-tensor-one-device", "error", ["one device"]),
+    ("llama-default-verbosity", "two-2080ti", [], "llamacpp-log-verbosity", "info",
+     ["default verbosity (3)", "KV buffer size", "n_ctx_slot", "could not determine"]),
+    ("visible-not-allowed", "two-2080ti",
+     [(f"{LL}.env", {"GGML_CUDA_ALLREDUCE": "internal", "CUDA_VISIBLE_DEVICES": "0,2"})],
+     "cuda-devices-not-allowed", "error", ["GPU 2", "DeviceAllow=", "/dev/nvidia2"]),
+    ("tp-visible", "two-2080ti", [(f"{FT}.env", {"FASTLLM_CUDA_GRAPH": "0", "CUDA_VISIBLE_DEVICES": "0"})],
+     "device-tp-gpus", "error", ["--tp 2 needs 2 GPUs", "CUDA_VISIBLE_DEVICES='0' leaves 1"]),
+    ("extra-port", "cpu-demo", [(f"{LL}.extra_args", ["--port", "9000"])], "extra-args-override", "error",
+     ["--port", "18082", "listen on 9000", "only last value will be used"]),
+    ("extra-model-name", "cpu-demo", [(f"{FT}.extra_args", ["--model_name=other"])], "extra-args-override", "error",
+     ["--model_name=other", "answer to 'other'"]),
+    ("threads", "cpu-demo", [(f"{FT}.threads", 4096)], "threads-beyond-cores", "warning", ["-t 4096", "15 s"]),
+    ("draft-unused", "two-2080ti", [(f"{FT}.speculative.algorithm", "none")], "ftllm-draft-unused", "warning",
+     ["never loaded", "33.7 tok/s"]),
+    ("context-differs", "two-2080ti", [(f"{LL}.ctx_size", 196608)], "serve-context-differs", "info",
+     ["ftllm-dflash 262,144", "llamacpp-tensor 196,608", "after a switch to llamacpp-tensor"]),
+    ("context-differs-extra", "two-2080ti", [(f"{FT}.extra_args", ["--tokens", "131072"])],
+     "serve-context-differs", "info", ["ftllm-dflash 131,072"]),
+    ("ctx-over-training", "cpu-demo", [(f"{LL}.ctx_size", 8192)], "llamacpp-ctx-over-training", "warning",
+     ["-c 8,192", "2,048 tokens", "capping", "only on paper"]),
 ]
 
 
@@ -220,7 +251,8 @@ def test_bad_case_not_on_examples(case: Case, tmp_path: Path, cpu_demo_files: Pa
 def test_every_catalog_id_is_tested() -> None:
     """Every check id in the catalog appears in this file's bad cases or in a dedicated test below."""
     dedicated = {"ftllm-nccl-arch", "ftllm-nccl-unreadable", "model-config-unreadable", "template-patch-match",
-                 "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable"}
+                 "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable",
+                 "serve-port-in-use"}  # serve-port-in-use: test_checks_contradictions.py, a real listener
     tested = {c[3] for c in CASES} | dedicated
     assert tested == checks.CHECK_IDS
 

@@ -120,6 +120,43 @@ def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     assert r.returncode == 0 and "already active" in r.stdout
 
 
+def test_status_names_the_boot_enabled_backend_after_switches(installed, systemd_sandbox):
+    """After switch llamacpp and back, status (JSON and text) names the unit systemd will start at the next boot,
+    the same answer as a fresh daemon-reload + is-enabled (switch flips the [Install] symlinks with --no-reload;
+    the manager's cached UnitFileState keeps naming the old backend until a reload)."""
+    sd = systemd_sandbox.systemd
+    for target, unit in (("llamacpp", "llamacpp-tensor"), ("ftllm", "ftllm-dflash")):
+        r = dt(installed, "switch", target)
+        assert r.returncode == 0, r.stdout + r.stderr
+        js = dt(installed, "status", "--json")
+        text = dt(installed, "status")
+        assert js.returncode == 0 and text.returncode == 0, js.stderr + text.stderr
+        units = json.loads(js.stdout)["units"]
+        assert {n for n, u in units.items() if u["enabled"] == "enabled"} == {unit}, units
+        for name, u in units.items():  # the text row of each unit shows the same word
+            row = next(ln for ln in text.stdout.splitlines() if ln.startswith(f"  {name} "))
+            assert row.split()[2] == u["enabled"], row
+        sd.daemon_reload()
+        assert {n: sd.is_enabled(f"{n}.service") for n in units} == {n: u["enabled"] for n, u in units.items()}
+
+
+def test_locked_switch_names_the_holder_and_changes_nothing(installed, systemd_sandbox):
+    """A switch while another deploytool holds the lock: exit 12 naming that process's operation and pid (in
+    text and --json), and nothing changes."""
+    from tests.test_state_lock import holding
+
+    state_dir = installed.parent / "demo-root/var/lib/deploytool"
+    with holding(state_dir, "install") as p:
+        r = dt(installed, "switch", "llamacpp")
+        assert r.returncode == 12, r.stdout + r.stderr
+        assert f"another deploytool (install, pid {p.pid}, since " in r.stderr, r.stderr
+        j = dt(installed, "switch", "llamacpp", "--json")
+        assert j.returncode == 12
+        assert json.loads(j.stdout)["details"]["holder"]["pid"] == p.pid
+    assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
+    assert state(installed)["active_backend"] == "ftllm-dflash" and state(installed)["operation"] is None
+
+
 def _manager_stamps(env, since: float) -> dict[str, int]:
     """First realtime stamp (us) of each "Starting/Started/Stopping/Stopped UNIT" line systemd logged since `since`."""
     res = subprocess.run(env.sandbox.exec_argv("journalctl", "-o", "json", f"--since=@{since:.6f}", "_PID=1",

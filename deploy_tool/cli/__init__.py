@@ -111,10 +111,58 @@ def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: 
     9 health, 10 rolled back, 11 rollback failed, 12 locked, 13 state, 14 install, 15 sandbox,
     16 missing tool, 17 OS, 18 runtime truth, 19 performance, 70 internal bug.
     """
-    level = logging.DEBUG if (verbose or debug) else logging.WARNING
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    logging.getLogger("deploytool").setLevel(level)  # only ours: the `sh` library logs every line at DEBUG
+    _set_logging(verbose, debug)  # only ours: the `sh` library logs every line at DEBUG
     ctx.obj = Ctx(config_path=config_path, json=json_out, dry_run=dry_run, verbose=verbose, debug=debug)
+
+
+# main's parameter name -> the Ctx field it sets
+_GLOBAL_FIELDS = {"config_path": "config_path", "json_out": "json", "dry_run": "dry_run", "verbose": "verbose",
+                  "debug": "debug"}
+
+
+def _set_logging(verbose: bool, debug: bool) -> None:
+    logging.getLogger("deploytool").setLevel(logging.DEBUG if (verbose or debug) else logging.WARNING)
+
+
+def _global_callback(field: str):
+    def set_field(ctx: click.Context, param: click.Parameter, value: object) -> None:
+        if value is None or value is False:  # not given after the subcommand: the global value stands
+            return
+        obj = ctx.find_object(Ctx)
+        if obj is None:  # a command used outside the deploytool group: its own defaults
+            obj = ctx.obj = Ctx(config_path=None, json=False, dry_run=False, verbose=False, debug=False)
+        setattr(obj, field, value)
+        if field in ("verbose", "debug"):
+            _set_logging(obj.verbose, obj.debug)
+
+    return set_field
+
+
+def share_global_options(cmd: click.Command) -> None:
+    """Accept every global option (--config, --json, --dry-run, --verbose, --debug) after `cmd` too, and after
+    each of its subcommands: `deploytool status --json` is `deploytool --json status`.
+
+    A command's own option of the same long name is kept (it sets the same Ctx field); a short name the
+    command already uses for something else (history's -n) is left to it. A command that passes unknown
+    options through (sandbox exec CMD...) reads its own options only before its first argument, so CMD's
+    options stay CMD's.
+    """
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            share_global_options(sub)
+    taken = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    for gp in main.params:
+        if not isinstance(gp, click.Option) or gp.name not in _GLOBAL_FIELDS:
+            continue
+        if any(o.startswith("--") and o in taken for o in gp.opts):
+            continue
+        opts = [o for o in gp.opts if o not in taken]
+        cmd.params.append(click.Option(opts, type=None if gp.is_flag else gp.type, is_flag=gp.is_flag or None,
+                                       expose_value=False, callback=_global_callback(_GLOBAL_FIELDS[gp.name]),
+                                       help=gp.help))
+    if cmd.ignore_unknown_options or cmd.context_settings.get("ignore_unknown_options"):
+        cmd.context_settings["allow_interspersed_args"] = False
 
 
 def _register() -> None:
@@ -131,6 +179,8 @@ def _register() -> None:
         except ImportError:
             continue
         main.add_command(getattr(m, attr))
+    for cmd in main.commands.values():
+        share_global_options(cmd)
 
 
 _register()

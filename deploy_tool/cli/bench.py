@@ -55,11 +55,10 @@ def _lengths(value: str | None) -> list[int]:
 @click.option("--release", default=None, help="Release the figures belong to (default: the installed one).")
 @click.option("--timeout", type=float, default=120.0, show_default=True,
               help="Seconds without data before a request counts as stalled (reported; the run goes on).")
-@click.option("--json", "json_out", is_flag=True, help="Print machine-readable JSON (also the global --json).")
 @pass_ctx
 def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_tokens: int, prefix_rounds: int,
           prefix_tokens: int, needle: str | None, prompts_file: Path | None, compare: bool, save_baseline: bool,
-          chart_path: Path | None, request_limit: float | None, warmup: int, release: str | None, timeout: float, json_out: bool) -> None:
+          chart_path: Path | None, request_limit: float | None, warmup: int, release: str | None, timeout: float) -> None:
     """Benchmark the live service: streaming chat requests at temperature 0, medians per prompt kind.
 
     \b
@@ -74,8 +73,6 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
     from deploy_tool.progress import progress_for
     from deploy_tool.state import Store
 
-    if json_out:
-        ctx.json = True
     cfg = ctx.load_config()
     st = Store(cfg.paths.state_dir).load()
     if backend:

@@ -18,9 +18,8 @@ def bundle() -> None:
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(path_type=Path))
 @click.option("--keys", "keys_dir", type=click.Path(path_type=Path), default=None,
               help="Trusted public keys, *.pub (default: paths.keys_dir of --config, else /etc/deploytool/keys).")
-@click.option("--json", "json_out", is_flag=True, help="Print machine-readable JSON.")
 @click.pass_context
-def verify(cctx: click.Context, bundle_path: Path, keys_dir: Path | None, json_out: bool) -> None:
+def verify(cctx: click.Context, bundle_path: Path, keys_dir: Path | None) -> None:
     """Verify BUNDLE (a bundle directory or its .tar.zst): signature first, then every hash, size and mode.
 
     An archive is unpacked only into a private temporary directory, which is removed afterwards. Exits 6 with
@@ -29,8 +28,6 @@ def verify(cctx: click.Context, bundle_path: Path, keys_dir: Path | None, json_o
     ctx = cctx.find_object(Ctx)
     if ctx is None:  # called outside the deploytool group (e.g. embedded): plain defaults
         ctx = Ctx(config_path=None, json=False, dry_run=False, verbose=False, debug=False)
-    if json_out:
-        ctx.json = True
     _verify(ctx, bundle_path, keys_dir)
 
 

@@ -67,9 +67,8 @@ def down(ctx: Ctx, dir: Path) -> None:
 
 @sandbox.command()
 @click.argument("dir", type=click.Path(path_type=Path))
-@click.option("--json", "json_out", is_flag=True, help="Print JSON.")
 @pass_ctx
-def status(ctx: Ctx, dir: Path, json_out: bool) -> None:
+def status(ctx: Ctx, dir: Path) -> None:
     """Say whether the sandbox in DIR is up, down or stale.
 
     Exit code 0 when up, 3 otherwise.
@@ -77,8 +76,6 @@ def status(ctx: Ctx, dir: Path, json_out: bool) -> None:
     from deploy_tool.sandbox import Sandbox
 
     st = Sandbox(dir).status()
-    if json_out:
-        ctx.json = True
     lines = [f"sandbox {st.dir}: {st.state}"
              + (f" (systemd pid {st.pid}, {st.system_state})" if st.state == "up" else "")
              + (f": {st.detail}" if st.detail else "")]
@@ -104,6 +101,10 @@ def exec_(dir: Path, cmd: tuple[str, ...]) -> None:
     from deploy_tool import proc
     from deploy_tool.sandbox import Sandbox
 
+    if cmd[:1] == ("--",):  # `exec DIR -- CMD`: options are read only before DIR, so the `--` arrives here
+        cmd = cmd[1:]
+    if not cmd:
+        raise click.UsageError("missing CMD")
     argv = Sandbox(dir).exec_argv(*cmd)
     # output streamed to the terminal as it comes (journalctl -f works); stdin is not passed on
     sys.exit(proc.spawn(argv, stdout=None, stderr=None, new_session=False).wait())

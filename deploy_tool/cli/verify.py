@@ -21,13 +21,12 @@ def _json(data: object) -> None:
 @click.argument("backend")
 @click.option("--no-cache", is_flag=True, help="Hash every file; ignore the (device, inode, size, mtime, ctime) "
                                                "cache in the state dir.")
-@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--await-port", is_flag=True,
               help="Then wait until no process of the other backends runs (their GPU memory and the port go with "
                    "them; a switch starts the target while the current one exits), up to 90 s, and fail (exit 9) if "
                    "anything else holds the served port. The units' ExecStartPre uses this.")
 @pass_ctx
-def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool, await_port: bool) -> None:
+def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
     """Check BACKEND's fingerprints against its pins; exit 7 listing item, expected, actual on any change.
 
     \b
@@ -40,8 +39,6 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool, await_port: b
     from deploy_tool import fingerprint
     from deploy_tool.errors import ExitCode
 
-    if json_out:
-        ctx.json = True
     cfg = ctx.load_config()
     b = cfg.backend(backend)
     report = fingerprint.verify(cfg, b, use_cache=not no_cache)
@@ -71,9 +68,8 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, json_out: bool, await_port: b
 @click.command("pin")
 @click.argument("backend")
 @click.option("--reason", "-r", required=True, help="Why the environment changed on purpose (kept in history).")
-@click.option("--json", "json_out", is_flag=True, help="Print the new pins as JSON.")
 @pass_ctx
-def pin(ctx: Ctx, backend: str, reason: str, json_out: bool) -> None:
+def pin(ctx: Ctx, backend: str, reason: str) -> None:
     """Re-pin BACKEND's fingerprints to what is installed now, recording who, why and when in history.
 
     \b
@@ -84,8 +80,6 @@ def pin(ctx: Ctx, backend: str, reason: str, json_out: bool) -> None:
     from deploy_tool.errors import DeployError
     from deploy_tool.state import Store
 
-    if json_out:
-        ctx.json = True
     cfg = ctx.load_config()
     b = cfg.backend(backend)
     previous = None

@@ -1,0 +1,139 @@
+"""Every global option (--config, --json, --dry-run, --verbose, --debug) is accepted after every subcommand of
+the click group too, found by walking the group (a new command or a new global option is covered without
+editing this file), and means the same as before the command."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from deploy_tool import cli
+from deploy_tool.cli import Ctx, main
+from tests.support.configs import example_dict, set_key
+
+
+def walk(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+    """Every command under `group` (groups themselves included), depth first."""
+    for name in sorted(group.commands):
+        cmd = group.commands[name]
+        yield (*path, name), cmd
+        if isinstance(cmd, click.Group):
+            yield from walk(cmd, (*path, name))
+
+
+COMMANDS = list(walk(main))
+# the global options: everything main takes but its eager --version (and --help, which click adds)
+GLOBALS = [p for p in main.params if isinstance(p, click.Option) and not p.is_eager]
+
+
+def _value_args(opt: click.Option) -> tuple[list[str], Any]:
+    """Arguments that give `opt` a non-default value, and the value the Ctx field must then hold."""
+    if opt.is_flag:
+        return [], True
+    return ["elsewhere.yaml"], Path("elsewhere.yaml")
+
+
+def test_the_walk_finds_the_nested_commands() -> None:
+    """The walk reaches nested groups' commands (so the tests below cover them), and every global option has
+    a Ctx field it sets."""
+    names = {" ".join(p) for p, _ in COMMANDS}
+    assert {"status", "verify", "pin", "sandbox up", "sandbox exec", "bundle verify"} <= names
+    assert len(GLOBALS) >= 5
+    assert {p.name for p in GLOBALS} == set(cli._GLOBAL_FIELDS)
+    assert set(cli._GLOBAL_FIELDS.values()) <= set(Ctx.__dataclass_fields__)
+
+
+def _parse(path: tuple[str, ...], args: list[str]) -> tuple[Ctx, click.Context]:
+    """Parse `deploytool PATH... ARGS` the way click does (callbacks run), without invoking any command;
+    missing required arguments are tolerated."""
+    obj = Ctx(config_path=None, json=False, dry_run=False, verbose=False, debug=False)
+    ctx = click.Context(main, info_name="deploytool", obj=obj)
+    group: click.Command = main
+    for i, name in enumerate(path):
+        assert isinstance(group, click.Group)
+        cmd = group.commands[name]
+        ctx = cmd.make_context(name, list(args) if i == len(path) - 1 else [], parent=ctx, resilient_parsing=True)
+        group = cmd
+    return obj, ctx
+
+
+@pytest.mark.parametrize("opt", GLOBALS, ids=[p.name or "" for p in GLOBALS])
+@pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=[" ".join(p) for p, _ in COMMANDS])
+def test_global_option_after_subcommand_sets_the_same_field(path: tuple[str, ...], opt: click.Option) -> None:
+    """`deploytool SUB... --opt` sets the same Ctx field as `deploytool --opt SUB...`, under every long name."""
+    field = cli._GLOBAL_FIELDS[opt.name or ""]
+    extra, want = _value_args(opt)
+    for name in [o for o in opt.opts if o.startswith("--")]:
+        obj, _ = _parse(path, [name, *extra])
+        assert getattr(obj, field) == want, (path, name)
+
+
+@pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=[" ".join(p) for p, _ in COMMANDS])
+def test_real_parser_accepts_every_global_option_after_every_subcommand(path: tuple[str, ...]) -> None:
+    """Through the real command line: `deploytool SUB... --opt [value] --help` exits 0 for each global option
+    (an unknown option would exit 2 with 'No such option')."""
+    runner = CliRunner()
+    for opt in GLOBALS:
+        extra, _ = _value_args(opt)
+        for name in [o for o in opt.opts if o.startswith("--")]:
+            r = runner.invoke(main, [*path, name, *extra, "--help"])
+            assert r.exit_code == 0, (path, name, r.output)
+            assert "No such option" not in r.output
+
+
+def test_status_json_after_the_subcommand_is_the_same_report(tmp_path: Path) -> None:
+    """`status --json` prints the same JSON as `--json status` (here: no systemd reachable, no backend active;
+    the report says so in both)."""
+    data = example_dict("cpu-demo")
+    for key in ("state_dir", "root", "unit_dir", "env_dir", "keys_dir"):
+        set_key(data, f"paths.{key}", str(tmp_path / key))
+    cfg = tmp_path / "deploytool.yaml"
+    import yaml
+
+    cfg.write_text(yaml.safe_dump(data))
+    runner = CliRunner()
+    before = runner.invoke(main, ["--config", str(cfg), "--json", "status"])
+    after = runner.invoke(main, ["status", "--json", "--config", str(cfg)])
+    assert before.exit_code == after.exit_code == 0, (before.output, after.output)
+    a, b = json.loads(before.output), json.loads(after.output)
+    assert a.keys() == b.keys() and a["active_backend"] is None and a["config"] == b["config"]
+    c1 = runner.invoke(main, ["--config", str(cfg), "--json", "check", "--no-files"])
+    c2 = runner.invoke(main, ["check", "--no-files", "--json", "-c", str(cfg)])
+    assert c1.exit_code == c2.exit_code and json.loads(c1.output) == json.loads(c2.output)
+
+
+def test_error_after_subcommand_json_is_json(tmp_path: Path) -> None:
+    """An error under `SUB --json` is printed as JSON with its exit code, as under `--json SUB`."""
+    r = CliRunner().invoke(main, ["status", "--json", "--config", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 5
+    out = json.loads(r.output)
+    assert out["exit_code"] == 5 and "config file not found" in out["message"]
+
+
+def test_dry_run_after_subcommand_changes_nothing(tmp_path: Path) -> None:
+    """`init --dry-run` writes nothing, exactly like `--dry-run init`."""
+    out = tmp_path / "d.yaml"
+    r = CliRunner().invoke(main, ["init", "--example", "cpu-demo", "--out", str(out), "--dry-run"])
+    assert r.exit_code == 0 and "would write" in r.output and not out.exists()
+
+
+def test_pass_through_command_keeps_its_commands_options() -> None:
+    """`sandbox exec DIR CMD --json`: --json belongs to CMD, not to deploytool; before DIR it is deploytool's."""
+    obj, ctx = _parse(("sandbox", "exec"), ["/tmp/sb", "systemctl", "--json", "--dry-run"])
+    assert ctx.params["cmd"] == ("systemctl", "--json", "--dry-run") and not obj.json and not obj.dry_run
+    obj, ctx = _parse(("sandbox", "exec"), ["--json", "/tmp/sb", "systemctl", "status"])
+    assert obj.json and ctx.params["cmd"] == ("systemctl", "status")
+
+
+def test_command_short_option_wins_over_a_global_short_name() -> None:
+    """history's own -n (--limit) stays its own; --dry-run still works there by its long name."""
+    obj, ctx = _parse(("history",), ["-n", "3"])
+    assert ctx.params["limit"] == 3 and not obj.dry_run
+    obj, _ = _parse(("history",), ["--dry-run"])
+    assert obj.dry_run
