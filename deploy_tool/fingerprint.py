@@ -28,33 +28,12 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
 Not fingerprinted: secrets.env (a hash of a short API key in a world-readable pins file could be guessed),
 drop-ins outside the unit dir (/run/systemd/system, system.control), the system libraries (libc, CUDA driver).
 
-Speed. Files are hashed in parallel threads (hashlib and reads release the GIL), largest first, 1 MiB reads;
-a file of 32 MiB or more gets a second thread that reads ahead while the first one hashes.
-A cache in `<state_dir>/cache/fingerprint-<backend>.json` maps a file's path and (st_dev, st_ino, st_size,
-st_mtime_ns, st_ctime_ns) to the values computed from it, so a start with nothing changed only stats files.
-
-Why the cache can be trusted:
-  * st_ctime is set by the kernel to the current time on every change to the inode: any write, truncate,
-    chmod/chown, link/unlink, or rename over the path (a new inode: st_ino changes as well). No system call
-    lets a user set it; `touch -d` and utimensat() set atime/mtime only and bump ctime themselves. So a file
-    edited and then given back its old size and mtime still gets a new ctime and misses the cache.
-  * Racy entries: timestamps are taken from a coarse clock (one tick, a few ms; whole seconds on some file
-    systems), so a change in the same tick as the hash could keep the same ctime. An entry is trusted only
-    if the file's ctime is older than the moment its value was computed by a margin larger than the
-    timestamp granularity (the rule git uses for its index): CACHE_RACY_MARGIN_S (0.1 s, for file systems
-    with sub-second timestamps: ext4, xfs, btrfs, tmpfs), or CACHE_COARSE_MARGIN_S (2 s) when the ctime is
-    a whole second, as on file systems with 1 s or 2 s timestamps (ext3, FAT). Younger files are hashed every
-    time until they age. A value is stored only if the file's stat did not change while it was hashed.
-  * The cache file is used only when it is owned by root or by the user running verify and is not group- or
-    world-writable; a cache file that is missing, unreadable, corrupt, of another format or for other paths
-    is ignored (everything is hashed). Writing it is best effort: a read-only or full state dir only costs
-    speed, never correctness. `--no-cache` ignores it; `pin` always hashes afresh.
-Limits (what the cache cannot see, where `verify --no-cache` or re-hashing is the answer):
-  * changes that bypass the file system: writing the block device directly or editing it offline (e.g.
-    debugfs can set ctime); file systems that do not maintain ctime (some FUSE and network file systems);
-  * someone with root who sets the clock back to a file's exact ctime tick before changing it: root can as
-    well rewrite the pins, so the check is a guard against accidents and drift, not against root;
-  * a writable shared mmap updates mtime/ctime at the first write after writeback, not at every store.
+Speed. Files are hashed by deploy_tool.hashing (the one SHA-256 engine: 1 MiB reads, parallel threads, largest
+first). A cache in `<state_dir>/cache/fingerprint-<backend>.json` (hashing.HashCache) maps a file's path and
+(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) to the values computed from it, so a start with nothing
+changed only stats files. Why that can be trusted, and its limits (where `verify --no-cache` is the answer), is
+in deploy_tool.hashing's module doc. The cache file is trusted only when owned by root or the user running
+verify and not group- or world-writable; `--no-cache` ignores it; `pin` always hashes afresh.
 """
 
 from __future__ import annotations
@@ -64,7 +43,6 @@ import json
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -74,15 +52,12 @@ from typing import Any, NamedTuple
 from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
+from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, sha256_fd, stat_key
 from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE, expand
 
 PINS_FORMAT = 1
-CACHE_FORMAT = 1
-CHUNK = 1 << 20
 HEADER_BYTES = 1 << 20  # a GGUF's header hash covers its first 1 MiB
-PIPE_MIN_BYTES = 32 << 20  # files this large are read by a second thread while the first one hashes
-CACHE_RACY_MARGIN_S = 0.1  # > one coarse-clock tick (1-10 ms) on file systems with sub-second timestamps
-CACHE_COARSE_MARGIN_S = 2.0  # whole-second ctimes: covers 1 s (ext3) and 2 s (FAT) timestamp granularity
+CACHE_RACY_MARGIN_S = RACY_MARGIN_S
 SHORT_HASH = 12
 MISSING = "missing"
 
@@ -180,91 +155,8 @@ class VerifyReport:
 # the cache
 
 
-def _stat_key(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-class Cache:
-    """Values computed from files, keyed on path + (dev, ino, size, mtime_ns, ctime_ns); see the module doc."""
-
-    def __init__(self, path: Path | None, *, read: bool = True, racy_margin_s: float = CACHE_RACY_MARGIN_S):
-        self.path = path
-        self.margin_ns = int(racy_margin_s * 1e9)
-        self.coarse_margin_ns = max(self.margin_ns, int(CACHE_COARSE_MARGIN_S * 1e9))
-        self.old: dict[str, Any] = self._load() if (path is not None and read) else {}
-        self.new: dict[str, Any] = {}
-        self.dirty = False
-        self._lock = threading.Lock()  # put() is called from the hashing threads
-        self._by_key: dict[tuple[Any, ...], str] | None = None
-
-    def _load(self) -> dict[str, Any]:
-        assert self.path is not None
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            return {}
-        try:
-            st = os.fstat(fd)
-            if (not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid())
-                    or st.st_mode & 0o022 or st.st_size > (64 << 20)):
-                return {}
-            with open(fd, "rb", closefd=False) as f:
-                d = json.loads(f.read())
-        except (OSError, ValueError, RecursionError):
-            return {}
-        finally:
-            os.close(fd)
-        if not isinstance(d, dict) or d.get("format") != CACHE_FORMAT or not isinstance(d.get("entries"), dict):
-            return {}
-        return d["entries"]
-
-    def get(self, path: str, st: os.stat_result, kind: str) -> str | None:
-        e = self.old.get(path)
-        if not isinstance(e, dict) or e.get("key") != _stat_key(st):
-            return None
-        v = e.get("values", {}).get(kind) if isinstance(e.get("values"), dict) else None
-        if (not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) or not isinstance(v[1], int)
-                or isinstance(v[1], bool)):
-            return None
-        margin = self.coarse_margin_ns if st.st_ctime_ns % 1_000_000_000 == 0 else self.margin_ns
-        if st.st_ctime_ns + margin > v[1]:
-            return None  # racy: the file changed too shortly before the value was computed
-        self._keep(path, st, kind, v)
-        return v[0]
-
-    def get_same_file(self, st: os.stat_result, kind: str) -> str | None:
-        """The value cached for any path whose (dev, ino, size, mtime_ns, ctime_ns) is `st`'s: the same file
-        under another name (a library a process maps, opened through /proc/PID/map_files). Same trust as get()."""
-        if self._by_key is None:
-            self._by_key = {}
-            for path, e in self.old.items():
-                if isinstance(e, dict) and isinstance(e.get("key"), list):
-                    self._by_key.setdefault(tuple(e["key"]), path)
-        same = self._by_key.get(tuple(_stat_key(st)))
-        return self.get(same, st, kind) if same is not None else None
-
-    def _keep(self, path: str, st: os.stat_result, kind: str, v: list[Any]) -> None:
-        e = self.new.setdefault(path, {"key": _stat_key(st), "values": {}})
-        if e["key"] != _stat_key(st):
-            e.update(key=_stat_key(st), values={})
-        e["values"][kind] = v
-
-    def put(self, path: str, st: os.stat_result, kind: str, value: str, computed_at_ns: int) -> None:
-        with self._lock:
-            self._keep(path, st, kind, [value, computed_at_ns])
-            self.dirty = True
-
-    def save(self) -> None:
-        """Write the entries used in this run (best effort: failures cost only speed)."""
-        if self.path is None:
-            return
-        if not self.dirty and set(self.new) == set(self.old):
-            return
-        data = json.dumps({"format": CACHE_FORMAT, "entries": self.new}, sort_keys=True,
-                          separators=(",", ":")).encode()
-        with contextlib.suppress(Exception):
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-            atomic_write(self.path, data, 0o644)
+#: the stat-keyed cache of every file value (hashing.HashCache; its rules are in the module doc above)
+Cache = HashCache
 
 
 def cache_path(cfg: Config, backend: str) -> Path:
@@ -279,71 +171,6 @@ def _err_value(exc: OSError) -> str:
     if isinstance(exc, FileNotFoundError | NotADirectoryError):
         return MISSING
     return f"unreadable ({exc.strerror or type(exc).__name__})"
-
-
-def _hash_fd(fd: int, limit: int | None) -> tuple[str, int]:
-    import hashlib  # lazy (5 ms, it loads libcrypto): a fully cached verify hashes nothing
-
-    h = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    total = 0
-    while limit is None or total < limit:
-        want = CHUNK if limit is None else min(CHUNK, limit - total)
-        n = os.readv(fd, [view[:want]])
-        if not n:
-            break
-        h.update(view[:n])
-        total += n
-    return h.hexdigest(), total
-
-
-def _hash_fd_piped(fd: int) -> tuple[str, int]:
-    """SHA-256 of a whole large file with reads and hashing overlapped: a reader thread fills 1 MiB buffers
-    (the copy out of the page cache costs a third of the hashing time) while this thread hashes the previous
-    one; both release the GIL, so a file costs about its hashing time alone when a second core is free."""
-    import hashlib
-    import queue
-
-    h = hashlib.sha256()
-    free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
-    full: queue.SimpleQueue[tuple[bytearray | None, int]] = queue.SimpleQueue()
-    for _ in range(4):
-        free.put(bytearray(CHUNK))
-    errors: list[OSError] = []
-
-    def reader() -> None:
-        while True:
-            b = free.get()
-            if b is None:
-                return
-            try:
-                n = os.readv(fd, [b])
-            except OSError as exc:
-                errors.append(exc)
-                full.put((None, 0))
-                return
-            full.put((b, n))
-            if not n:
-                return
-
-    t = threading.Thread(target=reader, name="fingerprint-read", daemon=True)
-    t.start()
-    total = 0
-    try:
-        while True:
-            b, n = full.get()
-            if b is None or not n:
-                break
-            h.update(memoryview(b)[:n])
-            total += n
-            free.put(b)
-    finally:
-        free.put(None)  # stops the reader if it still waits for a buffer
-        t.join()
-    if errors:
-        raise errors[0]
-    return h.hexdigest(), total
 
 
 class _Job:
@@ -364,7 +191,7 @@ def _cost(job: _Job) -> int:
     return size if job.kind == "sha256" else min(size, HEADER_BYTES)
 
 
-def _run_hash(job: _Job, cache: Cache) -> None:
+def _run_hash(job: _Job, cache: HashCache) -> None:
     t0 = time.time_ns()
     try:
         fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -376,10 +203,7 @@ def _run_hash(job: _Job, cache: Cache) -> None:
         if not stat.S_ISREG(st1.st_mode):
             job.value = "not a regular file"
             return
-        if job.kind == "sha256" and st1.st_size >= PIPE_MIN_BYTES:
-            digest, n = _hash_fd_piped(fd)
-        else:
-            digest, n = _hash_fd(fd, None if job.kind == "sha256" else HEADER_BYTES)
+        digest, n = sha256_fd(fd, limit=None if job.kind == "sha256" else HEADER_BYTES, regular=True)
         st2 = os.fstat(fd)
     except OSError as exc:
         job.value = _err_value(exc)
@@ -387,11 +211,11 @@ def _run_hash(job: _Job, cache: Cache) -> None:
     finally:
         os.close(fd)
     job.value, job.nbytes = digest, n
-    if _stat_key(st1) == _stat_key(st2):
+    if stat_key(st1) == stat_key(st2):
         cache.put(job.path, st1, job.kind, digest, t0)
 
 
-def _run_derived(job: _Job, cache: Cache) -> None:
+def _run_derived(job: _Job, cache: HashCache) -> None:
     assert job.fn is not None and job.st is not None
     t0 = time.time_ns()
     try:
@@ -403,7 +227,7 @@ def _run_derived(job: _Job, cache: Cache) -> None:
         job.value = _err_value(exc)
         return
     with contextlib.suppress(OSError):
-        if _stat_key(os.stat(job.path)) == _stat_key(job.st):
+        if stat_key(os.stat(job.path)) == stat_key(job.st):
             cache.put(job.path, job.st, job.kind, job.value, t0)
 
 
@@ -439,7 +263,7 @@ class _RecordCheck:
 class _Collector:
     """Items in order; file contents are read later, all at once, in parallel, through the cache."""
 
-    def __init__(self, cache: Cache, expected: dict[str, str] | None, workers: int | None) -> None:
+    def __init__(self, cache: HashCache, expected: dict[str, str] | None, workers: int | None) -> None:
         self.cache = cache
         self.expected = expected
         self.workers = workers
@@ -516,16 +340,7 @@ class _Collector:
             elif job.fn is None:
                 todo.append(job)
         # hashes: largest first, so the long ones start early and the small ones fill the gaps
-        todo.sort(key=_cost, reverse=True)
-        workers = max(1, min(self.workers or os.cpu_count() or 1, len(todo)))
-        if workers == 1:
-            for job in todo:
-                _run_hash(job, self.cache)
-        elif todo:
-            from concurrent.futures import ThreadPoolExecutor  # lazy: a fully cached verify needs no threads
-
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fingerprint") as pool:
-                list(pool.map(lambda j: _run_hash(j, self.cache), todo))
+        parallel(lambda j: _run_hash(j, self.cache), todo, workers=self.workers, cost=_cost)
         items: list[Item] = []
         resolved: dict[str, str] = {}
         derived_run = 0
@@ -808,7 +623,7 @@ def collect(cfg: Config, backend: Backend | str, *, use_cache: bool = True, expe
 def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, str] | None, workers: int | None,
              racy_margin_s: float, cache_file: Path | None | bool) -> tuple[list[Item], Stats]:
     cpath = cache_path(cfg, b.name) if cache_file is True else (cache_file or None)
-    cache = Cache(cpath if isinstance(cpath, Path) else None, read=use_cache, racy_margin_s=racy_margin_s)
+    cache = HashCache(cpath if isinstance(cpath, Path) else None, read=use_cache, racy_margin_s=racy_margin_s)
     c = _Collector(cache, expected, workers)
     if isinstance(b, FtllmBackend):
         _collect_ftllm(c, cfg, b)
