@@ -6,18 +6,23 @@ lists every difference as (item, expected, actual). `deploytool verify` exits 7 
 systemd refuse the start, and prints one plain line per changed item for `journalctl -u` / `systemctl status`.
 
 What is fingerprinted (item ids in brackets; a missing file is a value too: "missing"):
+  release   the release `current` points at [release], and every entry under it, whatever it is and whoever
+            uses it (the backend venv, deploytool's own venv, templates, NCCL, the release's units and env files,
+            MANIFEST, wheels): a file by type, mode and SHA-256, a symlink by its target string, a directory by
+            its mode [release/PATH] (deploy_tool.treepin). Anything added after the pin is drift as well
+            (expected "absent"): a new .pth, sitecustomize or usercustomize module, a planted .pyc in a
+            __pycache__, any new file in any directory. A venv outside the release (a backend's executable
+            elsewhere [venv/PATH], or paths.deploytool's venv [tool/PATH], see selfcheck) is pinned the same way.
   ftllm     ftllm version from the venv's dist-info METADATA [ftllm.version] (ftllm is never imported), Python
             version from pyvenv.cfg [python.version], the base interpreter's real path [python.interpreter] and
-            SHA-256 [python.binary] (and its libpython, when linked against one [python.libpython]), SHA-256 of
-            every native library in the ftllm package, libfastllm_tools.so first [ftllm.lib/NAME], the bundled
-            chat template [template] and NCCL [nccl.sha256] when used, and whether that NCCL still holds code
-            for the configured GPU architecture under the arch policy [nccl.arch]; ftllm's Python files and
-            console script against the SHA-256 pip recorded in its RECORD [ftllm.record]; the version of
-            every other distribution in the venv [package/NAME] (the lock, as installed).
-  llamacpp  SHA-256 of the binary [binary.sha256], its build as `--version` reports it (run only when the
-            binary's hash matches the pin, never on a changed binary: the check runs as root) [binary.build],
-            SHA-256 of every shared library beside the binary (libggml*, libllama*, ...) [binary.lib/NAME],
-            mmproj size and header hash [mmproj.size, mmproj.header].
+            SHA-256 [python.binary] (and its libpython, when linked against one [python.libpython]), the import
+            hooks in the base interpreter's own library directories [python.hooks, python.hook/NAME], and
+            whether the bundled NCCL (its bytes are a tree entry, like the chat template's) still holds code for
+            the configured GPU architecture under the arch policy [nccl.arch].
+  llamacpp  SHA-256 of the binary [binary.sha256] and its mode [binary.mode], its build as `--version` reports it
+            (run only when the binary's hash matches the pin, never on a changed binary: the check runs as
+            root) [binary.build], SHA-256 of every shared library beside the binary (libggml*, libllama*, ...)
+            [binary.lib/NAME], mmproj size and header hash [mmproj.size, mmproj.header].
   both      the installed unit file [unit], its drop-ins <unit>.d/*.conf [unit.d/NAME] and the env file [env];
             the model: a directory gives its config.json SHA-256 [model.config], every weight file's size
             [model.weight/NAME] and the SHA-256 of its small metadata files (tokenizer, generation config,
@@ -49,24 +54,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from deploy_tool import treepin
 from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
-from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, sha256_fd, stat_key
-from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE, expand
+from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, settled, sha256_fd, stat_key
+from deploy_tool.render import BUNDLED_NCCL, expand
 
 PINS_FORMAT = 1
 HEADER_BYTES = 1 << 20  # a GGUF's header hash covers its first 1 MiB
 CACHE_RACY_MARGIN_S = RACY_MARGIN_S
 SHORT_HASH = 12
 MISSING = "missing"
+ABSENT = "absent"  # a tree entry that was not there at pin time
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".flm", ".pt", ".pth", ".ckpt", ".npz", ".h5", ".msgpack")
 META_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".yaml")
 META_MAX_BYTES = 64 << 20
 _SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_URLSAFE = bytes.maketrans(b"+/", b"-_")  # standard -> urlsafe base64 alphabet
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -99,6 +105,29 @@ class Drift(NamedTuple):
 
 
 @dataclass(frozen=True)
+class TreePin:
+    """A directory tree entry by entry (treepin): {path relative to root ("." is root itself): value}."""
+
+    root: str
+    entries: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"root": self.root, "entries": self.entries}
+
+    def items(self, prefix: str) -> list[Item]:
+        return [_tree_item(prefix, self.root, rel, v) for rel, v in self.entries.items()]
+
+
+def _tree_item(prefix: str, root: str, rel: str, value: str) -> Item:
+    return Item(f"{prefix}/{rel}", f"{prefix}/{rel}", root if rel == treepin.ROOT else os.path.join(root, rel),
+                value)
+
+
+def _expand(items: Iterable[Item], trees: dict[str, TreePin]) -> list[Item]:
+    return [*items, *(i for prefix, t in trees.items() for i in t.items(prefix))]
+
+
+@dataclass(frozen=True)
 class PinSet:
     backend: str
     kind: str
@@ -106,18 +135,27 @@ class PinSet:
     release: str | None
     reason: str
     by: dict[str, Any]
-    items: tuple[Item, ...]
+    items: tuple[Item, ...]  # the single items; the trees' entries are in `trees`
     path: str = ""
+    trees: dict[str, TreePin] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         from deploy_tool import __version__
 
         return {"format": PINS_FORMAT, "backend": self.backend, "kind": self.kind, "pinned_at": self.pinned_at,
                 "release": self.release, "reason": self.reason, "by": self.by, "deploytool": __version__,
-                "items": [i.to_json() for i in self.items]}
+                "items": [i.to_json() for i in self.items],
+                "trees": {k: t.to_json() for k, t in self.trees.items()}}
 
     def values(self) -> dict[str, str]:
         return {i.id: i.value for i in self.items}
+
+    def all_items(self) -> list[Item]:
+        """The single items and every tree entry as an item (id `<tree>/<path>`)."""
+        return _expand(self.items, self.trees)
+
+    def count(self) -> int:
+        return len(self.items) + sum(len(t.entries) for t in self.trees.values())
 
 
 @dataclass(frozen=True)
@@ -139,16 +177,21 @@ class VerifyReport:
     rows: list[Drift]
     backend: str = ""
     pins: PinSet | None = None
-    items: tuple[Item, ...] = ()
+    items: tuple[Item, ...] = ()  # the single items
     stats: Stats = field(default_factory=Stats)
+    trees: dict[str, TreePin] = field(default_factory=dict)
+
+    def checked(self) -> int:
+        return len(self.items) + sum(len(t.entries) for t in self.trees.values())
 
     def to_json(self) -> dict[str, Any]:
         p = self.pins
-        return {"backend": self.backend, "ok": self.ok, "checked": len(self.items),
+        return {"backend": self.backend, "ok": self.ok, "checked": self.checked(),
                 "drift": [r.to_json() for r in self.rows],
                 "pinned_at": p.pinned_at if p else None, "release": p.release if p else None,
                 "reason": p.reason if p else None, "stats": self.stats.to_json(),
-                "items": [i.to_json() for i in self.items]}
+                "items": [i.to_json() for i in self.items],
+                "trees": {k: {"root": t.root, "entries": len(t.entries)} for k, t in self.trees.items()}}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -160,7 +203,30 @@ Cache = HashCache
 
 
 def cache_path(cfg: Config, backend: str) -> Path:
+    """The cache of the single items' files, plus each tree's last snapshot (the fast path of a verify with
+    nothing changed: treepin.snapshot_key)."""
     return Path(cfg.paths.state_dir) / "cache" / f"fingerprint-{backend}.json"
+
+
+def files_cache_path(cfg: Config, backend: str) -> Path:
+    """The cache of every file of the pinned trees (read only when a tree's snapshot changed)."""
+    return Path(cfg.paths.state_dir) / "cache" / f"fingerprint-{backend}-files.json"
+
+
+def cached_hasher(cfg: Config, backend: str) -> Callable[[str], str]:
+    """SHA-256 of a file through the values `deploytool verify BACKEND` cached (same dev, inode, size, mtime_ns
+    and ctime_ns, under any name), else computed (and kept in this process)."""
+    caches = [HashCache(cache_path(cfg, backend)), HashCache(files_cache_path(cfg, backend))]
+
+    def sha256(path: str) -> str:
+        st = os.stat(path)
+        for c in caches:
+            hit = c.get_same_file(st)
+            if hit is not None:
+                return hit
+        return caches[0].sha256(path)
+
+    return sha256
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -174,7 +240,7 @@ def _err_value(exc: OSError) -> str:
 
 
 class _Job:
-    __slots__ = ("path", "kind", "st", "value", "cached", "fn", "nbytes")
+    __slots__ = ("path", "kind", "st", "value", "cached", "fn", "nbytes", "cache", "nofollow", "settled")
 
     def __init__(self, path: str, kind: str, fn: Callable[[str], str] | None = None) -> None:
         self.path = path
@@ -184,6 +250,9 @@ class _Job:
         self.value: str | None = None
         self.cached = False
         self.nbytes = 0
+        self.cache: HashCache | None = None  # where the value goes (the collector's cache if None)
+        self.nofollow = False  # a tree entry: hashed only if it is still the regular file the walk saw
+        self.settled = False  # the value may be trusted by a later run (hashing.settled)
 
 
 def _cost(job: _Job) -> int:
@@ -193,8 +262,9 @@ def _cost(job: _Job) -> int:
 
 def _run_hash(job: _Job, cache: HashCache) -> None:
     t0 = time.time_ns()
+    cache = job.cache or cache
     try:
-        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if job.nofollow else 0))
     except OSError as exc:
         job.value = _err_value(exc)
         return
@@ -211,8 +281,11 @@ def _run_hash(job: _Job, cache: HashCache) -> None:
     finally:
         os.close(fd)
     job.value, job.nbytes = digest, n
-    if stat_key(st1) == stat_key(st2):
+    # kept only if the file did not change while it was read (nor, for a tree entry, since the walk saw it)
+    if stat_key(st1) == stat_key(st2) and not (job.nofollow and job.st is not None
+                                               and stat_key(st1) != stat_key(job.st)):
         cache.put(job.path, st1, job.kind, digest, t0)
+        job.settled = settled(st1, t0, cache.margin_ns, cache.coarse_margin_ns)
 
 
 def _run_derived(job: _Job, cache: HashCache) -> None:
@@ -235,40 +308,21 @@ def _run_derived(job: _Job, cache: HashCache) -> None:
 # collection
 
 
-class _RecordCheck:
-    """Files listed in a wheel's RECORD, each with the urlsafe-base64 SHA-256 it was installed with."""
-
-    __slots__ = ("entries",)
-
-    def __init__(self, entries: list[tuple[str, str, _Job]]) -> None:
-        self.entries = entries  # (path relative to site-packages, expected b64 digest, hashing job)
-
-    def value(self) -> str:
-        import binascii  # what base64.urlsafe_b64encode runs, without base64's imports (struct)
-
-        bad = []
-        for rel, want, job in self.entries:
-            v = job.value or "unreadable"
-            if not _HEX64.fullmatch(v):
-                bad.append(f"{rel} ({v})")
-            elif binascii.b2a_base64(bytes.fromhex(v), newline=False).translate(_URLSAFE).rstrip(b"=").decode() != want:
-                bad.append(rel)
-        n = len(self.entries)
-        if not bad:
-            return f"all {n} files match RECORD"
-        more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
-        return f"{len(bad)} of {n} files differ from RECORD: {', '.join(bad[:4])}{more}"
-
-
 class _Collector:
     """Items in order; file contents are read later, all at once, in parallel, through the cache."""
 
-    def __init__(self, cache: HashCache, expected: dict[str, str] | None, workers: int | None) -> None:
+    def __init__(self, cache: HashCache, expected: dict[str, str] | None, workers: int | None,
+                 files_cache: Callable[[], HashCache] | None = None, use_cache: bool = True) -> None:
         self.cache = cache
         self.expected = expected
         self.workers = workers
         self.specs: list[tuple[str, str, str | None, Any]] = []  # (id, label, path, str value | _Job | guard)
         self.jobs: dict[tuple[str, str], _Job] = {}
+        self.trees: dict[str, str] = {}  # prefix -> real path of the root
+        self._files_cache_fn = files_cache or (lambda: HashCache())
+        self._files_cache: HashCache | None = None
+        self.use_cache = use_cache
+        self.snapshots: dict[str, Any] = {}  # prefix -> the snapshot saved for the next run
 
     def value(self, id: str, label: str, path: str | os.PathLike[str] | None, value: str) -> None:
         self.specs.append((id, label, None if path is None else str(path), value))
@@ -291,26 +345,18 @@ class _Collector:
         item `guard` still has its pinned value (e.g. run a binary only if its hash is the pinned one)."""
         self.specs.append((id, label, str(path), (self._job(str(path), kind, fn), guard)))
 
-    def record(self, id: str, label: str, site_packages: Path, dist_info: Path,
-               keep: Callable[[str], bool]) -> None:
-        """Check the files a wheel installed (those `keep` selects) against the hashes in its RECORD."""
-        entries: list[tuple[str, str, _Job]] = []
-        top = os.path.normpath(site_packages.parent.parent.parent)  # the venv
-        try:
-            lines = (dist_info / "RECORD").read_text("utf-8", errors="replace").splitlines()
-        except OSError as exc:
-            self.value(id, label, dist_info / "RECORD", _err_value(exc))
-            return
-        for line in lines:
-            rel, _, rest = line.partition(",")
-            digest = rest.partition(",")[0]
-            if not digest.startswith("sha256=") or not keep(rel):
-                continue
-            path = os.path.normpath(os.path.join(site_packages, rel))
-            if not path.startswith(top + os.sep):
-                continue  # RECORD entries outside the venv are not ours to check
-            entries.append((rel, digest[len("sha256="):], self._job(path, "sha256")))
-        self.specs.append((id, label, str(dist_info / "RECORD"), _RecordCheck(entries)))
+    def tree(self, prefix: str, root: str | os.PathLike[str]) -> bool:
+        """Pin every entry under `root` (treepin) as `<prefix>/<path>`; False (nothing added) when root lies
+        inside a tree already pinned (or is the root of one)."""
+        real = os.path.realpath(root)
+        if prefix in self.trees or any(treepin.inside(real, r) for r in self.trees.values()):
+            return False
+        self.trees[prefix] = real
+        return True
+
+    def in_tree(self, path: str | os.PathLike[str]) -> bool:
+        real = os.path.realpath(path)
+        return any(treepin.inside(real, r) for r in self.trees.values())
 
     def size(self, id: str, label: str, path: str | os.PathLike[str]) -> None:
         try:
@@ -320,7 +366,53 @@ class _Collector:
             v = _err_value(exc)
         self.value(id, label, path, v)
 
-    def finish(self) -> tuple[list[Item], Stats]:
+    def files_cache(self) -> HashCache:
+        if self._files_cache is None:
+            self._files_cache = self._files_cache_fn()
+        return self._files_cache
+
+    def _walk_tree(self, prefix: str, root: str, todo: list[_Job]) -> tuple[Any, list[Any], list[tuple[int, _Job]],
+                                                                             int]:
+        """(walk, values with None where a hash is pending, the pending jobs by index, cache hits)."""
+        w = treepin.walk(root)
+        key = treepin.snapshot_key(w)
+        snap = self.cache.section("trees") if self.use_cache else None
+        snap = snap.get(prefix) if isinstance(snap, dict) else None
+        n = len(w.rels)
+        if (isinstance(snap, dict) and snap.get("root") == root and snap.get("key") == key
+                and snap.get("settled") is True and isinstance(snap.get("values"), list)
+                and len(snap["values"]) == n and set(map(type, snap["values"])) <= {str}):
+            self.snapshots[prefix] = snap  # nothing changed since the last run: its values hold
+            return w, snap["values"], [], w.files
+        fc = self.files_cache()
+        values: list[Any] = [None] * n
+        pending: list[tuple[int, _Job]] = []
+        hits = 0
+        s_isreg, s_islnk, get, value = stat.S_ISREG, stat.S_ISLNK, fc.get, treepin.value
+        for i, (rel, st) in enumerate(zip(w.rels, w.stats, strict=True)):
+            m = st.st_mode
+            if s_isreg(m):
+                path = w.path(rel)
+                hit = get(path, st)
+                if hit is not None:
+                    values[i] = value(st, hit)
+                    hits += 1
+                    continue
+                job = _Job(path, "sha256")
+                job.st, job.cache, job.nofollow = st, fc, True
+                pending.append((i, job))
+                todo.append(job)
+            elif s_islnk(m):
+                values[i] = value(st, treepin.read_link(w, rel))
+            else:
+                values[i] = value(st)
+        for rel, why in w.errors.items():
+            i = w.rels.index(rel)
+            values[i] = f"{values[i]}; cannot list: {why}"
+        self.snapshots[prefix] = {"root": root, "key": key, "values": values, "settled": None}
+        return w, values, pending, hits
+
+    def finish(self) -> tuple[list[Item], dict[str, TreePin], Stats]:
         t0 = time.perf_counter()
         hits = 0
         todo: list[_Job] = []
@@ -339,8 +431,23 @@ class _Collector:
                 hits += 1
             elif job.fn is None:
                 todo.append(job)
-        # hashes: largest first, so the long ones start early and the small ones fill the gaps
+        n_files = sum(1 for j in self.jobs.values() if j.st is not None and stat.S_ISREG(j.st.st_mode))
+        walked = []
+        for prefix, root in self.trees.items():
+            w, values, pending, h = self._walk_tree(prefix, root, todo)
+            walked.append((prefix, root, w, values, pending))
+            hits += h
+            n_files += h + len(pending)
+        # every hash of this run at once: largest first, so the long ones start early and the small ones fill the gaps
         parallel(lambda j: _run_hash(j, self.cache), todo, workers=self.workers, cost=_cost)
+        trees: dict[str, TreePin] = {}
+        for prefix, root, w, values, pending in walked:
+            for i, job in pending:
+                values[i] = treepin.value(job.st, job.value or "unreadable")  # type: ignore[arg-type]
+            snap = self.snapshots[prefix]
+            if snap.get("settled") is None:
+                snap["settled"] = all(j.settled for _, j in pending)
+            trees[prefix] = TreePin(root, dict(zip(w.rels, values, strict=True)))
         items: list[Item] = []
         resolved: dict[str, str] = {}
         derived_run = 0
@@ -349,8 +456,6 @@ class _Collector:
                 v = spec
             elif isinstance(spec, _Job):
                 v = spec.value if spec.value is not None else "unreadable"
-            elif isinstance(spec, _RecordCheck):
-                v = spec.value()
             else:
                 job, guard = spec
                 if job.value is None:
@@ -364,10 +469,16 @@ class _Collector:
                 v = job.value or "unreadable"
             items.append(Item(id_, label, path, v))
             resolved[id_] = v
-        n_files = sum(1 for j in self.jobs.values() if j.st is not None and stat.S_ISREG(j.st.st_mode))
         stats = Stats(files=n_files, hashed=len(todo) + derived_run, cache_hits=hits,
                       bytes_hashed=sum(j.nbytes for j in todo), seconds=time.perf_counter() - t0)
-        return items, stats
+        return items, trees, stats
+
+    def save(self) -> None:
+        """Write the caches (best effort): the single items' values and each tree's snapshot; the tree files'
+        values only when a tree had to be looked at entry by entry."""
+        self.cache.save(trees=self.snapshots)
+        if self._files_cache is not None:
+            self._files_cache.save()
 
 
 def _read_kv(path: Path) -> dict[str, str] | None:
@@ -452,9 +563,33 @@ def _collect_python(c: _Collector, venv: Path) -> Path:
             lib = Path(real).parent.parent / "lib" / f"libpython{mm}.so.1.0"
             if lib.exists():
                 c.sha256("python.libpython", f"SHA-256 of libpython{mm}.so.1.0", lib)
+            _collect_hooks(c, Path(real).parent.parent / "lib" / f"python{mm}")
     else:
         c.value("python.interpreter", "Python interpreter", py, MISSING)
     return _site_packages(venv, version)
+
+
+HOOK_MODULES = ("sitecustomize", "usercustomize")
+
+
+def _collect_hooks(c: _Collector, stdlib: Path) -> None:
+    """The import hooks Python runs at every start from the base interpreter's own directories, outside any venv
+    (sitecustomize/usercustomize modules, packages, .pyc and extension modules in the standard library and
+    lib-dynload): which exist [python.hooks] and the SHA-256 of each [python.hook/NAME]. Those in the venv are
+    entries of its tree like any other file."""
+    found: list[tuple[str, str]] = []
+    for d in (stdlib, stdlib / "__pycache__", stdlib / "lib-dynload"):
+        for e in _listdir(d):
+            if e.name.split(".", 1)[0] in HOOK_MODULES:
+                found.append((os.path.relpath(e.path, stdlib), e.path))
+    c.value("python.hooks", f"import hooks in {stdlib}", stdlib, ", ".join(n for n, _ in found) or "none")
+    for name, path in found:
+        if os.path.isdir(path):
+            for e in _listdir(Path(path)):
+                if _is_file(e):
+                    c.sha256(f"python.hook/{name}/{e.name}", f"import hook {name}/{e.name}", e.path)
+        else:
+            c.sha256(f"python.hook/{name}", f"import hook {name}", path)
 
 
 def _collect_model(c: _Collector, prefix: str, what: str, model: str, model_config: str | None) -> None:
@@ -505,8 +640,22 @@ def _arch_value(cc: str, policy: str) -> Callable[[str], str]:
     return fn
 
 
+def _collect_release(c: _Collector, cfg: Config) -> None:
+    """The release `current` points at [release], and every entry under it [release/PATH] (treepin)."""
+    cur = Path(cfg.paths.current)
+    if not os.path.lexists(cur):
+        c.value("release", "release (current)", cur, MISSING)
+        return
+    real = os.path.realpath(cur)
+    c.value("release", "release (current)", cur, real if os.path.isdir(real) else f"{real} ({MISSING})")
+    if os.path.isdir(real):
+        c.tree("release", real)
+
+
 def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
     venv = _venv_dir(cfg, b)
+    if os.path.isdir(venv) and not c.in_tree(venv):
+        c.tree("venv", venv)  # a venv outside the release is pinned entry by entry as well
     sp = _collect_python(c, venv)
     dists = sorted(sp.glob("ftllm-*.dist-info"))
     if not dists:
@@ -515,24 +664,10 @@ def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
         versions = [_metadata_version(d) for d in dists]
         c.value("ftllm.version", "ftllm version", dists[0] / "METADATA",
                 versions[0] if len(versions) == 1 else "several: " + ", ".join(versions))
-    pkg = sp / "ftllm"
-    libs = {e.name for e in _listdir(pkg) if _is_native_lib(e.name) and _is_file(e)}
-    libs.add("libfastllm_tools.so")  # always listed, so its absence is reported
-    for name in sorted(libs, key=lambda n: (n != "libfastllm_tools.so", n)):
-        c.sha256(f"ftllm.lib/{name}", f"SHA-256 of {name}", pkg / name)
-    if len(dists) == 1:
-        # the package's Python code and the console script, against the hashes pip installed them with
-        # (native libraries have their own items above; METADATA is the version item)
-        c.record("ftllm.record", "ftllm files vs RECORD", sp, dists[0],
-                 lambda rel: not _is_native_lib(rel.rsplit("/", 1)[-1]) and not rel.startswith(dists[0].name))
-    _collect_packages(c, sp, skip="ftllm")
     _collect_units(c, cfg, b)
-    cur = Path(cfg.paths.current)
-    if b.use_bundle_chat_template:
-        c.sha256("template", "chat template", cur / BUNDLED_TEMPLATE)
+    cur = Path(cfg.paths.current)  # the bundled chat template and NCCL are entries of the release tree
     if b.use_bundle_nccl:
         nccl = cur / BUNDLED_NCCL
-        c.sha256("nccl.sha256", "NCCL library SHA-256", nccl)
         policy = cfg.bundle.nccl.arch_policy if cfg.bundle.nccl else "exact"
         cc = cfg.host.compute_capability
         c.derived("nccl.arch", f"NCCL code for sm_{cc.replace('.', '')}", nccl, f"arch:{cc}:{policy}",
@@ -541,16 +676,6 @@ def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
     sp_cfg = b.speculative
     if sp_cfg is not None and sp_cfg.algorithm != "none" and sp_cfg.draft_model:
         _collect_model(c, "draft", "draft", sp_cfg.draft_model, None)
-
-
-def _collect_packages(c: _Collector, sp: Path, *, skip: str) -> None:
-    """Every other distribution installed in the venv, by name and version (from the dist-info names)."""
-    for e in _listdir(sp):
-        if not e.name.endswith(".dist-info"):
-            continue
-        name, _, version = e.name[: -len(".dist-info")].rpartition("-")
-        if name and name.lower() != skip:
-            c.value(f"package/{name.lower()}", f"package {name}", e.path, version)
 
 
 def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:
@@ -582,6 +707,7 @@ def _collect_llamacpp(c: _Collector, cfg: Config, b: LlamacppBackend) -> None:
     binary = Path(expand(cfg, b.binary))
     name = binary.name
     c.sha256("binary.sha256", f"SHA-256 of {name}", binary)
+    c.value("binary.mode", f"mode of {name}", binary, _mode_value(binary))
     kind = "build" if not b.build else f"build:{b.build}"
 
     def build(path: str) -> str:
@@ -608,6 +734,13 @@ def _collect_llamacpp(c: _Collector, cfg: Config, b: LlamacppBackend) -> None:
         _collect_gguf(c, "mmproj", "mmproj", b.mmproj)
 
 
+def _mode_value(path: str | os.PathLike[str]) -> str:
+    try:
+        return f"{stat.S_IMODE(os.stat(path).st_mode):04o}"
+    except OSError as exc:
+        return _err_value(exc)
+
+
 def _resolve(cfg: Config, backend: Backend | str) -> Backend:
     return cfg.backend(backend) if isinstance(backend, str) else backend
 
@@ -615,16 +748,32 @@ def _resolve(cfg: Config, backend: Backend | str) -> Backend:
 def collect(cfg: Config, backend: Backend | str, *, use_cache: bool = True, expected: dict[str, str] | None = None,
             workers: int | None = None, racy_margin_s: float = CACHE_RACY_MARGIN_S,
             cache_file: Path | None | bool = True) -> list[Item]:
-    """The current fingerprints of a backend (see the module doc for the list)."""
-    return _collect(cfg, _resolve(cfg, backend), use_cache=use_cache, expected=expected, workers=workers,
-                    racy_margin_s=racy_margin_s, cache_file=cache_file)[0]
+    """The current fingerprints of a backend (see the module doc for the list), tree entries included."""
+    items, trees, _stats = _collect(cfg, _resolve(cfg, backend), use_cache=use_cache, expected=expected,
+                                    workers=workers, racy_margin_s=racy_margin_s, cache_file=cache_file)
+    return _expand(items, trees)
 
 
 def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, str] | None, workers: int | None,
-             racy_margin_s: float, cache_file: Path | None | bool) -> tuple[list[Item], Stats]:
+             racy_margin_s: float, cache_file: Path | None | bool,
+             fresh: HashCache | None = None) -> tuple[list[Item], dict[str, TreePin], Stats]:
+    """`fresh`: with use_cache=False, an in-memory cache whose values were all computed in this process (pins of
+    several backends in one install share it, so the release is read once)."""
     cpath = cache_path(cfg, b.name) if cache_file is True else (cache_file or None)
-    cache = HashCache(cpath if isinstance(cpath, Path) else None, read=use_cache, racy_margin_s=racy_margin_s)
-    c = _Collector(cache, expected, workers)
+    cpath = cpath if isinstance(cpath, Path) else None
+    cache = HashCache(cpath, read=use_cache, racy_margin_s=racy_margin_s)
+    if fresh is not None and not use_cache:
+        cache.entries = fresh.entries  # shared (HashCache is thread-safe per instance; pins run one at a time)
+    fpath = cpath.with_name(cpath.stem + "-files.json") if cpath is not None else None
+
+    def files_cache() -> HashCache:
+        fc = HashCache(fpath, read=use_cache, racy_margin_s=racy_margin_s)
+        if fresh is not None and not use_cache:
+            fc.entries = fresh.entries
+        return fc
+
+    c = _Collector(cache, expected, workers, files_cache=files_cache, use_cache=use_cache)
+    _collect_release(c, cfg)
     if isinstance(b, FtllmBackend):
         _collect_ftllm(c, cfg, b)
     else:
@@ -632,13 +781,13 @@ def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, st
     from deploy_tool import selfcheck  # the deploytool that runs this check is pinned as well (tool.*)
 
     selfcheck.collect(c, cfg)
-    items, stats = c.finish()
+    items, trees, stats = c.finish()
     seen: set[str] = set()
     for it in items:
         assert it.id not in seen, f"duplicate fingerprint id {it.id}"
         seen.add(it.id)
-    cache.save()
-    return items, stats
+    c.save()
+    return items, trees, stats
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -706,16 +855,26 @@ def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
     try:
         items = tuple(Item(str(i["id"]), str(i["label"]), None if i.get("path") is None else str(i["path"]),
                            str(i["value"])) for i in d["items"])
+        trees = {}
+        for prefix, t in (d.get("trees") or {}).items():
+            entries = t["entries"]
+            if (not isinstance(t["root"], str) or not isinstance(entries, dict)
+                    or not all(type(v) is str for v in entries.values())):
+                raise bad
+            trees[str(prefix)] = TreePin(t["root"], entries)
         return PinSet(backend=str(d["backend"]), kind=str(d["kind"]), pinned_at=str(d["pinned_at"]),
                       release=d.get("release"), reason=str(d["reason"]), by=dict(d.get("by") or {}),
-                      items=items, path=str(path))
+                      items=items, path=str(path), trees=trees)
     except (KeyError, TypeError, ValueError, AttributeError):
         raise bad from None
 
 
 def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None = None, store=None,
-        workers: int | None = None) -> PinSet:
-    """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when."""
+        workers: int | None = None, fresh: HashCache | None = None) -> PinSet:
+    """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when.
+
+    `fresh`: an in-memory HashCache shared by the pins of several backends in one run (install pins every
+    backend: the release they share is read once); only values computed in this process are in it."""
     from deploy_tool.state import Store
 
     b = _resolve(cfg, backend)
@@ -725,23 +884,23 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
     previous: PinSet | None = None
     with contextlib.suppress(DeployError):
         previous = load_pins(cfg, b)
-    items, _stats = _collect(cfg, b, use_cache=False, expected=None, workers=workers,
-                             racy_margin_s=CACHE_RACY_MARGIN_S, cache_file=True)
+    items, trees, _stats = _collect(cfg, b, use_cache=False, expected=None, workers=workers,
+                                    racy_margin_s=CACHE_RACY_MARGIN_S, cache_file=True, fresh=fresh)
     ps = PinSet(backend=b.name, kind=b.kind, pinned_at=_now(), release=release or current_release(cfg),
-                reason=reason, by=_who(), items=tuple(items), path=str(pins_path(cfg, b.name)))
+                reason=reason, by=_who(), items=tuple(items), path=str(pins_path(cfg, b.name)), trees=trees)
     path = pins_path(cfg, b.name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     except OSError as exc:
         raise os_error(exc, f"cannot create {path.parent}") from None
-    atomic_write(path, (json.dumps(ps.to_json(), indent=1, sort_keys=True) + "\n").encode(), 0o644)
+    atomic_write(path, (json.dumps(ps.to_json(), sort_keys=True, separators=(",", ":")) + "\n").encode(), 0o644)
     changed = []
     if previous is not None:
         changed = [{"id": r.item.id, "from": short(r.expected), "to": short(r.actual)}
-                   for r in diff(previous.items, items)]
+                   for r in diff(previous.items, items) + tree_diff(previous.trees, trees)]
     store = store if store is not None else Store(cfg.paths.state_dir)
     store.record("pin", backend=b.name, reason=reason, by=ps.by.get("user"), uid=ps.by.get("uid"),
-                 release=ps.release, items=len(items), changed=changed if previous is not None else None,
+                 release=ps.release, items=ps.count(), changed=changed if previous is not None else None,
                  first=previous is None)
     return ps
 
@@ -769,15 +928,34 @@ def diff(pinned: Iterable[Item], current: Iterable[Item]) -> list[Drift]:
     return out
 
 
+def tree_diff(pinned: dict[str, TreePin], current: dict[str, TreePin]) -> list[Drift]:
+    """Every tree entry added ("absent" expected), removed ("missing"), or changed, sorted by path per tree."""
+    out: list[Drift] = []
+    for prefix in [*pinned, *(k for k in current if k not in pinned)]:
+        p, c = pinned.get(prefix), current.get(prefix)
+        pe = p.entries if p is not None else {}
+        ce = c.entries if c is not None else {}
+        if pe == ce:
+            continue
+        root = c.root if c is not None else p.root  # type: ignore[union-attr]
+        for rel in sorted(pe.keys() | ce.keys()):
+            a, v = pe.get(rel), ce.get(rel)
+            if a != v:
+                item = _tree_item(prefix, root, rel, v if v is not None else a)  # type: ignore[arg-type]
+                out.append(Drift(item, a if a is not None else ABSENT, v if v is not None else MISSING))
+    return out
+
+
 def verify(cfg: Config, backend: Backend | str, *, use_cache: bool = True, workers: int | None = None,
            racy_margin_s: float = CACHE_RACY_MARGIN_S) -> VerifyReport:
     """Compare the current fingerprints with the pins (StateError if there are no pins)."""
     b = _resolve(cfg, backend)
     pins = load_pins(cfg, b)
-    items, stats = _collect(cfg, b, use_cache=use_cache, expected=pins.values(), workers=workers,
-                            racy_margin_s=racy_margin_s, cache_file=True)
-    rows = diff(pins.items, items)
-    return VerifyReport(ok=not rows, rows=rows, backend=b.name, pins=pins, items=tuple(items), stats=stats)
+    items, trees, stats = _collect(cfg, b, use_cache=use_cache, expected=pins.values(), workers=workers,
+                                   racy_margin_s=racy_margin_s, cache_file=True)
+    rows = diff(pins.items, items) + tree_diff(pins.trees, trees)
+    return VerifyReport(ok=not rows, rows=rows, backend=b.name, pins=pins, items=tuple(items), stats=stats,
+                        trees=trees)
 
 
 def check(cfg: Config, backend: Backend | str, **kw: Any) -> VerifyReport:
@@ -815,8 +993,8 @@ def format_report(r: VerifyReport) -> str:
     st = r.stats
     timing = f"{st.seconds:.2f} s, {st.cache_hits} of {st.files} files from cache"
     if r.ok:
-        return f"{r.backend}: all {len(r.items)} fingerprints match ({since}) [{timing}]"
-    head = f"{r.backend}: DRIFT in {len(r.rows)} of {len(r.items)} fingerprints ({since}) [{timing}]"
+        return f"{r.backend}: all {r.checked()} fingerprints match ({since}) [{timing}]"
+    head = f"{r.backend}: DRIFT in {len(r.rows)} of {r.checked()} fingerprints ({since}) [{timing}]"
     rows = [(d.item.label, short(d.expected), short(d.actual)) for d in r.rows]
     w0 = max(len("ITEM"), *(len(a) for a, _, _ in rows))
     w1 = max(len("EXPECTED"), *(len(b) for _, b, _ in rows))

@@ -300,13 +300,15 @@ class HashCache:
     __call__ = sha256
 
     def save(self, **sections: Any) -> None:
-        """Write the entries used in this run, plus any extra top-level `sections` (best effort)."""
+        """Write the entries used in this run and the loaded sections updated by `sections` (best effort; nothing
+        is written when nothing changed)."""
         if self.path is None:
             return
-        if not self.dirty and not sections and self.used == set(self.entries):
+        merged = {**self._sections, **sections}
+        if not self.dirty and merged == self._sections and self.used == set(self.entries):
             return
-        doc: dict[str, Any] = {"format": CACHE_FORMAT, "entries": {p: self.entries[p] for p in self.used}}
-        doc.update(sections)
+        doc: dict[str, Any] = {**merged, "format": CACHE_FORMAT,
+                               "entries": {p: self.entries[p] for p in self.used}}
         data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         from deploy_tool.fsutil import atomic_write
 
