@@ -859,7 +859,7 @@ def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
         for prefix, t in (d.get("trees") or {}).items():
             entries = t["entries"]
             if (not isinstance(t["root"], str) or not isinstance(entries, dict)
-                    or not all(type(v) is str for v in entries.values())):
+                    or not set(map(type, entries.values())) <= {str}):
                 raise bad
             trees[str(prefix)] = TreePin(t["root"], entries)
         return PinSet(backend=str(d["backend"]), kind=str(d["kind"]), pinned_at=str(d["pinned_at"]),

@@ -59,7 +59,7 @@ def walk(root: str) -> Walk:
     if not stat.S_ISDIR(st0.st_mode):
         w.files = int(stat.S_ISREG(st0.st_mode))
         return w
-    rels, stats, key = w.rels, w.stats, w.keys.extend
+    add_rel, add_stat, key = w.rels.append, w.stats.append, w.keys.extend
     s_isdir, s_isreg = stat.S_ISDIR, stat.S_ISREG
     files = 0
     stack = [("", root)]
@@ -78,8 +78,8 @@ def walk(root: str) -> Walk:
                     except OSError:
                         continue  # gone between the listing and the stat: as if never there
                     rel = prefix + e.name
-                    rels.append(rel)
-                    stats.append(st)
+                    add_rel(rel)
+                    add_stat(st)
                     m = st.st_mode
                     key((st.st_ino, st.st_ctime_ns, m, st.st_dev))
                     if s_isdir(m):
