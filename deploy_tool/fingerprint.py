@@ -933,11 +933,17 @@ def tree_diff(pinned: dict[str, TreePin], current: dict[str, TreePin]) -> list[D
     out: list[Drift] = []
     for prefix in [*pinned, *(k for k in current if k not in pinned)]:
         p, c = pinned.get(prefix), current.get(prefix)
-        pe = p.entries if p is not None else {}
-        ce = c.entries if c is not None else {}
+        if p is None or c is None:  # a whole tree pinned and gone, or there and never pinned: one row
+            t = c if c is not None else p
+            assert t is not None
+            out.append(Drift(_tree_item(prefix, t.root, treepin.ROOT, t.entries.get(treepin.ROOT, MISSING)),
+                             f"{len(p.entries)} entries" if p is not None else "not pinned",
+                             f"{len(c.entries)} entries" if c is not None else MISSING))
+            continue
+        pe, ce = p.entries, c.entries
         if pe == ce:
             continue
-        root = c.root if c is not None else p.root  # type: ignore[union-attr]
+        root = c.root
         for rel in sorted(pe.keys() | ce.keys()):
             a, v = pe.get(rel), ce.get(rel)
             if a != v:
@@ -967,7 +973,7 @@ def check(cfg: Config, backend: Backend | str, **kw: Any) -> VerifyReport:
 
 
 def drift_error(r: VerifyReport) -> DriftError:
-    names = ", ".join(d.item.label for d in r.rows[:6]) + (", ..." if len(r.rows) > 6 else "")
+    names = ", ".join(safe(d.item.label) for d in r.rows[:6]) + (", ..." if len(r.rows) > 6 else "")
     return DriftError(f"{r.backend}: {len(r.rows)} fingerprint(s) differ from the pins: {names}",
                       hint="restore what changed; if the change is deliberate, re-pin it with "
                            f"`deploytool pin {r.backend} --reason TEXT`",
@@ -978,9 +984,18 @@ def drift_error(r: VerifyReport) -> DriftError:
 # text
 
 
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def safe(text: str) -> str:
+    """Text for one terminal or journal line: control characters and undecodable bytes of file names (surrogate
+    escapes) written as Python escapes (\\n, \\x1b, \\udcff)."""
+    return _UNSAFE.sub(lambda m: ascii(m.group(0))[1:-1], text)
+
+
 def short(value: str, width: int = 44) -> str:
     """A value for a table: hashes cut to 12 hex digits, long text to `width` (keeping the end)."""
-    v = _HEX64.sub(lambda m: m.group(0)[:SHORT_HASH], value)
+    v = safe(_HEX64.sub(lambda m: m.group(0)[:SHORT_HASH], value))
     return v if len(v) <= width else "..." + v[-(width - 3):]
 
 
@@ -995,7 +1010,7 @@ def format_report(r: VerifyReport) -> str:
     if r.ok:
         return f"{r.backend}: all {r.checked()} fingerprints match ({since}) [{timing}]"
     head = f"{r.backend}: DRIFT in {len(r.rows)} of {r.checked()} fingerprints ({since}) [{timing}]"
-    rows = [(d.item.label, short(d.expected), short(d.actual)) for d in r.rows]
+    rows = [(safe(d.item.label), short(d.expected), short(d.actual)) for d in r.rows]
     w0 = max(len("ITEM"), *(len(a) for a, _, _ in rows))
     w1 = max(len("EXPECTED"), *(len(b) for _, b, _ in rows))
     lines = [head, f"  {'ITEM':<{w0}}  {'EXPECTED':<{w1}}  ACTUAL"]

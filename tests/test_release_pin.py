@@ -332,3 +332,52 @@ def test_a_release_swapped_under_current_is_refused(pinned: rt.Tree) -> None:
         os.replace(cur.with_name("current.bak"), cur)
         shutil.rmtree(other)
     passes(pinned)
+
+
+def test_a_hostile_file_name_is_refused_on_one_line_without_a_traceback(pinned: rt.Tree) -> None:
+    """A planted .pth whose name is not UTF-8 and holds a newline and an escape sequence: exit 7, the report
+    keeps one line per drift (the name escaped), no traceback; JSON names it too."""
+    sp = os.fsencode(pinned.site_packages)
+    bad = sp + b"/\xff\n\x1b[2Jevil.pth"
+    with open(bad, "wb") as f:
+        f.write(b"import os\n")
+    try:
+        r = fast_verify(pinned)
+        assert r.returncode == 7, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+        lines = r.stdout.splitlines()
+        assert len(lines) == 3 and "\\udcff\\n\\x1b[2Jevil.pth" in lines[2] and "absent" in lines[2]
+        assert "\x1b" not in r.stdout + r.stderr
+        js = subprocess.run([sys.executable, "-m", "deploy_tool", "--config", str(pinned.config_path), "verify", FT,
+                             "--json"], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert js.returncode == 7 and "evil.pth" in js.stdout and "Traceback" not in js.stderr
+    finally:
+        os.unlink(bad)
+    assert fast_verify(pinned).returncode == 0
+
+
+def test_pins_without_the_tree_and_a_tree_gone_are_one_row_each(pinned: rt.Tree) -> None:
+    """Pins written before the release was pinned entry by entry (no "trees"): one row says the tree is not
+    pinned (exit 7, re-pin), not ten thousand; `current` gone: the release item and one row for its tree."""
+    import json
+
+    pp = fp.pins_path(pinned.cfg, FT)
+    saved = pp.read_bytes()
+    doc = json.loads(saved)
+    n = len(doc.pop("trees")["release"]["entries"])
+    pp.write_text(json.dumps(doc))
+    try:
+        r = fp.verify(pinned.cfg, FT)
+        assert [(d.item.id, d.expected, d.actual) for d in r.rows] == [("release/.", "not pinned", f"{n} entries")]
+    finally:
+        pp.write_bytes(saved)
+    cur = Path(pinned.cfg.paths.current)
+    os.replace(cur, cur.with_name("current.bak"))
+    try:
+        r = fp.verify(pinned.cfg, FT)
+        rows = {d.item.id: (d.expected, d.actual) for d in r.rows}
+        assert rows["release"][1] == fp.MISSING and rows["release/."] == (f"{n} entries", fp.MISSING)
+        assert len([i for i in rows if i.startswith("release/")]) == 1
+    finally:
+        os.replace(cur.with_name("current.bak"), cur)
+    passes(pinned)

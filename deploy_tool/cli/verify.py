@@ -110,7 +110,7 @@ def pin(ctx: Ctx, backend: str, reason: str, json_out: bool) -> None:
 
 
 def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) -> str:
-    from deploy_tool.fingerprint import short
+    from deploy_tool.fingerprint import safe, short
 
     verb = "would pin" if dry else "pinned"
     if not had_pins:
@@ -118,7 +118,7 @@ def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) ->
     if not changes:
         return f"{verb} {n} fingerprints of {name}: nothing changed since the last pin"
     lines = [f"{verb} {n} fingerprints of {name}; {len(changes)} changed:"]
-    lines += [f"  {d.item.label}: {short(d.expected)} -> {short(d.actual)}" for d in changes]
+    lines += [f"  {safe(d.item.label)}: {short(d.expected)} -> {short(d.actual)}" for d in changes]
     return "\n".join(lines)
 
 
