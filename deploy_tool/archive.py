@@ -17,7 +17,6 @@ truncation, trailing garbage, and totals above a limit. On any error the staging
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import queue
@@ -32,7 +31,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from deploy_tool.errors import InputError, MissingTool, OSFailure
-from deploy_tool.manifest import CHUNK, _chunk_buffer, check_relpath, reject, source_date_epoch
+from deploy_tool.hashing import CHUNK, read_buffer, sha256_chunks, write_all
+from deploy_tool.manifest import check_relpath, reject, source_date_epoch
 from deploy_tool.progress import ByteCounter, ProgressFn
 from deploy_tool.textsafe import q
 
@@ -282,7 +282,7 @@ def _write_stream(items: Sequence[Member], sizes: dict[str, int], f: BinaryIO, *
 
 
 def _copy_file_into(src: Path, size: int, sink: _Sink, counter: ByteCounter) -> None:
-    buf, view = _chunk_buffer()
+    buf, view = read_buffer()
     done = 0
     try:
         fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
@@ -733,24 +733,23 @@ class SafeExtractor:
             os.symlink(e.target, path)
             self.links.add(e.name)
             return ""
-        h = hashlib.sha256()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.files.add(e.name)
-        written = 0
+        sha = ""
         try:
-            for b in chunks:
-                if digest:
-                    h.update(b)
-                written += len(b)
-                view = memoryview(b)
-                while view:
-                    view = view[os.write(fd, view):]
+            if digest:
+                sha, written = sha256_chunks(chunks, sink=write_all(fd))
+            else:
+                sink, written = write_all(fd), 0
+                for b in chunks:
+                    sink(b)
+                    written += len(b)
             os.fchmod(fd, normal_mode(e.mode) if mode is None else mode)
         finally:
             os.close(fd)
         if written != e.size:  # pragma: no cover - TarReader raises first
             raise reject("archive-truncated", f"archive entry {q(e.name)} is short", path=e.name)
-        return h.hexdigest() if digest else ""
+        return sha
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ removed, so nothing unverified stays on disk.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -38,6 +37,7 @@ from deploy_tool.archive import (
     write_archive,
 )
 from deploy_tool.errors import BundleError, InputError, OSFailure
+from deploy_tool.hashing import sha256_chunks, sha256_stream, write_all
 from deploy_tool.manifest import (
     DEFAULT_KEYS_DIR,
     MANIFEST_NAME,
@@ -47,7 +47,6 @@ from deploy_tool.manifest import (
     SIGNATURE_NAME,
     FileEntry,
     Manifest,
-    _chunk_buffer,
     check_relpath,
     hash_files,
     public_key_id,
@@ -155,41 +154,28 @@ def _check_entries(entries: Sequence[Entry]) -> list[Entry]:
 def _copy_and_hash(src: Path | bytes, dst: Path, mode: int, mtime: int,
                    counter: ByteCounter) -> tuple[int, str]:
     """Copy src to dst (new file) while hashing what was written; one pass, 1 MiB reads."""
-    h = hashlib.sha256()
-    size = 0
     out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        write = write_all(out)
+
+        def sink(chunk: bytes | memoryview) -> None:
+            write(chunk)
+            counter.add(len(chunk))
+
         if isinstance(src, bytes | bytearray):
-            h.update(src)
-            size = len(src)
-            view = memoryview(src)
-            while view:
-                view = view[os.write(out, view):]
-            counter.add(size)
+            sha, size = sha256_chunks([src], sink=sink)
         else:
-            buf, mv = _chunk_buffer()
             try:
-                fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+                fin = open(src, "rb", buffering=0)  # noqa: SIM115 - only the open is an input error
             except OSError as exc:
                 raise InputError(f"cannot read {q(src)}: {exc.strerror}") from exc
-            try:
-                while True:
-                    n = os.readv(fd, [buf])
-                    if not n:
-                        break
-                    h.update(mv[:n])
-                    chunk = mv[:n]
-                    while chunk:
-                        chunk = chunk[os.write(out, chunk):]
-                    size += n
-                    counter.add(n)
-            finally:
-                os.close(fd)
+            with fin:
+                sha, size = sha256_stream(fin, sink=sink)
         os.fchmod(out, mode)
     finally:
         os.close(out)
     os.utime(dst, (mtime, mtime), follow_symlinks=False)
-    return size, h.hexdigest()
+    return size, sha
 
 
 def write_bundle(entries: Sequence[Entry], out_dir: str | os.PathLike[str], *, name: str = "bundle",

@@ -6,18 +6,23 @@ lists every difference as (item, expected, actual). `deploytool verify` exits 7 
 systemd refuse the start, and prints one plain line per changed item for `journalctl -u` / `systemctl status`.
 
 What is fingerprinted (item ids in brackets; a missing file is a value too: "missing"):
+  release   the release `current` points at [release], and every entry under it, whatever it is and whoever
+            uses it (the backend venv, deploytool's own venv, templates, NCCL, the release's units and env files,
+            MANIFEST, wheels): a file by type, mode and SHA-256, a symlink by its target string, a directory by
+            its mode [release/PATH] (deploy_tool.treepin). Anything added after the pin is drift as well
+            (expected "absent"): a new .pth, sitecustomize or usercustomize module, a planted .pyc in a
+            __pycache__, any new file in any directory. A venv outside the release (a backend's executable
+            elsewhere [venv/PATH], or paths.deploytool's venv [tool/PATH], see selfcheck) is pinned the same way.
   ftllm     ftllm version from the venv's dist-info METADATA [ftllm.version] (ftllm is never imported), Python
             version from pyvenv.cfg [python.version], the base interpreter's real path [python.interpreter] and
-            SHA-256 [python.binary] (and its libpython, when linked against one [python.libpython]), SHA-256 of
-            every native library in the ftllm package, libfastllm_tools.so first [ftllm.lib/NAME], the bundled
-            chat template [template] and NCCL [nccl.sha256] when used, and whether that NCCL still holds code
-            for the configured GPU architecture under the arch policy [nccl.arch]; ftllm's Python files and
-            console script against the SHA-256 pip recorded in its RECORD [ftllm.record]; the version of
-            every other distribution in the venv [package/NAME] (the lock, as installed).
-  llamacpp  SHA-256 of the binary [binary.sha256], its build as `--version` reports it (run only when the
-            binary's hash matches the pin, never on a changed binary: the check runs as root) [binary.build],
-            SHA-256 of every shared library beside the binary (libggml*, libllama*, ...) [binary.lib/NAME],
-            mmproj size and header hash [mmproj.size, mmproj.header].
+            SHA-256 [python.binary] (and its libpython, when linked against one [python.libpython]), the import
+            hooks in the base interpreter's own library directories [python.hooks, python.hook/NAME], and
+            whether the bundled NCCL (its bytes are a tree entry, like the chat template's) still holds code for
+            the configured GPU architecture under the arch policy [nccl.arch].
+  llamacpp  SHA-256 of the binary [binary.sha256] and its mode [binary.mode], its build as `--version` reports it
+            (run only when the binary's hash matches the pin, never on a changed binary: the check runs as
+            root) [binary.build], SHA-256 of every shared library beside the binary (libggml*, libllama*, ...)
+            [binary.lib/NAME], mmproj size and header hash [mmproj.size, mmproj.header].
   both      the installed unit file [unit], its drop-ins <unit>.d/*.conf [unit.d/NAME] and the env file [env];
             the model: a directory gives its config.json SHA-256 [model.config], every weight file's size
             [model.weight/NAME] and the SHA-256 of its small metadata files (tokenizer, generation config,
@@ -28,33 +33,12 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
 Not fingerprinted: secrets.env (a hash of a short API key in a world-readable pins file could be guessed),
 drop-ins outside the unit dir (/run/systemd/system, system.control), the system libraries (libc, CUDA driver).
 
-Speed. Files are hashed in parallel threads (hashlib and reads release the GIL), largest first, 1 MiB reads;
-a file of 32 MiB or more gets a second thread that reads ahead while the first one hashes.
-A cache in `<state_dir>/cache/fingerprint-<backend>.json` maps a file's path and (st_dev, st_ino, st_size,
-st_mtime_ns, st_ctime_ns) to the values computed from it, so a start with nothing changed only stats files.
-
-Why the cache can be trusted:
-  * st_ctime is set by the kernel to the current time on every change to the inode: any write, truncate,
-    chmod/chown, link/unlink, or rename over the path (a new inode: st_ino changes as well). No system call
-    lets a user set it; `touch -d` and utimensat() set atime/mtime only and bump ctime themselves. So a file
-    edited and then given back its old size and mtime still gets a new ctime and misses the cache.
-  * Racy entries: timestamps are taken from a coarse clock (one tick, a few ms; whole seconds on some file
-    systems), so a change in the same tick as the hash could keep the same ctime. An entry is trusted only
-    if the file's ctime is older than the moment its value was computed by a margin larger than the
-    timestamp granularity (the rule git uses for its index): CACHE_RACY_MARGIN_S (0.1 s, for file systems
-    with sub-second timestamps: ext4, xfs, btrfs, tmpfs), or CACHE_COARSE_MARGIN_S (2 s) when the ctime is
-    a whole second, as on file systems with 1 s or 2 s timestamps (ext3, FAT). Younger files are hashed every
-    time until they age. A value is stored only if the file's stat did not change while it was hashed.
-  * The cache file is used only when it is owned by root or by the user running verify and is not group- or
-    world-writable; a cache file that is missing, unreadable, corrupt, of another format or for other paths
-    is ignored (everything is hashed). Writing it is best effort: a read-only or full state dir only costs
-    speed, never correctness. `--no-cache` ignores it; `pin` always hashes afresh.
-Limits (what the cache cannot see, where `verify --no-cache` or re-hashing is the answer):
-  * changes that bypass the file system: writing the block device directly or editing it offline (e.g.
-    debugfs can set ctime); file systems that do not maintain ctime (some FUSE and network file systems);
-  * someone with root who sets the clock back to a file's exact ctime tick before changing it: root can as
-    well rewrite the pins, so the check is a guard against accidents and drift, not against root;
-  * a writable shared mmap updates mtime/ctime at the first write after writeback, not at every store.
+Speed. Files are hashed by deploy_tool.hashing (the one SHA-256 engine: 1 MiB reads, parallel threads, largest
+first). A cache in `<state_dir>/cache/fingerprint-<backend>.json` (hashing.HashCache) maps a file's path and
+(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) to the values computed from it, so a start with nothing
+changed only stats files. Why that can be trusted, and its limits (where `verify --no-cache` is the answer), is
+in deploy_tool.hashing's module doc. The cache file is trusted only when owned by root or the user running
+verify and not group- or world-writable; `--no-cache` ignores it; `pin` always hashes afresh.
 """
 
 from __future__ import annotations
@@ -64,35 +48,32 @@ import json
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from deploy_tool import treepin
 from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
-from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE, expand
+from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, settled, sha256_fd, stat_key
+from deploy_tool.render import BUNDLED_NCCL, expand
 from deploy_tool.textsafe import q
 
 PINS_FORMAT = 1
-CACHE_FORMAT = 1
-CHUNK = 1 << 20
 HEADER_BYTES = 1 << 20  # a GGUF's header hash covers its first 1 MiB
-PIPE_MIN_BYTES = 32 << 20  # files this large are read by a second thread while the first one hashes
-CACHE_RACY_MARGIN_S = 0.1  # > one coarse-clock tick (1-10 ms) on file systems with sub-second timestamps
-CACHE_COARSE_MARGIN_S = 2.0  # whole-second ctimes: covers 1 s (ext3) and 2 s (FAT) timestamp granularity
+CACHE_RACY_MARGIN_S = RACY_MARGIN_S
 SHORT_HASH = 12
 MISSING = "missing"
+ABSENT = "absent"  # a tree entry that was not there at pin time
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".flm", ".pt", ".pth", ".ckpt", ".npz", ".h5", ".msgpack")
 META_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".yaml")
 META_MAX_BYTES = 64 << 20
 _SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_URLSAFE = bytes.maketrans(b"+/", b"-_")  # standard -> urlsafe base64 alphabet
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -125,6 +106,29 @@ class Drift(NamedTuple):
 
 
 @dataclass(frozen=True)
+class TreePin:
+    """A directory tree entry by entry (treepin): {path relative to root ("." is root itself): value}."""
+
+    root: str
+    entries: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"root": self.root, "entries": self.entries}
+
+    def items(self, prefix: str) -> list[Item]:
+        return [_tree_item(prefix, self.root, rel, v) for rel, v in self.entries.items()]
+
+
+def _tree_item(prefix: str, root: str, rel: str, value: str) -> Item:
+    return Item(f"{prefix}/{rel}", f"{prefix}/{rel}", root if rel == treepin.ROOT else os.path.join(root, rel),
+                value)
+
+
+def _expand(items: Iterable[Item], trees: dict[str, TreePin]) -> list[Item]:
+    return [*items, *(i for prefix, t in trees.items() for i in t.items(prefix))]
+
+
+@dataclass(frozen=True)
 class PinSet:
     backend: str
     kind: str
@@ -132,18 +136,27 @@ class PinSet:
     release: str | None
     reason: str
     by: dict[str, Any]
-    items: tuple[Item, ...]
+    items: tuple[Item, ...]  # the single items; the trees' entries are in `trees`
     path: str = ""
+    trees: dict[str, TreePin] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         from deploy_tool import __version__
 
         return {"format": PINS_FORMAT, "backend": self.backend, "kind": self.kind, "pinned_at": self.pinned_at,
                 "release": self.release, "reason": self.reason, "by": self.by, "deploytool": __version__,
-                "items": [i.to_json() for i in self.items]}
+                "items": [i.to_json() for i in self.items],
+                "trees": {k: t.to_json() for k, t in self.trees.items()}}
 
     def values(self) -> dict[str, str]:
         return {i.id: i.value for i in self.items}
+
+    def all_items(self) -> list[Item]:
+        """The single items and every tree entry as an item (id `<tree>/<path>`)."""
+        return _expand(self.items, self.trees)
+
+    def count(self) -> int:
+        return len(self.items) + sum(len(t.entries) for t in self.trees.values())
 
 
 @dataclass(frozen=True)
@@ -165,111 +178,56 @@ class VerifyReport:
     rows: list[Drift]
     backend: str = ""
     pins: PinSet | None = None
-    items: tuple[Item, ...] = ()
+    items: tuple[Item, ...] = ()  # the single items
     stats: Stats = field(default_factory=Stats)
+    trees: dict[str, TreePin] = field(default_factory=dict)
+
+    def checked(self) -> int:
+        return len(self.items) + sum(len(t.entries) for t in self.trees.values())
 
     def to_json(self) -> dict[str, Any]:
         p = self.pins
-        return {"backend": self.backend, "ok": self.ok, "checked": len(self.items),
+        return {"backend": self.backend, "ok": self.ok, "checked": self.checked(),
                 "drift": [r.to_json() for r in self.rows],
                 "pinned_at": p.pinned_at if p else None, "release": p.release if p else None,
                 "reason": p.reason if p else None, "stats": self.stats.to_json(),
-                "items": [i.to_json() for i in self.items]}
+                "items": [i.to_json() for i in self.items],
+                "trees": {k: {"root": t.root, "entries": len(t.entries)} for k, t in self.trees.items()}}
 
 
 # --------------------------------------------------------------------------------------------------------------
 # the cache
 
 
-def _stat_key(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-class Cache:
-    """Values computed from files, keyed on path + (dev, ino, size, mtime_ns, ctime_ns); see the module doc."""
-
-    def __init__(self, path: Path | None, *, read: bool = True, racy_margin_s: float = CACHE_RACY_MARGIN_S):
-        self.path = path
-        self.margin_ns = int(racy_margin_s * 1e9)
-        self.coarse_margin_ns = max(self.margin_ns, int(CACHE_COARSE_MARGIN_S * 1e9))
-        self.old: dict[str, Any] = self._load() if (path is not None and read) else {}
-        self.new: dict[str, Any] = {}
-        self.dirty = False
-        self._lock = threading.Lock()  # put() is called from the hashing threads
-        self._by_key: dict[tuple[Any, ...], str] | None = None
-
-    def _load(self) -> dict[str, Any]:
-        assert self.path is not None
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            return {}
-        try:
-            st = os.fstat(fd)
-            if (not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid())
-                    or st.st_mode & 0o022 or st.st_size > (64 << 20)):
-                return {}
-            with open(fd, "rb", closefd=False) as f:
-                d = json.loads(f.read())
-        except (OSError, ValueError, RecursionError):
-            return {}
-        finally:
-            os.close(fd)
-        if not isinstance(d, dict) or d.get("format") != CACHE_FORMAT or not isinstance(d.get("entries"), dict):
-            return {}
-        return d["entries"]
-
-    def get(self, path: str, st: os.stat_result, kind: str) -> str | None:
-        e = self.old.get(path)
-        if not isinstance(e, dict) or e.get("key") != _stat_key(st):
-            return None
-        v = e.get("values", {}).get(kind) if isinstance(e.get("values"), dict) else None
-        if (not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) or not isinstance(v[1], int)
-                or isinstance(v[1], bool)):
-            return None
-        margin = self.coarse_margin_ns if st.st_ctime_ns % 1_000_000_000 == 0 else self.margin_ns
-        if st.st_ctime_ns + margin > v[1]:
-            return None  # racy: the file changed too shortly before the value was computed
-        self._keep(path, st, kind, v)
-        return v[0]
-
-    def get_same_file(self, st: os.stat_result, kind: str) -> str | None:
-        """The value cached for any path whose (dev, ino, size, mtime_ns, ctime_ns) is `st`'s: the same file
-        under another name (a library a process maps, opened through /proc/PID/map_files). Same trust as get()."""
-        if self._by_key is None:
-            self._by_key = {}
-            for path, e in self.old.items():
-                if isinstance(e, dict) and isinstance(e.get("key"), list):
-                    self._by_key.setdefault(tuple(e["key"]), path)
-        same = self._by_key.get(tuple(_stat_key(st)))
-        return self.get(same, st, kind) if same is not None else None
-
-    def _keep(self, path: str, st: os.stat_result, kind: str, v: list[Any]) -> None:
-        e = self.new.setdefault(path, {"key": _stat_key(st), "values": {}})
-        if e["key"] != _stat_key(st):
-            e.update(key=_stat_key(st), values={})
-        e["values"][kind] = v
-
-    def put(self, path: str, st: os.stat_result, kind: str, value: str, computed_at_ns: int) -> None:
-        with self._lock:
-            self._keep(path, st, kind, [value, computed_at_ns])
-            self.dirty = True
-
-    def save(self) -> None:
-        """Write the entries used in this run (best effort: failures cost only speed)."""
-        if self.path is None:
-            return
-        if not self.dirty and set(self.new) == set(self.old):
-            return
-        data = json.dumps({"format": CACHE_FORMAT, "entries": self.new}, sort_keys=True,
-                          separators=(",", ":")).encode()
-        with contextlib.suppress(Exception):
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-            atomic_write(self.path, data, 0o644)
+#: the stat-keyed cache of every file value (hashing.HashCache; its rules are in the module doc above)
+Cache = HashCache
 
 
 def cache_path(cfg: Config, backend: str) -> Path:
+    """The cache of the single items' files, plus each tree's last snapshot (the fast path of a verify with
+    nothing changed: treepin.snapshot_key)."""
     return Path(cfg.paths.state_dir) / "cache" / f"fingerprint-{backend}.json"
+
+
+def files_cache_path(cfg: Config, backend: str) -> Path:
+    """The cache of every file of the pinned trees (read only when a tree's snapshot changed)."""
+    return Path(cfg.paths.state_dir) / "cache" / f"fingerprint-{backend}-files.json"
+
+
+def cached_hasher(cfg: Config, backend: str) -> Callable[[str], str]:
+    """SHA-256 of a file through the values `deploytool verify BACKEND` cached (same dev, inode, size, mtime_ns
+    and ctime_ns, under any name), else computed (and kept in this process)."""
+    caches = [HashCache(cache_path(cfg, backend)), HashCache(files_cache_path(cfg, backend))]
+
+    def sha256(path: str) -> str:
+        st = os.stat(path)
+        for c in caches:
+            hit = c.get_same_file(st)
+            if hit is not None:
+                return hit
+        return caches[0].sha256(path)
+
+    return sha256
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -282,73 +240,8 @@ def _err_value(exc: OSError) -> str:
     return f"unreadable ({exc.strerror or type(exc).__name__})"
 
 
-def _hash_fd(fd: int, limit: int | None) -> tuple[str, int]:
-    import hashlib  # lazy (5 ms, it loads libcrypto): a fully cached verify hashes nothing
-
-    h = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    total = 0
-    while limit is None or total < limit:
-        want = CHUNK if limit is None else min(CHUNK, limit - total)
-        n = os.readv(fd, [view[:want]])
-        if not n:
-            break
-        h.update(view[:n])
-        total += n
-    return h.hexdigest(), total
-
-
-def _hash_fd_piped(fd: int) -> tuple[str, int]:
-    """SHA-256 of a whole large file with reads and hashing overlapped: a reader thread fills 1 MiB buffers
-    (the copy out of the page cache costs a third of the hashing time) while this thread hashes the previous
-    one; both release the GIL, so a file costs about its hashing time alone when a second core is free."""
-    import hashlib
-    import queue
-
-    h = hashlib.sha256()
-    free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
-    full: queue.SimpleQueue[tuple[bytearray | None, int]] = queue.SimpleQueue()
-    for _ in range(4):
-        free.put(bytearray(CHUNK))
-    errors: list[OSError] = []
-
-    def reader() -> None:
-        while True:
-            b = free.get()
-            if b is None:
-                return
-            try:
-                n = os.readv(fd, [b])
-            except OSError as exc:
-                errors.append(exc)
-                full.put((None, 0))
-                return
-            full.put((b, n))
-            if not n:
-                return
-
-    t = threading.Thread(target=reader, name="fingerprint-read", daemon=True)
-    t.start()
-    total = 0
-    try:
-        while True:
-            b, n = full.get()
-            if b is None or not n:
-                break
-            h.update(memoryview(b)[:n])
-            total += n
-            free.put(b)
-    finally:
-        free.put(None)  # stops the reader if it still waits for a buffer
-        t.join()
-    if errors:
-        raise errors[0]
-    return h.hexdigest(), total
-
-
 class _Job:
-    __slots__ = ("path", "kind", "st", "value", "cached", "fn", "nbytes")
+    __slots__ = ("path", "kind", "st", "value", "cached", "fn", "nbytes", "cache", "nofollow", "settled")
 
     def __init__(self, path: str, kind: str, fn: Callable[[str], str] | None = None) -> None:
         self.path = path
@@ -358,6 +251,9 @@ class _Job:
         self.value: str | None = None
         self.cached = False
         self.nbytes = 0
+        self.cache: HashCache | None = None  # where the value goes (the collector's cache if None)
+        self.nofollow = False  # a tree entry: hashed only if it is still the regular file the walk saw
+        self.settled = False  # the value may be trusted by a later run (hashing.settled)
 
 
 def _cost(job: _Job) -> int:
@@ -365,10 +261,11 @@ def _cost(job: _Job) -> int:
     return size if job.kind == "sha256" else min(size, HEADER_BYTES)
 
 
-def _run_hash(job: _Job, cache: Cache) -> None:
+def _run_hash(job: _Job, cache: HashCache) -> None:
     t0 = time.time_ns()
+    cache = job.cache or cache
     try:
-        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if job.nofollow else 0))
     except OSError as exc:
         job.value = _err_value(exc)
         return
@@ -377,10 +274,7 @@ def _run_hash(job: _Job, cache: Cache) -> None:
         if not stat.S_ISREG(st1.st_mode):
             job.value = "not a regular file"
             return
-        if job.kind == "sha256" and st1.st_size >= PIPE_MIN_BYTES:
-            digest, n = _hash_fd_piped(fd)
-        else:
-            digest, n = _hash_fd(fd, None if job.kind == "sha256" else HEADER_BYTES)
+        digest, n = sha256_fd(fd, limit=None if job.kind == "sha256" else HEADER_BYTES, regular=True)
         st2 = os.fstat(fd)
     except OSError as exc:
         job.value = _err_value(exc)
@@ -388,11 +282,14 @@ def _run_hash(job: _Job, cache: Cache) -> None:
     finally:
         os.close(fd)
     job.value, job.nbytes = digest, n
-    if _stat_key(st1) == _stat_key(st2):
+    # kept only if the file did not change while it was read (nor, for a tree entry, since the walk saw it)
+    if stat_key(st1) == stat_key(st2) and not (job.nofollow and job.st is not None
+                                               and stat_key(st1) != stat_key(job.st)):
         cache.put(job.path, st1, job.kind, digest, t0)
+        job.settled = settled(st1, t0, cache.margin_ns, cache.coarse_margin_ns)
 
 
-def _run_derived(job: _Job, cache: Cache) -> None:
+def _run_derived(job: _Job, cache: HashCache) -> None:
     assert job.fn is not None and job.st is not None
     t0 = time.time_ns()
     try:
@@ -404,7 +301,7 @@ def _run_derived(job: _Job, cache: Cache) -> None:
         job.value = _err_value(exc)
         return
     with contextlib.suppress(OSError):
-        if _stat_key(os.stat(job.path)) == _stat_key(job.st):
+        if stat_key(os.stat(job.path)) == stat_key(job.st):
             cache.put(job.path, job.st, job.kind, job.value, t0)
 
 
@@ -412,40 +309,21 @@ def _run_derived(job: _Job, cache: Cache) -> None:
 # collection
 
 
-class _RecordCheck:
-    """Files listed in a wheel's RECORD, each with the urlsafe-base64 SHA-256 it was installed with."""
-
-    __slots__ = ("entries",)
-
-    def __init__(self, entries: list[tuple[str, str, _Job]]) -> None:
-        self.entries = entries  # (path relative to site-packages, expected b64 digest, hashing job)
-
-    def value(self) -> str:
-        import binascii  # what base64.urlsafe_b64encode runs, without base64's imports (struct)
-
-        bad = []
-        for rel, want, job in self.entries:
-            v = job.value or "unreadable"
-            if not _HEX64.fullmatch(v):
-                bad.append(f"{rel} ({v})")
-            elif binascii.b2a_base64(bytes.fromhex(v), newline=False).translate(_URLSAFE).rstrip(b"=").decode() != want:
-                bad.append(rel)
-        n = len(self.entries)
-        if not bad:
-            return f"all {n} files match RECORD"
-        more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
-        return f"{len(bad)} of {n} files differ from RECORD: {', '.join(bad[:4])}{more}"
-
-
 class _Collector:
     """Items in order; file contents are read later, all at once, in parallel, through the cache."""
 
-    def __init__(self, cache: Cache, expected: dict[str, str] | None, workers: int | None) -> None:
+    def __init__(self, cache: HashCache, expected: dict[str, str] | None, workers: int | None,
+                 files_cache: Callable[[], HashCache] | None = None, use_cache: bool = True) -> None:
         self.cache = cache
         self.expected = expected
         self.workers = workers
         self.specs: list[tuple[str, str, str | None, Any]] = []  # (id, label, path, str value | _Job | guard)
         self.jobs: dict[tuple[str, str], _Job] = {}
+        self.trees: dict[str, str] = {}  # prefix -> real path of the root
+        self._files_cache_fn = files_cache or (lambda: HashCache())
+        self._files_cache: HashCache | None = None
+        self.use_cache = use_cache
+        self.snapshots: dict[str, Any] = {}  # prefix -> the snapshot saved for the next run
 
     def value(self, id: str, label: str, path: str | os.PathLike[str] | None, value: str) -> None:
         self.specs.append((id, label, None if path is None else str(path), value))
@@ -468,26 +346,18 @@ class _Collector:
         item `guard` still has its pinned value (e.g. run a binary only if its hash is the pinned one)."""
         self.specs.append((id, label, str(path), (self._job(str(path), kind, fn), guard)))
 
-    def record(self, id: str, label: str, site_packages: Path, dist_info: Path,
-               keep: Callable[[str], bool]) -> None:
-        """Check the files a wheel installed (those `keep` selects) against the hashes in its RECORD."""
-        entries: list[tuple[str, str, _Job]] = []
-        top = os.path.normpath(site_packages.parent.parent.parent)  # the venv
-        try:
-            lines = (dist_info / "RECORD").read_text("utf-8", errors="replace").splitlines()
-        except OSError as exc:
-            self.value(id, label, dist_info / "RECORD", _err_value(exc))
-            return
-        for line in lines:
-            rel, _, rest = line.partition(",")
-            digest = rest.partition(",")[0]
-            if not digest.startswith("sha256=") or not keep(rel):
-                continue
-            path = os.path.normpath(os.path.join(site_packages, rel))
-            if not path.startswith(top + os.sep):
-                continue  # RECORD entries outside the venv are not ours to check
-            entries.append((rel, digest[len("sha256="):], self._job(path, "sha256")))
-        self.specs.append((id, label, str(dist_info / "RECORD"), _RecordCheck(entries)))
+    def tree(self, prefix: str, root: str | os.PathLike[str]) -> bool:
+        """Pin every entry under `root` (treepin) as `<prefix>/<path>`; False (nothing added) when root lies
+        inside a tree already pinned (or is the root of one)."""
+        real = os.path.realpath(root)
+        if prefix in self.trees or any(treepin.inside(real, r) for r in self.trees.values()):
+            return False
+        self.trees[prefix] = real
+        return True
+
+    def in_tree(self, path: str | os.PathLike[str]) -> bool:
+        real = os.path.realpath(path)
+        return any(treepin.inside(real, r) for r in self.trees.values())
 
     def size(self, id: str, label: str, path: str | os.PathLike[str]) -> None:
         try:
@@ -497,7 +367,53 @@ class _Collector:
             v = _err_value(exc)
         self.value(id, label, path, v)
 
-    def finish(self) -> tuple[list[Item], Stats]:
+    def files_cache(self) -> HashCache:
+        if self._files_cache is None:
+            self._files_cache = self._files_cache_fn()
+        return self._files_cache
+
+    def _walk_tree(self, prefix: str, root: str, todo: list[_Job]) -> tuple[Any, list[Any], list[tuple[int, _Job]],
+                                                                             int]:
+        """(walk, values with None where a hash is pending, the pending jobs by index, cache hits)."""
+        w = treepin.walk(root)
+        key = treepin.snapshot_key(w)
+        snap = self.cache.section("trees") if self.use_cache else None
+        snap = snap.get(prefix) if isinstance(snap, dict) else None
+        n = len(w.rels)
+        if (isinstance(snap, dict) and snap.get("root") == root and snap.get("key") == key
+                and snap.get("settled") is True and isinstance(snap.get("values"), list)
+                and len(snap["values"]) == n and set(map(type, snap["values"])) <= {str}):
+            self.snapshots[prefix] = snap  # nothing changed since the last run: its values hold
+            return w, snap["values"], [], w.files
+        fc = self.files_cache()
+        values: list[Any] = [None] * n
+        pending: list[tuple[int, _Job]] = []
+        hits = 0
+        s_isreg, s_islnk, get, value = stat.S_ISREG, stat.S_ISLNK, fc.get, treepin.value
+        for i, (rel, st) in enumerate(zip(w.rels, w.stats, strict=True)):
+            m = st.st_mode
+            if s_isreg(m):
+                path = w.path(rel)
+                hit = get(path, st)
+                if hit is not None:
+                    values[i] = value(st, hit)
+                    hits += 1
+                    continue
+                job = _Job(path, "sha256")
+                job.st, job.cache, job.nofollow = st, fc, True
+                pending.append((i, job))
+                todo.append(job)
+            elif s_islnk(m):
+                values[i] = value(st, treepin.read_link(w, rel))
+            else:
+                values[i] = value(st)
+        for rel, why in w.errors.items():
+            i = w.rels.index(rel)
+            values[i] = f"{values[i]}; cannot list: {why}"
+        self.snapshots[prefix] = {"root": root, "key": key, "values": values, "settled": None}
+        return w, values, pending, hits
+
+    def finish(self) -> tuple[list[Item], dict[str, TreePin], Stats]:
         t0 = time.perf_counter()
         hits = 0
         todo: list[_Job] = []
@@ -516,17 +432,23 @@ class _Collector:
                 hits += 1
             elif job.fn is None:
                 todo.append(job)
-        # hashes: largest first, so the long ones start early and the small ones fill the gaps
-        todo.sort(key=_cost, reverse=True)
-        workers = max(1, min(self.workers or os.cpu_count() or 1, len(todo)))
-        if workers == 1:
-            for job in todo:
-                _run_hash(job, self.cache)
-        elif todo:
-            from concurrent.futures import ThreadPoolExecutor  # lazy: a fully cached verify needs no threads
-
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fingerprint") as pool:
-                list(pool.map(lambda j: _run_hash(j, self.cache), todo))
+        n_files = sum(1 for j in self.jobs.values() if j.st is not None and stat.S_ISREG(j.st.st_mode))
+        walked = []
+        for prefix, root in self.trees.items():
+            w, values, pending, h = self._walk_tree(prefix, root, todo)
+            walked.append((prefix, root, w, values, pending))
+            hits += h
+            n_files += h + len(pending)
+        # every hash of this run at once: largest first, so the long ones start early and the small ones fill the gaps
+        parallel(lambda j: _run_hash(j, self.cache), todo, workers=self.workers, cost=_cost)
+        trees: dict[str, TreePin] = {}
+        for prefix, root, w, values, pending in walked:
+            for i, job in pending:
+                values[i] = treepin.value(job.st, job.value or "unreadable")  # type: ignore[arg-type]
+            snap = self.snapshots[prefix]
+            if snap.get("settled") is None:
+                snap["settled"] = all(j.settled for _, j in pending)
+            trees[prefix] = TreePin(root, dict(zip(w.rels, values, strict=True)))
         items: list[Item] = []
         resolved: dict[str, str] = {}
         derived_run = 0
@@ -535,8 +457,6 @@ class _Collector:
                 v = spec
             elif isinstance(spec, _Job):
                 v = spec.value if spec.value is not None else "unreadable"
-            elif isinstance(spec, _RecordCheck):
-                v = spec.value()
             else:
                 job, guard = spec
                 if job.value is None:
@@ -550,10 +470,16 @@ class _Collector:
                 v = job.value or "unreadable"
             items.append(Item(id_, label, path, v))
             resolved[id_] = v
-        n_files = sum(1 for j in self.jobs.values() if j.st is not None and stat.S_ISREG(j.st.st_mode))
         stats = Stats(files=n_files, hashed=len(todo) + derived_run, cache_hits=hits,
                       bytes_hashed=sum(j.nbytes for j in todo), seconds=time.perf_counter() - t0)
-        return items, stats
+        return items, trees, stats
+
+    def save(self) -> None:
+        """Write the caches (best effort): the single items' values and each tree's snapshot; the tree files'
+        values only when a tree had to be looked at entry by entry."""
+        self.cache.save(trees=self.snapshots)
+        if self._files_cache is not None:
+            self._files_cache.save()
 
 
 def _read_kv(path: Path) -> dict[str, str] | None:
@@ -638,9 +564,33 @@ def _collect_python(c: _Collector, venv: Path) -> Path:
             lib = Path(real).parent.parent / "lib" / f"libpython{mm}.so.1.0"
             if lib.exists():
                 c.sha256("python.libpython", f"SHA-256 of libpython{mm}.so.1.0", lib)
+            _collect_hooks(c, Path(real).parent.parent / "lib" / f"python{mm}")
     else:
         c.value("python.interpreter", "Python interpreter", py, MISSING)
     return _site_packages(venv, version)
+
+
+HOOK_MODULES = ("sitecustomize", "usercustomize")
+
+
+def _collect_hooks(c: _Collector, stdlib: Path) -> None:
+    """The import hooks Python runs at every start from the base interpreter's own directories, outside any venv
+    (sitecustomize/usercustomize modules, packages, .pyc and extension modules in the standard library and
+    lib-dynload): which exist [python.hooks] and the SHA-256 of each [python.hook/NAME]. Those in the venv are
+    entries of its tree like any other file."""
+    found: list[tuple[str, str]] = []
+    for d in (stdlib, stdlib / "__pycache__", stdlib / "lib-dynload"):
+        for e in _listdir(d):
+            if e.name.split(".", 1)[0] in HOOK_MODULES:
+                found.append((os.path.relpath(e.path, stdlib), e.path))
+    c.value("python.hooks", f"import hooks in {stdlib}", stdlib, ", ".join(n for n, _ in found) or "none")
+    for name, path in found:
+        if os.path.isdir(path):
+            for e in _listdir(Path(path)):
+                if _is_file(e):
+                    c.sha256(f"python.hook/{name}/{e.name}", f"import hook {name}/{e.name}", e.path)
+        else:
+            c.sha256(f"python.hook/{name}", f"import hook {name}", path)
 
 
 def _collect_model(c: _Collector, prefix: str, what: str, model: str, model_config: str | None) -> None:
@@ -691,8 +641,22 @@ def _arch_value(cc: str, policy: str) -> Callable[[str], str]:
     return fn
 
 
+def _collect_release(c: _Collector, cfg: Config) -> None:
+    """The release `current` points at [release], and every entry under it [release/PATH] (treepin)."""
+    cur = Path(cfg.paths.current)
+    if not os.path.lexists(cur):
+        c.value("release", "release (current)", cur, MISSING)
+        return
+    real = os.path.realpath(cur)
+    c.value("release", "release (current)", cur, real if os.path.isdir(real) else f"{real} ({MISSING})")
+    if os.path.isdir(real):
+        c.tree("release", real)
+
+
 def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
     venv = _venv_dir(cfg, b)
+    if os.path.isdir(venv) and not c.in_tree(venv):
+        c.tree("venv", venv)  # a venv outside the release is pinned entry by entry as well
     sp = _collect_python(c, venv)
     dists = sorted(sp.glob("ftllm-*.dist-info"))
     if not dists:
@@ -701,24 +665,10 @@ def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
         versions = [_metadata_version(d) for d in dists]
         c.value("ftllm.version", "ftllm version", dists[0] / "METADATA",
                 versions[0] if len(versions) == 1 else "several: " + ", ".join(versions))
-    pkg = sp / "ftllm"
-    libs = {e.name for e in _listdir(pkg) if _is_native_lib(e.name) and _is_file(e)}
-    libs.add("libfastllm_tools.so")  # always listed, so its absence is reported
-    for name in sorted(libs, key=lambda n: (n != "libfastllm_tools.so", n)):
-        c.sha256(f"ftllm.lib/{name}", f"SHA-256 of {name}", pkg / name)
-    if len(dists) == 1:
-        # the package's Python code and the console script, against the hashes pip installed them with
-        # (native libraries have their own items above; METADATA is the version item)
-        c.record("ftllm.record", "ftllm files vs RECORD", sp, dists[0],
-                 lambda rel: not _is_native_lib(rel.rsplit("/", 1)[-1]) and not rel.startswith(dists[0].name))
-    _collect_packages(c, sp, skip="ftllm")
     _collect_units(c, cfg, b)
-    cur = Path(cfg.paths.current)
-    if b.use_bundle_chat_template:
-        c.sha256("template", "chat template", cur / BUNDLED_TEMPLATE)
+    cur = Path(cfg.paths.current)  # the bundled chat template and NCCL are entries of the release tree
     if b.use_bundle_nccl:
         nccl = cur / BUNDLED_NCCL
-        c.sha256("nccl.sha256", "NCCL library SHA-256", nccl)
         policy = cfg.bundle.nccl.arch_policy if cfg.bundle.nccl else "exact"
         cc = cfg.host.compute_capability
         c.derived("nccl.arch", f"NCCL code for sm_{cc.replace('.', '')}", nccl, f"arch:{cc}:{policy}",
@@ -727,16 +677,6 @@ def _collect_ftllm(c: _Collector, cfg: Config, b: FtllmBackend) -> None:
     sp_cfg = b.speculative
     if sp_cfg is not None and sp_cfg.algorithm != "none" and sp_cfg.draft_model:
         _collect_model(c, "draft", "draft", sp_cfg.draft_model, None)
-
-
-def _collect_packages(c: _Collector, sp: Path, *, skip: str) -> None:
-    """Every other distribution installed in the venv, by name and version (from the dist-info names)."""
-    for e in _listdir(sp):
-        if not e.name.endswith(".dist-info"):
-            continue
-        name, _, version = e.name[: -len(".dist-info")].rpartition("-")
-        if name and name.lower() != skip:
-            c.value(f"package/{name.lower()}", f"package {name}", e.path, version)
 
 
 def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:
@@ -768,6 +708,7 @@ def _collect_llamacpp(c: _Collector, cfg: Config, b: LlamacppBackend) -> None:
     binary = Path(expand(cfg, b.binary))
     name = binary.name
     c.sha256("binary.sha256", f"SHA-256 of {name}", binary)
+    c.value("binary.mode", f"mode of {name}", binary, _mode_value(binary))
     kind = "build" if not b.build else f"build:{b.build}"
 
     def build(path: str) -> str:
@@ -794,6 +735,13 @@ def _collect_llamacpp(c: _Collector, cfg: Config, b: LlamacppBackend) -> None:
         _collect_gguf(c, "mmproj", "mmproj", b.mmproj)
 
 
+def _mode_value(path: str | os.PathLike[str]) -> str:
+    try:
+        return f"{stat.S_IMODE(os.stat(path).st_mode):04o}"
+    except OSError as exc:
+        return _err_value(exc)
+
+
 def _resolve(cfg: Config, backend: Backend | str) -> Backend:
     return cfg.backend(backend) if isinstance(backend, str) else backend
 
@@ -801,16 +749,32 @@ def _resolve(cfg: Config, backend: Backend | str) -> Backend:
 def collect(cfg: Config, backend: Backend | str, *, use_cache: bool = True, expected: dict[str, str] | None = None,
             workers: int | None = None, racy_margin_s: float = CACHE_RACY_MARGIN_S,
             cache_file: Path | None | bool = True) -> list[Item]:
-    """The current fingerprints of a backend (see the module doc for the list)."""
-    return _collect(cfg, _resolve(cfg, backend), use_cache=use_cache, expected=expected, workers=workers,
-                    racy_margin_s=racy_margin_s, cache_file=cache_file)[0]
+    """The current fingerprints of a backend (see the module doc for the list), tree entries included."""
+    items, trees, _stats = _collect(cfg, _resolve(cfg, backend), use_cache=use_cache, expected=expected,
+                                    workers=workers, racy_margin_s=racy_margin_s, cache_file=cache_file)
+    return _expand(items, trees)
 
 
 def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, str] | None, workers: int | None,
-             racy_margin_s: float, cache_file: Path | None | bool) -> tuple[list[Item], Stats]:
+             racy_margin_s: float, cache_file: Path | None | bool,
+             fresh: HashCache | None = None) -> tuple[list[Item], dict[str, TreePin], Stats]:
+    """`fresh`: with use_cache=False, an in-memory cache whose values were all computed in this process (pins of
+    several backends in one install share it, so the release is read once)."""
     cpath = cache_path(cfg, b.name) if cache_file is True else (cache_file or None)
-    cache = Cache(cpath if isinstance(cpath, Path) else None, read=use_cache, racy_margin_s=racy_margin_s)
-    c = _Collector(cache, expected, workers)
+    cpath = cpath if isinstance(cpath, Path) else None
+    cache = HashCache(cpath, read=use_cache, racy_margin_s=racy_margin_s)
+    if fresh is not None and not use_cache:
+        cache.entries = fresh.entries  # shared (HashCache is thread-safe per instance; pins run one at a time)
+    fpath = cpath.with_name(cpath.stem + "-files.json") if cpath is not None else None
+
+    def files_cache() -> HashCache:
+        fc = HashCache(fpath, read=use_cache, racy_margin_s=racy_margin_s)
+        if fresh is not None and not use_cache:
+            fc.entries = fresh.entries
+        return fc
+
+    c = _Collector(cache, expected, workers, files_cache=files_cache, use_cache=use_cache)
+    _collect_release(c, cfg)
     if isinstance(b, FtllmBackend):
         _collect_ftllm(c, cfg, b)
     else:
@@ -818,13 +782,13 @@ def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, st
     from deploy_tool import selfcheck  # the deploytool that runs this check is pinned as well (tool.*)
 
     selfcheck.collect(c, cfg)
-    items, stats = c.finish()
+    items, trees, stats = c.finish()
     seen: set[str] = set()
     for it in items:
         assert it.id not in seen, f"duplicate fingerprint id {it.id}"
         seen.add(it.id)
-    cache.save()
-    return items, stats
+    c.save()
+    return items, trees, stats
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -892,16 +856,26 @@ def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
     try:
         items = tuple(Item(str(i["id"]), str(i["label"]), None if i.get("path") is None else str(i["path"]),
                            str(i["value"])) for i in d["items"])
+        trees = {}
+        for prefix, t in (d.get("trees") or {}).items():
+            entries = t["entries"]
+            if (not isinstance(t["root"], str) or not isinstance(entries, dict)
+                    or not set(map(type, entries.values())) <= {str}):
+                raise bad
+            trees[str(prefix)] = TreePin(t["root"], entries)
         return PinSet(backend=str(d["backend"]), kind=str(d["kind"]), pinned_at=str(d["pinned_at"]),
                       release=d.get("release"), reason=str(d["reason"]), by=dict(d.get("by") or {}),
-                      items=items, path=str(path))
+                      items=items, path=str(path), trees=trees)
     except (KeyError, TypeError, ValueError, AttributeError):
         raise bad from None
 
 
 def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None = None, store=None,
-        workers: int | None = None) -> PinSet:
-    """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when."""
+        workers: int | None = None, fresh: HashCache | None = None) -> PinSet:
+    """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when.
+
+    `fresh`: an in-memory HashCache shared by the pins of several backends in one run (install pins every
+    backend: the release they share is read once); only values computed in this process are in it."""
     from deploy_tool.state import Store
 
     b = _resolve(cfg, backend)
@@ -911,23 +885,23 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
     previous: PinSet | None = None
     with contextlib.suppress(DeployError):
         previous = load_pins(cfg, b)
-    items, _stats = _collect(cfg, b, use_cache=False, expected=None, workers=workers,
-                             racy_margin_s=CACHE_RACY_MARGIN_S, cache_file=True)
+    items, trees, _stats = _collect(cfg, b, use_cache=False, expected=None, workers=workers,
+                                    racy_margin_s=CACHE_RACY_MARGIN_S, cache_file=True, fresh=fresh)
     ps = PinSet(backend=b.name, kind=b.kind, pinned_at=_now(), release=release or current_release(cfg),
-                reason=reason, by=_who(), items=tuple(items), path=str(pins_path(cfg, b.name)))
+                reason=reason, by=_who(), items=tuple(items), path=str(pins_path(cfg, b.name)), trees=trees)
     path = pins_path(cfg, b.name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     except OSError as exc:
         raise os_error(exc, f"cannot create {path.parent}") from None
-    atomic_write(path, (json.dumps(ps.to_json(), indent=1, sort_keys=True) + "\n").encode(), 0o644)
+    atomic_write(path, (json.dumps(ps.to_json(), sort_keys=True, separators=(",", ":")) + "\n").encode(), 0o644)
     changed = []
     if previous is not None:
         changed = [{"id": r.item.id, "from": short(r.expected), "to": short(r.actual)}
-                   for r in diff(previous.items, items)]
+                   for r in diff(previous.items, items) + tree_diff(previous.trees, trees)]
     store = store if store is not None else Store(cfg.paths.state_dir)
     store.record("pin", backend=b.name, reason=reason, by=ps.by.get("user"), uid=ps.by.get("uid"),
-                 release=ps.release, items=len(items), changed=changed if previous is not None else None,
+                 release=ps.release, items=ps.count(), changed=changed if previous is not None else None,
                  first=previous is None)
     return ps
 
@@ -955,15 +929,40 @@ def diff(pinned: Iterable[Item], current: Iterable[Item]) -> list[Drift]:
     return out
 
 
+def tree_diff(pinned: dict[str, TreePin], current: dict[str, TreePin]) -> list[Drift]:
+    """Every tree entry added ("absent" expected), removed ("missing"), or changed, sorted by path per tree."""
+    out: list[Drift] = []
+    for prefix in [*pinned, *(k for k in current if k not in pinned)]:
+        p, c = pinned.get(prefix), current.get(prefix)
+        if p is None or c is None:  # a whole tree pinned and gone, or there and never pinned: one row
+            t = c if c is not None else p
+            assert t is not None
+            out.append(Drift(_tree_item(prefix, t.root, treepin.ROOT, t.entries.get(treepin.ROOT, MISSING)),
+                             f"{len(p.entries)} entries" if p is not None else "not pinned",
+                             f"{len(c.entries)} entries" if c is not None else MISSING))
+            continue
+        pe, ce = p.entries, c.entries
+        if pe == ce:
+            continue
+        root = c.root
+        for rel in sorted(pe.keys() | ce.keys()):
+            a, v = pe.get(rel), ce.get(rel)
+            if a != v:
+                item = _tree_item(prefix, root, rel, v if v is not None else a)  # type: ignore[arg-type]
+                out.append(Drift(item, a if a is not None else ABSENT, v if v is not None else MISSING))
+    return out
+
+
 def verify(cfg: Config, backend: Backend | str, *, use_cache: bool = True, workers: int | None = None,
            racy_margin_s: float = CACHE_RACY_MARGIN_S) -> VerifyReport:
     """Compare the current fingerprints with the pins (StateError if there are no pins)."""
     b = _resolve(cfg, backend)
     pins = load_pins(cfg, b)
-    items, stats = _collect(cfg, b, use_cache=use_cache, expected=pins.values(), workers=workers,
-                            racy_margin_s=racy_margin_s, cache_file=True)
-    rows = diff(pins.items, items)
-    return VerifyReport(ok=not rows, rows=rows, backend=b.name, pins=pins, items=tuple(items), stats=stats)
+    items, trees, stats = _collect(cfg, b, use_cache=use_cache, expected=pins.values(), workers=workers,
+                                   racy_margin_s=racy_margin_s, cache_file=True)
+    rows = diff(pins.items, items) + tree_diff(pins.trees, trees)
+    return VerifyReport(ok=not rows, rows=rows, backend=b.name, pins=pins, items=tuple(items), stats=stats,
+                        trees=trees)
 
 
 def check(cfg: Config, backend: Backend | str, **kw: Any) -> VerifyReport:
@@ -975,7 +974,7 @@ def check(cfg: Config, backend: Backend | str, **kw: Any) -> VerifyReport:
 
 
 def drift_error(r: VerifyReport) -> DriftError:
-    names = ", ".join(d.item.label for d in r.rows[:6]) + (", ..." if len(r.rows) > 6 else "")
+    names = ", ".join(safe(d.item.label) for d in r.rows[:6]) + (", ..." if len(r.rows) > 6 else "")
     return DriftError(f"{r.backend}: {len(r.rows)} fingerprint(s) differ from the pins: {names}",
                       hint="restore what changed; if the change is deliberate, re-pin it with "
                            f"`deploytool pin {r.backend} --reason TEXT`",
@@ -986,9 +985,18 @@ def drift_error(r: VerifyReport) -> DriftError:
 # text
 
 
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def safe(text: str) -> str:
+    """Text for one terminal or journal line: control characters and undecodable bytes of file names (surrogate
+    escapes) written as Python escapes (\\n, \\x1b, \\udcff)."""
+    return _UNSAFE.sub(lambda m: ascii(m.group(0))[1:-1], text)
+
+
 def short(value: str, width: int = 44) -> str:
     """A value for a table: hashes cut to 12 hex digits, long text to `width` (keeping the end)."""
-    v = _HEX64.sub(lambda m: m.group(0)[:SHORT_HASH], value)
+    v = safe(_HEX64.sub(lambda m: m.group(0)[:SHORT_HASH], value))
     return v if len(v) <= width else "..." + v[-(width - 3):]
 
 
@@ -1001,9 +1009,9 @@ def format_report(r: VerifyReport) -> str:
     st = r.stats
     timing = f"{st.seconds:.2f} s, {st.cache_hits} of {st.files} files from cache"
     if r.ok:
-        return f"{r.backend}: all {len(r.items)} fingerprints match ({since}) [{timing}]"
-    head = f"{r.backend}: DRIFT in {len(r.rows)} of {len(r.items)} fingerprints ({since}) [{timing}]"
-    rows = [(d.item.label, short(d.expected), short(d.actual)) for d in r.rows]
+        return f"{r.backend}: all {r.checked()} fingerprints match ({since}) [{timing}]"
+    head = f"{r.backend}: DRIFT in {len(r.rows)} of {r.checked()} fingerprints ({since}) [{timing}]"
+    rows = [(safe(d.item.label), short(d.expected), short(d.actual)) for d in r.rows]
     w0 = max(len("ITEM"), *(len(a) for a, _, _ in rows))
     w1 = max(len("EXPECTED"), *(len(b) for _, b, _ in rows))
     lines = [head, f"  {'ITEM':<{w0}}  {'EXPECTED':<{w1}}  ACTUAL"]

@@ -211,17 +211,9 @@ def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:
     """SHA-256 of a mapped library: the value `deploytool verify` cached for the same file (same dev, inode,
     size, mtime_ns and ctime_ns: the ExecStartPre of this very start hashed the release's libraries) or, for a
     file it never saw, computed."""
-    import os
+    from deploy_tool import fingerprint
 
-    from deploy_tool import fingerprint, runtime
-
-    cache = fingerprint.Cache(fingerprint.cache_path(cfg, b.name))
-
-    def hash_file(path: str) -> str:
-        hit = cache.get_same_file(os.stat(path), "sha256")
-        return hit if hit is not None else runtime.sha256_cached(path)
-
-    return hash_file
+    return fingerprint.cached_hasher(cfg, b.name)
 
 
 #: The native library families each backend kind loads (runtime.KNOWN_LIBRARIES); the other kind's libraries,

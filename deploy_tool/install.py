@@ -316,9 +316,11 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         fingerprint = None  # type: ignore[assignment]
     if fingerprint is not None:
         pins_dir = Path(cfg.paths.state_dir) / "pins"
+        fresh = fingerprint.HashCache()  # the backends share the release: it is read once for all their pins
         for name in sorted(cfg.backends):
             _backup_file(pins_dir / f"{name}.json", undo)
-            fingerprint.pin(cfg, cfg.backends[name], f"install of release {rid}", release=rid, store=store)
+            fingerprint.pin(cfg, cfg.backends[name], f"install of release {rid}", release=rid, store=store,
+                            fresh=fresh)
         step("pinned")
     sd.daemon_reload()
     step("daemon-reloaded")
@@ -434,9 +436,10 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
         try:
             from deploy_tool import fingerprint
 
+            fresh = fingerprint.HashCache()
             for name in sorted(cfg.backends):
                 fingerprint.pin(cfg, cfg.backends[name], f"recover: back to release {prev}", release=prev,
-                                store=store)
+                                store=store, fresh=fresh)
         except ImportError:
             pass
         if started_new and target is not None and target.name != op.from_backend:

@@ -20,20 +20,17 @@ import base64
 import binascii
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import os
 import re
-import stat
 import tempfile
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from deploy_tool.errors import BundleError, InputError, OSFailure
+from deploy_tool.hashing import NotAFile, parallel, sha256_bytes, sha256_file
 from deploy_tool.progress import ByteCounter, ProgressFn
 from deploy_tool.textsafe import q
 
@@ -47,7 +44,6 @@ BUNDLE_ID_LEN = 16
 KEY_ID_LEN = 16
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_SIGNATURE_BYTES = 4096
-CHUNK = 1 << 20
 FILE_MODES = frozenset({0o644, 0o755})
 
 # Stable rejection reasons (BundleError.reason). Callers and tests match on these, never on messages.
@@ -85,93 +81,50 @@ def reject(reason: str, message: str, *, hint: str | None = None, path: str | No
 
 # ---------------------------------------------------------------------------------------------- hashing
 
-_tls = threading.local()
-
-
-def _chunk_buffer() -> tuple[bytearray, memoryview]:
-    """One reusable 1 MiB read buffer per thread (allocating it per file costs more than hashing small files)."""
-    pair = getattr(_tls, "pair", None)
-    if pair is None:
-        buf = bytearray(CHUNK)
-        pair = _tls.pair = (buf, memoryview(buf))
-    return pair
-
-
 def hash_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True,
               on_bytes: Callable[[int], None] | None = None) -> str:
-    """SHA-256 hex digest of a file, streamed in 1 MiB reads (memory stays flat in the file size)."""
-    # O_NONBLOCK: a fifo swapped in for a file must not hang the open (fstat then refuses it).
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
+    """SHA-256 hex digest of a regular file (hashing.sha256_file); InputError naming the path otherwise."""
     try:
-        fd = os.open(path, flags)
+        return sha256_file(path, follow_symlinks=follow_symlinks, on_bytes=on_bytes)
+    except NotAFile:
+        raise InputError(f"not a regular file: {q(path)}") from None
     except OSError as exc:
         raise InputError(f"cannot read {q(path)}: {exc.strerror}",
                          hint="check that the file exists and is readable") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"not a regular file: {q(path)}")
-        h = hashlib.sha256()
-        if st.st_size < CHUNK:  # small file: one read, no buffer juggling
-            data = os.read(fd, CHUNK)
-            h.update(data)
-            if on_bytes is not None:
-                on_bytes(len(data))
-            if len(data) < CHUNK:
-                return h.hexdigest()
-        buf, view = _chunk_buffer()
-        while True:
-            n = os.readv(fd, [buf])
-            if not n:
-                break
-            h.update(view[:n])
-            if on_bytes is not None:
-                on_bytes(n)
-    except OSError as exc:
-        raise InputError(f"cannot read {q(path)}: {exc.strerror}") from exc
-    finally:
-        os.close(fd)
-    return h.hexdigest()
 
 
 def hash_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return sha256_bytes(data)
 
 
 K = TypeVar("K")
 
 
-def _default_workers() -> int:
-    return max(1, os.cpu_count() or 1)
-
-
 def hash_files(paths: Iterable[K], workers: int | None = None, progress: ProgressFn | None = None,
                *, follow_symlinks: bool = True, phase: str = "hashing") -> dict[K, str]:
-    """SHA-256 of many files in parallel threads (hashlib and file reads release the GIL); keys as given."""
+    """SHA-256 of many files in parallel (hashing.parallel); keys as given; InputError on the first failure."""
     items = list(paths)
     if not items:
         return {}
-    sizes: dict[int, int] = {}
-    total = 0
-    for i, p in enumerate(items):
+    counter = None
+    if progress is not None:
+        total = 0
+        for p in items:
+            with contextlib.suppress(OSError):
+                total += os.stat(p, follow_symlinks=follow_symlinks).st_size  # type: ignore[arg-type]
+        counter = ByteCounter(progress, phase, total)
+
+    def one(p: K) -> str:
+        return hash_file(p, follow_symlinks=follow_symlinks,  # type: ignore[arg-type]
+                         on_bytes=counter.add if counter is not None else None)
+
+    def size(p: K) -> int:
         try:
-            sz = os.stat(p, follow_symlinks=follow_symlinks).st_size  # type: ignore[arg-type]
+            return os.stat(p, follow_symlinks=follow_symlinks).st_size  # type: ignore[arg-type]
         except OSError:
-            sz = 0  # hash_file reports the real error
-        sizes[i] = sz
-        total += sz
-    counter = ByteCounter(progress, phase, total)
-    on_bytes = counter.add if progress is not None else None
-    # Largest first: the long files start early and small ones fill the gaps.
-    order = sorted(range(len(items)), key=lambda i: -sizes[i])
-    workers = workers or _default_workers()
-    if workers == 1 or len(items) == 1:
-        return {items[i]: hash_file(items[i], follow_symlinks=follow_symlinks,  # type: ignore[arg-type]
-                                    on_bytes=on_bytes) for i in order}
-    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="hash") as pool:
-        futs = {i: pool.submit(hash_file, items[i], follow_symlinks=follow_symlinks,  # type: ignore[arg-type]
-                               on_bytes=on_bytes) for i in order}
-        return {items[i]: futs[i].result() for i in range(len(items))}
+            return 0
+
+    return dict(zip(items, parallel(one, items, workers=workers, cost=size), strict=True))
 
 
 def is_native_lib(name: str) -> bool:
@@ -262,7 +215,7 @@ def compute_bundle_id(files: Sequence[FileEntry], inputs: Mapping[str, Any], nat
     """First 16 hex digits of SHA-256 over the canonical JSON of everything but the creation time."""
     body = {"format_version": format_version, "files": [f.to_json() for f in sorted(files)],
             "inputs": inputs, "native_libs": dict(native_libs)}
-    return hashlib.sha256(_canonical(body, indent=None)).hexdigest()[:BUNDLE_ID_LEN]
+    return sha256_bytes(_canonical(body, indent=None))[:BUNDLE_ID_LEN]
 
 
 _TOP_KEYS = frozenset({"format_version", "bundle_id", "created", "inputs", "files", "native_libs"})
@@ -460,7 +413,7 @@ def key_id_of(public_key: Any) -> str:
     """First 16 hex digits of SHA-256 over the raw 32-byte Ed25519 public key."""
     _, serialization, _ = _crypto()
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()[:KEY_ID_LEN]
+    return sha256_bytes(raw)[:KEY_ID_LEN]
 
 
 def _write_atomic(path: Path, data: bytes, mode: int, *, force: bool) -> None:

@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import errno
 import fnmatch
-import hashlib
 import math
 import os
 import re
 import stat
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
+from deploy_tool import hashing
 from deploy_tool.errors import RuntimeTruthError
 
 # --------------------------------------------------------------------------------------------------------------
@@ -341,30 +340,9 @@ def _read_maps(pid: int, *, proc: str, required: bool) -> list[LoadedLib]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-class HashCache:
-    """SHA-256 of files, cached by (dev, inode, size, mtime_ns) so a 516 MB libfastllm_tools.so is read once."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple[int, int, int, int], str] = {}
-        self._lock = threading.Lock()
-        self.computed = 0  # how many times a file was actually read (tests assert on it)
-
-    def __call__(self, path: str) -> str:
-        st = os.stat(path)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._lock:
-            hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-        value = digest.hexdigest()
-        with self._lock:
-            self._cache[key] = value
-            self.computed += 1
-        return value
+#: SHA-256 through the stat-keyed cache of hashing (dev, inode, size, mtime_ns, ctime_ns), so a 516 MB
+#: libfastllm_tools.so is read once; kept here under its old name for callers and tests.
+HashCache = hashing.HashCache
 
 
 #: The default hasher (process-wide cache).

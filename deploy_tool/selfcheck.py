@@ -1,20 +1,16 @@
 """deploytool checks itself: the deploytool the units' ExecStartPre runs is pinned like the backend it guards.
 
 `collect(c, cfg)` adds these fingerprint items to every backend's set (fingerprint._collect calls it), so
-`deploytool verify` reports a changed verifier (a stray `pip install -U`, an edited module, an added .pth file)
-with exit 7 like any other drift:
+`deploytool verify` reports a changed verifier (a stray `pip install -U`, an edited module, an added .pth file or
+.pyc) with exit 7 like any other drift:
 
   tool.path            the real path of paths.deploytool (normally {current}/tool/bin/deploytool, a link into
                        the release's own tool venv)
-  tool.script          SHA-256 of that console script
-  tool.pyvenv          SHA-256 of the tool venv's pyvenv.cfg (interpreter home, include-system-site-packages)
   tool.python          the real path of the tool venv's interpreter
-  tool.files/NAME      every file the distribution NAME installed into the tool venv against the SHA-256 its
-                       RECORD lists (deploytool's own package first, then its dependencies)
-  tool.record/NAME     SHA-256 of that RECORD itself, so a file changed together with its RECORD line is
-                       reported too
-  tool.site/ENTRY      every top-level entry of the tool venv's site-packages (a new package, module or .pth
-                       file, which Python would run at start-up, shows up by name)
+  tool/PATH            every entry of the tool venv by type, mode and SHA-256 (treepin), when the venv lies
+                       outside the release; inside it (the normal case) the release's own entries
+                       (release/tool/venv/...) already are these, through the same code path as the backend venv
+  tool.script          SHA-256 of the console script, when it is not in a venv (nor in the release)
 
 The values are taken at install (pin) and compared before every start; the hashing goes through the
 fingerprint cache, so an unchanged tool venv costs one stat per file.
@@ -37,7 +33,6 @@ from deploy_tool.errors import MissingTool, OSFailure
 if TYPE_CHECKING:
     from deploy_tool.fingerprint import _Collector
 
-OWN_DIST = "deploytool"
 
 
 def tool_path(cfg: Config) -> Path:
@@ -55,54 +50,24 @@ def tool_venv(script: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def _dists(sp: Path) -> list[tuple[str, Path]]:
-    """(normalized name, dist-info dir) of every distribution in site-packages, deploytool's own first."""
-    out = []
-    try:
-        entries = sorted(os.scandir(sp), key=lambda e: e.name)
-    except OSError:
-        return []
-    for e in entries:
-        if e.name.endswith(".dist-info") and e.is_dir():
-            name = e.name[: -len(".dist-info")].rpartition("-")[0].lower().replace("_", "-").replace(".", "-")
-            out.append((name, Path(e.path)))
-    return sorted(out, key=lambda d: (d[0] != OWN_DIST, d[0]))
-
-
 def collect(c: _Collector, cfg: Config) -> None:
     """Add the tool.* items (see the module doc) to a fingerprint collection."""
-    from deploy_tool.fingerprint import MISSING, _read_kv, _site_packages
+    from deploy_tool.fingerprint import MISSING
 
     script = tool_path(cfg)
     if not os.path.lexists(script):
         c.value("tool.path", "deploytool (paths.deploytool)", script, MISSING)
         return
     c.value("tool.path", "deploytool (paths.deploytool)", script, os.path.realpath(script))
-    c.sha256("tool.script", "deploytool console script", os.path.realpath(script))
     venv = tool_venv(script)
     if venv is None:
+        if not c.in_tree(script):
+            c.sha256("tool.script", "deploytool console script", os.path.realpath(script))
         return
-    c.sha256("tool.pyvenv", "deploytool venv pyvenv.cfg", venv / "pyvenv.cfg")
     py = venv / "bin" / "python"
     c.value("tool.python", "deploytool venv interpreter", py,
             os.path.realpath(py) if os.path.lexists(py) else MISSING)
-    pcfg = _read_kv(venv / "pyvenv.cfg") or {}
-    sp = _site_packages(venv, pcfg.get("version") or pcfg.get("version_info"))
-    dists = _dists(sp)
-    if not any(name == OWN_DIST for name, _ in dists):
-        c.value(f"tool.files/{OWN_DIST}", "deploytool's own files vs RECORD", sp / "deploytool-*.dist-info",
-                MISSING)
-    for name, di in dists:
-        label = "deploytool's own files" if name == OWN_DIST else f"deploytool dependency {name}'s files"
-        c.record(f"tool.files/{name}", f"{label} vs RECORD", sp, di, lambda rel: True)
-        c.sha256(f"tool.record/{name}", f"{name} RECORD in the deploytool venv", di / "RECORD")
-    try:
-        names = sorted(e.name for e in os.scandir(sp) if e.name != "__pycache__")
-    except OSError as exc:
-        c.value("tool.site", "deploytool venv site-packages", sp, exc.strerror or "unreadable")
-        return
-    for n in names:
-        c.value(f"tool.site/{n}", f"deploytool venv site-packages entry {n}", sp / n, "present")
+    c.tree("tool", venv)  # nothing added when the venv lies in the release (normally {current}/tool/venv)
 
 
 # ------------------------------------------------------------------------------------------------ preflight

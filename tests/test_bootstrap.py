@@ -319,7 +319,7 @@ def test_modified_tool_file_fails_verify_and_the_start(bootstrapped):
         r = on_box(f["box"], [tool, "--config", str(f["cfg"]), "verify", "llamacpp-tensor"], netns=False)
         assert r.returncode == 7, r.stdout + r.stderr
         assert "deploy_tool/errors.py" in r.stdout
-        assert "deploytool's own files vs RECORD" in r.stdout
+        assert "release/tool/venv/lib/python3.11/site-packages/deploy_tool/errors.py" in r.stdout
         res = subprocess.run(f["env"].sandbox.exec_argv("systemctl", "start", "llamacpp-tensor.service"),
                              capture_output=True, text=True, timeout=120)
         assert res.returncode != 0

@@ -12,6 +12,7 @@ import pytest
 
 from deploy_tool import manifest as mf
 from deploy_tool.errors import BundleError, InputError
+from deploy_tool.hashing import CHUNK
 from deploy_tool.manifest import FileEntry, Manifest
 from deploy_tool.progress import ProgressBar, make_progress, progress_for
 from tests.support.bundles import make_keys
@@ -35,7 +36,7 @@ def _reject(data: bytes | dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- hashing
 
-@pytest.mark.parametrize("size", [0, 1, mf.CHUNK - 1, mf.CHUNK, mf.CHUNK + 1, 3 * mf.CHUNK + 5])
+@pytest.mark.parametrize("size", [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5])
 def test_hash_file_matches_hashlib(tmp_path: Path, size: int) -> None:
     """hash_file equals hashlib's SHA-256 at chunk-boundary sizes."""
     data = os.urandom(size)

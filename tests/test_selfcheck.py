@@ -1,4 +1,5 @@
-"""deploytool's own installation is fingerprinted (tool.*) and the bootstrap's write check, on a real tool venv.
+"""deploytool's own installation is fingerprinted (tool.* and its venv's tree entries) and the bootstrap's write
+check, on a real tool venv.
 
 The tool venv is a real `python -m venv --without-pip` filled by the bootstrap's stdlib wheel installer from two
 small wheels built here (a `deploytool` distribution with a console script, and a dependency), laid out as
@@ -63,42 +64,61 @@ def box(tmp_path: Path):
 
 
 def tool_items(cfg) -> list[fingerprint.Item]:
+    """The tool.* items and the tool venv's entries of the release tree (release/tool/...)."""
     items = fingerprint.collect(cfg, "llamacpp-tensor", use_cache=False, cache_file=False)
-    return [i for i in items if i.id.startswith("tool.")]
+    return [i for i in items if i.id.startswith(("tool.", "tool/", "release/tool/"))]
 
 
 def drift(before, cfg) -> dict[str, str]:
     return {d.item.id: d.actual for d in fingerprint.diff(before, tool_items(cfg))}
 
 
+def fval(p: Path) -> str:
+    return f"file {p.stat().st_mode & 0o7777:04o} {hashlib.sha256(p.read_bytes()).hexdigest()}"
+
+
+def rid(cfg, p: Path) -> str:
+    return "release/" + p.relative_to(Path(cfg.paths.root) / "releases" / "r1").as_posix()
+
+
 def test_installed_tool_venv_runs_and_all_items_are_collected(box) -> None:
-    """The stdlib installer's console script runs; tool.* lists path, script, venv, RECORD checks, entries."""
+    """The stdlib installer's console script runs; the tool venv is pinned entry by entry as part of the release
+    (the same code path as the backend's venv): every file by mode and SHA-256, every symlink by its target."""
     cfg, venv, sp = box
     out = subprocess.run([str(Path(cfg.paths.current) / "tool" / "bin" / "deploytool")], capture_output=True,
                          text=True, env={"PATH": "/usr/bin:/bin"})
     assert out.stdout == "fake deploytool\n"
     items = {i.id: i.value for i in tool_items(cfg)}
     assert items["tool.path"] == str(venv / "bin" / "deploytool")
-    # the wheel's 4 files, the generated console script, INSTALLER and the module's .pyc
-    assert items["tool.files/deploytool"] == "all 7 files match RECORD"
-    assert items["tool.files/dep"] == "all 5 files match RECORD"
-    assert {"tool.script", "tool.pyvenv", "tool.python", "tool.record/deploytool", "tool.record/dep",
-            "tool.site/dtfake", "tool.site/dep.py", "tool.site/deploytool-1.0.dist-info"} <= set(items)
-    assert list(items)[:6] == ["tool.path", "tool.script", "tool.pyvenv", "tool.python", "tool.files/deploytool",
-                               "tool.record/deploytool"]  # deploytool's own files come first
+    assert items["tool.python"] == os.path.realpath(venv / "bin" / "python")
+    n = 0
+    for d, dirs, files in os.walk(venv):
+        for name in dirs + files:
+            p = Path(d, name)
+            v = items.pop(rid(cfg, p))
+            n += 1
+            if p.is_symlink():
+                assert v == f"link -> {os.readlink(p)}"
+            elif p.is_dir():
+                assert v == f"dir {p.stat().st_mode & 0o7777:04o}"
+            else:
+                assert v == fval(p)
+    assert n > 10 and rid(cfg, sp / "dtfake" / "__init__.py") not in items
+    assert not any(i.startswith("tool/") for i in items)  # inside the release: no second tree
     assert drift(tool_items(cfg), cfg) == {}
 
 
 def test_modified_module_is_named(box) -> None:
-    """An edited module of deploytool's package: tool.files/deploytool names the file."""
+    """An edited module of deploytool's package is named with its new hash."""
     cfg, venv, sp = box
     before = tool_items(cfg)
-    (sp / "dtfake" / "__init__.py").write_bytes(b"def main():\n    print('patched')\n")
-    assert drift(before, cfg) == {"tool.files/deploytool": "1 of 7 files differ from RECORD: dtfake/__init__.py"}
+    mod = sp / "dtfake" / "__init__.py"
+    mod.write_bytes(b"def main():\n    print('patched')\n")
+    assert drift(before, cfg) == {rid(cfg, mod): fval(mod)}
 
 
 def test_file_changed_together_with_its_record_line_is_caught(box) -> None:
-    """A dependency file changed and its RECORD line rewritten to match: the pinned RECORD hash differs."""
+    """A dependency file changed and its RECORD line rewritten to match: both are named."""
     cfg, venv, sp = box
     before = tool_items(cfg)
     new = b"X = 2\n"
@@ -107,20 +127,18 @@ def test_file_changed_together_with_its_record_line_is_caught(box) -> None:
     b64 = base64.urlsafe_b64encode(hashlib.sha256(new).digest()).rstrip(b"=").decode()
     rec.write_text("\n".join(f"dep.py,sha256={b64},{len(new)}" if ln.startswith("dep.py,") else ln
                              for ln in rec.read_text().splitlines()) + "\n")
-    d = drift(before, cfg)
-    assert set(d) == {"tool.record/dep"}
+    assert set(drift(before, cfg)) == {rid(cfg, sp / "dep.py"), rid(cfg, rec)}
 
 
 def test_added_pth_file_and_edited_script_are_named(box) -> None:
-    """A .pth file in site-packages shows up by name; an edited console script changes tool.script."""
+    """A .pth file in site-packages shows up by name (not pinned before); an edited console script is named."""
     cfg, venv, sp = box
     before = tool_items(cfg)
     (sp / "evil.pth").write_text("import os\n")
     script = venv / "bin" / "deploytool"
     script.write_text(script.read_text() + "# edited\n")
     d = drift(before, cfg)
-    assert d["tool.site/evil.pth"] == "present"
-    assert "tool.script" in d and "../../../bin/deploytool" in d["tool.files/deploytool"]
+    assert d == {rid(cfg, sp / "evil.pth"): fval(sp / "evil.pth"), rid(cfg, script): fval(script)}
 
 
 def test_missing_tool_is_a_value(box) -> None:
@@ -130,6 +148,27 @@ def test_missing_tool_is_a_value(box) -> None:
     os.unlink(Path(cfg.paths.current))
     d = drift(before, cfg)
     assert d["tool.path"] == "missing"
+
+
+def test_tool_venv_outside_the_release_is_pinned_by_the_same_tree_code(box, tmp_path: Path) -> None:
+    """paths.deploytool in a venv outside the release: that venv is its own tree (tool/PATH), and a .pth or a
+    mode change there is named like one in the release."""
+    import dataclasses
+    import shutil
+
+    cfg, venv, sp = box
+    other = tmp_path / "elsewhere" / "venv"
+    shutil.copytree(venv, other, symlinks=True)
+    cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, deploytool=str(other / "bin" / "deploytool")))
+    before = tool_items(cfg)
+    ids = {i.id for i in before}
+    osp = other / sp.relative_to(venv)
+    assert "tool/." in ids and f"tool/{(osp / 'dtfake' / '__init__.py').relative_to(other)}" in ids
+    (osp / "sitecustomize.py").write_text("import os\n")
+    os.chmod(other / "bin" / "deploytool", 0o775)
+    d = drift(before, cfg)
+    assert set(d) == {f"tool/{(osp / 'sitecustomize.py').relative_to(other)}", "tool/bin/deploytool"}
+    assert d["tool/bin/deploytool"].startswith("file 0775 ")
 
 
 def test_preflight_names_every_unwritable_target(box, tmp_path: Path) -> None:
@@ -162,7 +201,7 @@ def test_preflight_refuses_a_missing_bundle_python(box) -> None:
 
 
 def test_modules_are_checked_hash_pycs_and_a_swapped_pyc_is_named(box) -> None:
-    """Installed modules carry checked-hash .pyc files listed in RECORD; a replaced .pyc is drift, named."""
+    """Installed modules carry checked-hash .pyc files; a replaced .pyc is drift, named, and so is a planted one."""
     cfg, venv, sp = box
     pyc = next((sp / "dtfake" / "__pycache__").glob("__init__.cpython-*.pyc"))
     flags = int.from_bytes(pyc.read_bytes()[4:8], "little")
@@ -171,5 +210,10 @@ def test_modules_are_checked_hash_pycs_and_a_swapped_pyc_is_named(box) -> None:
     data = bytearray(pyc.read_bytes())
     data[-1] ^= 1
     pyc.write_bytes(bytes(data))
+    planted = sp / "__pycache__" / pyc.name.replace("__init__", "evil")
+    new_dir = not planted.parent.exists()
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_bytes(bytes(data))
     d = drift(before, cfg)
-    assert set(d) == {"tool.files/deploytool"} and "dtfake/__pycache__/__init__.cpython-" in d["tool.files/deploytool"]
+    assert set(d) == {rid(cfg, pyc), rid(cfg, planted)} | ({rid(cfg, planted.parent)} if new_dir else set())
+    assert d[rid(cfg, planted)] == fval(planted)

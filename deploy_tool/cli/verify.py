@@ -31,8 +31,9 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
 
     \b
     The units run this as ExecStartPre, so systemd refuses to start a backend whose environment drifted:
-    ftllm and Python versions, native library hashes, unit and env files, chat template, NCCL (and its GPU
-    architecture), llama-server binary, build and libraries, model and draft config and weight sizes.
+    every file, symlink and directory of the release (type, mode, SHA-256; anything added is drift too), ftllm
+    and Python versions, the interpreter's import hooks, unit and env files, NCCL's GPU architecture,
+    llama-server binary, build and libraries, model and draft config and weight sizes.
     A deliberate change is re-pinned with `deploytool pin BACKEND --reason TEXT`.
     Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins), 9 port held (--await-port).
     """
@@ -89,7 +90,7 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
         previous = None
     if ctx.dry_run:
         items = fingerprint.collect(cfg, b, use_cache=False, cache_file=False)
-        changes = fingerprint.diff(previous.items, items) if previous else []
+        changes = fingerprint.diff(previous.all_items(), items) if previous else []
         ctx.emit({"would_pin": b.name, "items": [i.to_json() for i in items],
                   "changes": [d.to_json() for d in changes]},
                  _pin_text(b.name, len(items), previous is not None, changes, dry=True))
@@ -97,13 +98,13 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
     store = Store(cfg.paths.state_dir)
     with store.lock(what=f"pin {b.name}"):
         ps = fingerprint.pin(cfg, b, reason, store=store)
-    changes = fingerprint.diff(previous.items, ps.items) if previous else []
+    changes = fingerprint.diff(previous.all_items(), ps.all_items()) if previous else []
     ctx.emit({**ps.to_json(), "path": ps.path, "changes": [d.to_json() for d in changes]},
-             _pin_text(b.name, len(ps.items), previous is not None, changes, dry=False) + f"\nwrote {ps.path}")
+             _pin_text(b.name, ps.count(), previous is not None, changes, dry=False) + f"\nwrote {ps.path}")
 
 
 def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) -> str:
-    from deploy_tool.fingerprint import short
+    from deploy_tool.fingerprint import safe, short
 
     verb = "would pin" if dry else "pinned"
     if not had_pins:
@@ -111,7 +112,7 @@ def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) ->
     if not changes:
         return f"{verb} {n} fingerprints of {name}: nothing changed since the last pin"
     lines = [f"{verb} {n} fingerprints of {name}; {len(changes)} changed:"]
-    lines += [f"  {d.item.label}: {short(d.expected)} -> {short(d.actual)}" for d in changes]
+    lines += [f"  {safe(d.item.label)}: {short(d.expected)} -> {short(d.actual)}" for d in changes]
     return "\n".join(lines)
 
 
