@@ -94,6 +94,32 @@ def test_install_byte_compiles_the_release_venv(installed):
     assert head[8:16] == importlib.util.source_hash(server.read_bytes())
 
 
+def test_servers_run_as_a_dynamic_user(installed, systemd_sandbox):
+    """The cpu-demo runs the servers as the production example does (serve.user: dynamic): ftllm's main process
+    has a transient uid from systemd's DynamicUser range, not root, and still serves."""
+    from tests.support.demo_box import server_uid
+
+    assert yaml.safe_load(installed.read_text())["serve"]["user"] == "dynamic"
+    unit = "ftllm-dflash.service"
+    assert "DynamicUser=yes" in (systemd_sandbox.unit_dir / unit).read_text()
+    ruid, euid = server_uid(systemd_sandbox.systemd, systemd_sandbox.run, unit)
+    assert ruid == euid and 61184 <= ruid <= 65519, (ruid, euid)  # systemd's DynamicUser= range
+    assert chat(installed)["choices"][0]["message"]["content"]
+
+
+def test_installed_tree_is_readable_by_the_servers_and_writable_by_root_only(installed):
+    """Everything a server needs (the release with its venv, tool, templates, units and env copies, the model, the
+    env files) and every directory on the way to it: root-owned, readable and traversable by any uid, writable by
+    no group or other. The venv unpacks into a private 0700 staging dir; install must not carry that mode over."""
+    from tests.support.demo_box import Box, access_problems
+
+    box = Box(installed)
+    release = box.current.resolve()
+    assert (release / "venv").is_dir() and (release / "venv" / "bin" / "python").exists()
+    wanted = [release, box.current, installed.parent / "models", box.env_dir]
+    assert access_problems(wanted) == []
+
+
 def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     """switch llamacpp then ftllm: one backend active at a time, same port and model name answer."""
     since = time.time()
@@ -109,6 +135,9 @@ def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     assert "warning" not in r.stderr, r.stderr
     assert active_units(systemd_sandbox) == {"llamacpp-tensor.service"}
     assert chat(installed)["model"] in ("qwen38-27b-ud",)
+    from tests.support.demo_box import server_uid
+
+    assert 61184 <= server_uid(systemd_sandbox.systemd, systemd_sandbox.run, "llamacpp-tensor.service")[0] <= 65519
     assert systemd_sandbox.systemd.is_enabled("llamacpp-tensor.service") == "enabled"
     assert systemd_sandbox.systemd.is_enabled("ftllm-dflash.service") != "enabled"
     r = dt(installed, "switch", "ftllm")
