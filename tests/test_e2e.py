@@ -385,6 +385,33 @@ def test_rebuild_offline_native_libs_identical(demo):
     assert rep["ok"] and rep["identical"] == rep["native_libs"] > 10
 
 
+def test_make_rebuild_check_on_the_demo_bundle(demo):
+    """`make rebuild-check` (scripts/rebuild-check.sh) finds the newest bundle beside the config, rebuilds it in an
+    empty network namespace and compares every native library; a bundle whose signature no longer holds is
+    refused with the bundle's exit code (6), not reported as identical."""
+    import re
+
+    env = {**os.environ, "CONFIG": str(demo)}
+    env.pop("MAKEFLAGS", None)
+    r = subprocess.run(["make", "-s", "-C", str(REPO), "rebuild-check"], capture_output=True, text=True, env=env,
+                       timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"(\d+)/(\d+) native libraries byte-identical after an offline rebuild", r.stdout)
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) > 10, r.stdout + r.stderr
+    packed = next(p for p in (demo.parent / "artifacts").iterdir() if p.is_dir() and (p / "MANIFEST").is_file())
+    bad = demo.parent / "tampered" / packed.name
+    shutil.copytree(packed, bad)
+    try:
+        lock = bad / "requirements.lock"
+        lock.write_bytes(lock.read_bytes() + b"\n")
+        r = subprocess.run(["make", "-s", "-C", str(REPO), "rebuild-check", f"BUNDLE={bad}"], capture_output=True,
+                           text=True, env=env, timeout=600)
+        assert r.returncode == 2 and "Error 6" in r.stderr, r.stdout + r.stderr  # make's 2, the script's 6
+        assert "identical" not in r.stdout
+    finally:
+        shutil.rmtree(bad.parent, ignore_errors=True)
+
+
 def test_no_network_during_install(demo, tmp_path):
     """install --no-start works inside an empty network namespace: nothing it needs comes from a network."""
     data = yaml.safe_load(demo.read_text())
