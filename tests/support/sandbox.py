@@ -33,7 +33,8 @@ from deploy_tool.errors import DeployError
 from deploy_tool.sandbox import Sandbox, sandbox_dirs_under
 from deploy_tool.systemd import Systemd
 
-__all__ = ["systemd_sandbox", "sandbox_env", "own_sandbox", "pytest_sessionstart", "pytest_sessionfinish"]
+__all__ = ["systemd_sandbox", "sandbox_env", "own_sandbox", "visible_dir", "pytest_sessionstart",
+           "pytest_sessionfinish"]
 
 # Where every test box (sandbox directories, demo boxes with their demo-root/) lives: one directory per run,
 # somewhere the rendered units can see it wherever the checkout is. Not under /tmp or /var/tmp (the units run
@@ -232,6 +233,15 @@ def sandbox_env(systemd_sandbox: SandboxEnv) -> Iterator[SandboxEnv]:
     snap = snapshot(systemd_sandbox)
     yield systemd_sandbox
     restore(systemd_sandbox, snap)
+
+
+@pytest.fixture()
+def visible_dir() -> Iterator[Path]:
+    """A fresh directory where a box's files can live as on a real box: the rendered units see it (not under /tmp,
+    not in a home) and the servers' DynamicUser can pass through every directory on the way. Removed afterwards."""
+    root = new_run_dir("box")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
