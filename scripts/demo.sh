@@ -36,13 +36,18 @@ cleanup() {
   say "sandbox down (nothing left running)"
   rc=0
   if [ -f "$W/sandbox/.deploytool-sandbox" ]; then "$DT" sandbox down "$W/sandbox"; rc=$?; fi
-  if [ -n "${DEPLOYTOOL_DEMO_KEEP:-}" ]; then echo "the demo box is kept in $W"
+  if [ -n "${DEPLOYTOOL_DEMO_KEEP:-}" ] || [ -z "$finished" ]; then
+    echo "the demo box is kept in $W (the next make demo removes it)"
   elif [ $rc -eq 0 ]; then rm -rf "$W"; fi
 }
+finished=
 trap cleanup EXIT
 
 say "1. a config for this machine: both backends on CPU, same port and model name"
 run init --example cpu-demo --out "$W/deploytool.yaml" || exit 1
+# a port free right now rather than the example's 18082, which another box on this machine may be using
+port="$("$ROOT/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+sed -i "s/^  port: 18082\b.*/  port: $port/" "$W/deploytool.yaml" && grep -q "^  port: $port\$" "$W/deploytool.yaml" || exit 1
 ln -s "$ROOT/.cache/wheels-demo" "$W/wheels"
 "$ROOT/.venv/bin/python" -m tests.support.tiny_model "$W/models/tiny-f16.gguf" --f16 || exit 1
 run check || exit 1
@@ -85,3 +90,4 @@ say "7. status and history"
 run status
 run history
 say "demo finished"
+finished=1
