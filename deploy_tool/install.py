@@ -144,7 +144,7 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             log(f"an interrupted {st.operation.kind} was found; finishing it first")
             Switcher(cfg, log=log, sd=sd)._recover_locked(st)
             st = store.load()
-        releases.mkdir(parents=True, exist_ok=True)
+        makedirs_open(releases)
         try:
             staging_root = Path(tempfile.mkdtemp(prefix=".verify-", dir=releases))
         except OSError as exc:
@@ -378,6 +378,20 @@ def _compile_bytecode(venv: Path, log: Log) -> bool:
         log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
         return False
     return True
+
+
+def makedirs_open(d: Path) -> None:
+    """mkdir -p with every directory it creates 0755 whatever the umask (the servers' DynamicUser passes through
+    the install root to reach the release); directories already there keep their modes (`check` reports one
+    that closes the way: unit-path-hidden)."""
+    missing = []
+    p = d
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        p.mkdir(exist_ok=True)
+        os.chmod(p, 0o755)
 
 
 def server_modes(tree: Path) -> int:

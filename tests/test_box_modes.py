@@ -93,3 +93,20 @@ def test_access_problems_names_a_closed_parent_and_a_writable_file(run_dir):
     os.chmod(d / "f", 0o644)
     assert access_problems([d]) == []
     assert access_problems([Path("/tmp")]) != []  # world-writable: no box path belongs there
+
+
+def test_install_root_directories_are_created_open_whatever_the_umask(run_dir):
+    """Under a umask of 077 (a hardened root shell), the install root's missing directories still come out 0755;
+    one that exists keeps its mode."""
+    from deploy_tool.install import makedirs_open
+
+    (run_dir / "keep").mkdir()
+    os.chmod(run_dir / "keep", 0o750)
+    old = os.umask(0o077)
+    try:
+        makedirs_open(run_dir / "keep" / "opt" / "deploytool" / "releases")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(run_dir / "keep").st_mode) == 0o750
+    for d in ("keep/opt", "keep/opt/deploytool", "keep/opt/deploytool/releases"):
+        assert stat.S_IMODE(os.stat(run_dir / d).st_mode) == 0o755, d
