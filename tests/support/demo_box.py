@@ -205,11 +205,11 @@ def server_uid(systemd, sandbox_run, unit: str) -> tuple[int, int]:
     return int(uids[0]), int(uids[1])
 
 
-def access_problems(paths: list[Path], *, secret: tuple[Path, ...] = ()) -> list[str]:
+def access_problems(paths: list[Path]) -> list[str]:
     """What keeps a DynamicUser server from reading `paths` (and everything below the directories among them), or
     lets someone other than root change them. Every parent directory up to / must be root-owned, o+x and not
-    group/other-writable (but a sticky, world-writable /tmp-like parent is reported too: none belongs in a box
-    path). A file in `secret` must be root-owned 0600 (systemd reads it as root). [] when all is well."""
+    group/other-writable (a sticky, world-writable /tmp-like parent is reported too: no box path belongs there).
+    [] when all is well. (A secrets.env is not for this: systemd reads it as root, and it must stay 0600.)"""
     import stat as st_
 
     out: list[str] = []
@@ -227,10 +227,6 @@ def access_problems(paths: list[Path], *, secret: tuple[Path, ...] = ()) -> list
             return
         if s.st_uid != 0:
             out.append(f"{p}: owned by uid {s.st_uid}, not root")
-        if p in secret:
-            if mode != 0o600:
-                out.append(f"{p}: secret file mode {mode:04o}, expected 0600")
-            return
         if mode & 0o022:
             out.append(f"{p}: mode {mode:04o} lets group/other write")
         if st_.S_ISDIR(s.st_mode):
