@@ -279,7 +279,7 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         step("release-laid-down", dir=str(final))
         compiled = _compile_bytecode(final / "venv", log)
         step("bytecode-compiled", ok=compiled)
-        server_modes(final)
+    server_modes(final)  # also a release laid down before (by an older deploytool, with a 0700 venv)
     # env files and units
     env_dir, unit_dir = Path(cfg.paths.env_dir), Path(cfg.paths.unit_dir)
     for d in (env_dir, unit_dir):
