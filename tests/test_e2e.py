@@ -506,9 +506,10 @@ def test_performance_gate_rolls_back_a_slowed_backend(installed, systemd_sandbox
     data["health"]["perf_gate_fraction"] = 0.5
     cfg = installed.with_name("perf-gate.yaml")
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-    # throttled once it runs (ExecStartPost), so its ExecStartPre verify is not slowed as well
+    # throttled once it runs (ExecStartPost), so its ExecStartPre verify is not slowed as well; "+": as root (the
+    # server's DynamicUser may not change a unit's properties)
     d = _dropin(systemd_sandbox, "llamacpp-tensor.service",
-                "[Service]\nExecStartPost=/usr/bin/systemctl set-property --runtime llamacpp-tensor.service "
+                "[Service]\nExecStartPost=+/usr/bin/systemctl set-property --runtime llamacpp-tensor.service "
                 "CPUQuota=2%\n", installed)
     try:
         r = dt(cfg, "switch", "llamacpp")
