@@ -8,11 +8,17 @@ PYTEST_ARGS ?=
 .PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check clean help
 
 help:
-	@echo "make demo    install, switch and rollback on a sandboxed real systemd with real CPU backends"
-	@echo "make test    the whole test suite (sets everything up first)"
-	@echo "make golden  re-render units/ from the two-2080ti example on purpose"
-	@echo "make bench   run the benchmark scripts in bench/ and print their figures"
-	@echo "make lint    ruff + mypy exactly as CI runs them"
+	@echo "make demo           install, switch and rollback on a sandboxed real systemd with real CPU backends"
+	@echo "make test           the whole test suite (sets everything up first); PYTEST_ARGS=... passes options"
+	@echo "make test-e2e       the end-to-end CLI suite alone (tests/test_e2e.py)"
+	@echo "make setup          system packages, .venv, deploytool, the real CPU backends, test tools"
+	@echo "make golden         re-render units/ from the two-2080ti example on purpose"
+	@echo "make bench          run the benchmark scripts in bench/ and print their figures"
+	@echo "make lint           ruff + mypy exactly as CI runs them"
+	@echo "make typecheck      mypy alone"
+	@echo "make rebuild-check  rebuild a bundle's venv offline and compare its native libraries"
+	@echo "                    (BUNDLE=path CONFIG=path KEYS=dir; default: the newest bundle beside ./deploytool.yaml)"
+	@echo "make clean          remove build leftovers and caches of the checkout"
 
 $(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples/cpu-demo/requirements.in
 	bash scripts/setup.sh
@@ -37,6 +43,9 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check deploy_tool tests bench
+	$(VENV)/bin/mypy deploy_tool
+
+typecheck: setup
 	$(VENV)/bin/mypy deploy_tool
 
 rebuild-check: setup

@@ -192,7 +192,7 @@ def main() -> int:
     a = ap.parse_args()
     root = new_run_dir("bench-switch")
     sb = Sandbox(root / "sandbox")
-    d = REPO / ".cache" / f"bench-switch-{os.getpid()}"
+    d = root / "box"  # where the units can see it, wherever the checkout is
     try:
         sb.up()
         sd = Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir)
@@ -231,9 +231,11 @@ def main() -> int:
         if (d / "deploytool.yaml").exists() and sb.status().state == "up":
             Box(d / "deploytool.yaml").reset(Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir))
         sb.down()
-        shutil.rmtree(root, ignore_errors=True)
-        if not a.keep:
-            shutil.rmtree(d, ignore_errors=True)
+        if a.keep:
+            shutil.rmtree(root / "sandbox", ignore_errors=True)
+            print(f"box kept in {d}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     med = {t: {k: statistics.median(r[k] for r in rs) for k in ("switch_wall_s", "target_ready_s", "overhead_s",
                                                                 "current_stop_s")}
            for t, rs in rows.items()}

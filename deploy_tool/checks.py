@@ -118,6 +118,8 @@ CATALOG: tuple[CheckInfo, ...] = (
               "config"),
     CheckInfo("serve-context-differs", "info", "the backends behind one port and model name hold different contexts",
               "config"),
+    CheckInfo("unit-path-hidden", "error", "a path the server needs is hidden from it by its unit's sandboxing "
+              "(PrivateTmp=, ProtectHome=) or closed to its DynamicUser", "config"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -1138,6 +1140,119 @@ def check_context_differs(ctx: _Ctx) -> Iterator[Finding]:
              "give the backends the same context, or tell clients the smaller one")
 
 
+# ----------------------------------------------------------------------------------------- what the units see
+
+_TRUE = ("yes", "true", "on", "1")
+_HIDDEN_BY = (  # directive, the values that hide, the trees hidden, what the server sees there instead
+    ("PrivateTmp", _TRUE, ("/tmp", "/var/tmp"), "an empty private /tmp and /var/tmp"),
+    ("ProtectHome", (*_TRUE, "tmpfs"), ("/home", "/root", "/run/user"), "empty or inaccessible home directories"),
+)
+
+
+def _unit_settings(cfg: Config, b: Backend) -> dict[str, str]:
+    """The [Service] settings of the backend's rendered unit (the last value of each), DynamicUser's implications
+    added: DynamicUser=yes implies PrivateTmp=yes, ProtectSystem=strict and ProtectHome=read-only."""
+    from deploy_tool.render import render_backend
+
+    unit = next(f.content for f in render_backend(cfg, b) if f.kind == "unit")
+    out: dict[str, str] = {}
+    section = ""
+    for line in unit.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith(("#", ";")):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip().lower()
+    if out.get("DynamicUser") in _TRUE:
+        out.setdefault("PrivateTmp", "yes")
+        out.setdefault("ProtectHome", "read-only")
+        out.setdefault("ProtectSystem", "strict")
+    return out
+
+
+def _server_paths(cfg: Config, b: Backend) -> list[tuple[str, str, bool]]:
+    """(what, path, executable) for everything the server process itself opens: model files, the binary, the
+    install root (venv, bundled chat template and NCCL under current/), preloaded libraries. Not the env files,
+    config, state or units: systemd and the ExecStartPre (run as root, outside the sandboxing) read those."""
+    from deploy_tool.render import backend_env
+
+    out = [(what, path, kind == "file" and what.endswith((".executable", ".binary")))
+           for what, path, kind in _named_files(cfg, b) if not what.endswith(".model_config")]
+    out.append(("paths.root", cfg.paths.root, False))
+    for k, v in backend_env(cfg, b):
+        if k == "LD_PRELOAD":
+            out += [(f"backends.{b.name} LD_PRELOAD", p, False) for p in v.replace(":", " ").split()
+                    if p.startswith("/")]
+    return out
+
+
+def _closed_on_the_way(path: str, executable: bool) -> tuple[str, int] | None:
+    """The first directory on the way to `path` that a DynamicUser cannot pass (no o+x), or `path` itself if it
+    cannot read it (no o+r; o+x too for a directory or an executable): (that path, its mode). Only what exists is
+    looked at (a release path before install: its existing parents)."""
+    p = Path(path)
+    chain = [*reversed(p.parents), p]
+    for i, d in enumerate(chain):
+        try:
+            st = os.stat(d)
+        except OSError:
+            return None
+        mode = st.st_mode & 0o7777
+        last = i == len(chain) - 1
+        if not last and not mode & 0o001:
+            return str(d), mode
+        if last:
+            need = 0o005 if (os.path.isdir(d) or executable) else 0o004
+            if mode & need != need:
+                return str(d), mode
+    return None
+
+
+def _under(path: str, tops: tuple[str, ...]) -> str | None:
+    return next((t for t in tops if path == t or path.startswith(t + "/")), None)
+
+
+def check_unit_visibility(ctx: _Ctx) -> Iterator[Finding]:
+    """Box paths the rendered units cannot see: under a tree their sandboxing hides (PrivateTmp=, ProtectHome=),
+    or, for servers run as a DynamicUser, behind a directory that is not world-traversable. Such a server fails
+    at its first start (203/EXEC, or a model it cannot open) while the ExecStartPre, which runs as root outside
+    the sandboxing, passes. ProtectSystem=strict only makes the file system read-only, and the servers write
+    none of these paths, so it hides nothing here."""
+    cfg = ctx.cfg
+    for name in sorted(cfg.backends):
+        b = cfg.backends[name]
+        unit = _unit_settings(cfg, b)
+        dynamic = unit.get("DynamicUser") in _TRUE
+        groups: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (why, fix) -> [(what, path)]
+        for what, path, executable in _server_paths(cfg, b):
+            path = os.path.normpath(path)
+            for directive, hiding, tops, instead in _HIDDEN_BY:
+                top = _under(path, tops)
+                if top and unit.get(directive, "no") in hiding:
+                    groups.setdefault((f"{directive}={unit[directive]} gives the server {instead}",
+                                       f"move it out of {top} (e.g. under /srv or /var/lib; keep the whole box "
+                                       f"there)"), []).append((what, path))
+            if dynamic and ctx.inspect_files and _runs_here(ctx, b) and not _installed_only(cfg, path):
+                closed = _closed_on_the_way(path, executable)
+                if closed:
+                    where, mode = closed
+                    home = _under(path, ("/home", "/root", "/run/user"))
+                    why = (f"{where} is mode {mode:04o}: the server runs as a DynamicUser (DynamicUser=yes, "
+                           f"serve.user: dynamic), which cannot " + ("read it" if where == path else "pass through it")
+                           + (f" (ProtectHome={unit.get('ProtectHome')} leaves {home} visible, not open)"
+                              if home else ""))
+                    fix = (f"chmod o+r{'x' if executable or os.path.isdir(where) else ''} {where} (root-owned, "
+                           f"not group/other-writable)" if where == path else
+                           f"chmod o+x {where} (root-owned, not group/other-writable), or move the box out of it "
+                           f"(e.g. under /srv or /var/lib)")
+                    groups.setdefault((why, fix), []).append((what, path))
+        for (why, fix), items in sorted(groups.items()):
+            whats = ", ".join(dict.fromkeys(w for w, _ in items))
+            yield _f("unit-path-hidden", "error", name, f"{whats} ({items[0][1]}): {b.unit} cannot see it: {why}",
+                     fix)
+
+
 # ----------------------------------------------------------------------------------------- driver
 
 BackendCheck = Callable[[_Ctx, Backend], Iterator[Finding]]
@@ -1150,8 +1265,8 @@ BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_visible_devices_allowed, check_llama_verbosity, check_threads, check_ctx_over_training,
     check_draft_unused,
 )
-BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_port_in_use,
-                                    check_context_differs)
+BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_unit_visibility,
+                                    check_port_in_use, check_context_differs)
 
 
 def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:

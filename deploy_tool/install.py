@@ -17,6 +17,7 @@ import errno
 import functools
 import os
 import shutil
+import stat
 import tempfile
 import time
 import uuid
@@ -143,7 +144,7 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             log(f"an interrupted {st.operation.kind} was found; finishing it first")
             Switcher(cfg, log=log, sd=sd)._recover_locked(st)
             st = store.load()
-        releases.mkdir(parents=True, exist_ok=True)
+        makedirs_open(releases)
         try:
             staging_root = Path(tempfile.mkdtemp(prefix=".verify-", dir=releases))
         except OSError as exc:
@@ -278,6 +279,7 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         step("release-laid-down", dir=str(final))
         compiled = _compile_bytecode(final / "venv", log)
         step("bytecode-compiled", ok=compiled)
+    server_modes(final)  # also a release laid down before (by an older deploytool, with a 0700 venv)
     # env files and units
     env_dir, unit_dir = Path(cfg.paths.env_dir), Path(cfg.paths.unit_dir)
     for d in (env_dir, unit_dir):
@@ -378,6 +380,46 @@ def _compile_bytecode(venv: Path, log: Log) -> bool:
         log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
         return False
     return True
+
+
+def makedirs_open(d: Path) -> None:
+    """mkdir -p with every directory it creates 0755 whatever the umask (the servers' DynamicUser passes through
+    the install root to reach the release); directories already there keep their modes (`check` reports one
+    that closes the way: unit-path-hidden)."""
+    missing = []
+    p = d
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        p.mkdir(exist_ok=True)
+        os.chmod(p, 0o755)
+
+
+def server_modes(tree: Path) -> int:
+    """Give the release the modes its servers need: they run as a DynamicUser (no group, no home), so every
+    directory must be 0755 and every file 0644 (0755 if executable), owned by whoever installs (root), writable
+    by nobody else. The venv archive unpacks into a private 0700 staging directory and pip, venv and compileall
+    follow the umask, so nothing of that is left to chance. Symlinks are left alone. Returns how many modes
+    changed."""
+    changed = 0
+
+    def fix(p: str, want: int, have: int) -> None:
+        nonlocal changed
+        if have & 0o7777 != want:
+            os.chmod(p, want)
+            changed += 1
+
+    fix(str(tree), 0o755, tree.stat().st_mode)
+    for top, dirs, files in os.walk(tree):
+        for name in dirs + files:
+            p = os.path.join(top, name)
+            st = os.lstat(p)
+            if stat.S_ISDIR(st.st_mode):
+                fix(p, 0o755, st.st_mode)
+            elif stat.S_ISREG(st.st_mode):
+                fix(p, 0o755 if st.st_mode & 0o111 else 0o644, st.st_mode)
+    return changed
 
 
 def _copy_error(exc: shutil.Error, what: str) -> DeployError:

@@ -135,14 +135,36 @@ def lock_tool(cfg: Config, *, python: str | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     py = python or cfg.bundle.python
     with tempfile.TemporaryDirectory(prefix="deploytool-toolwheel-") as tmp:
-        proc.run([py, "-m", "pip", "wheel", "--no-deps", "-w", tmp, str(src)],
-                 env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
-        whl = next(Path(tmp).glob("deploytool-*.whl"))
+        # pip builds a local directory in place (build/, *.egg-info): built from the source tree itself, the
+        # wheel would leave those behind, and a build/ left from an earlier run carries modules deleted since
+        # into the next wheel. A clean copy of what the wheel is made of is built instead.
+        copy = _wheel_sources(src, Path(tmp) / "src")
+        proc.run([py, "-m", "pip", "wheel", "--no-deps", "-w", str(Path(tmp) / "out"),
+                  str(copy)], env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
+        whl = next((Path(tmp) / "out").glob("deploytool-*.whl"))
         for old in out.glob("deploytool-*.whl"):
             old.unlink()
         proc.run([py, "-m", "pip", "download", "--only-binary=:all:", "-d", str(out), str(whl)], env=pip_env(),
                  timeout=1200)
     return sorted(out.glob("*.whl"))
+
+
+# What deploytool's wheel is built from (setup.cfg's packages and package_dir, its long_description): nothing
+# else of the checkout (venvs, caches, build/, *.egg-info, bytecode) reaches the build.
+WHEEL_SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "deploy_tool", "templates")
+
+
+def _wheel_sources(src: Path, dest: Path) -> Path:
+    """A fresh copy of the files deploytool's wheel is built from, under `dest`."""
+    dest.mkdir(parents=True)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
+    for name in WHEEL_SOURCES:
+        p = src / name
+        if p.is_dir():
+            shutil.copytree(p, dest / name, ignore=skip)
+        elif p.is_file():
+            shutil.copy2(p, dest / name)
+    return dest
 
 
 def _sha(p: Path) -> str:

@@ -3,23 +3,51 @@
 # real ftllm 0.1.8.2 and llama-server on CPU serving a tiny model, a real signed bundle.
 #   pack -> install (ftllm-dflash) -> switch llamacpp -> switch ftllm -> an injected failure rolled back
 #   -> status and history -> sandbox down. Leaves nothing running.
+#
+# The box (config, demo-root/, sandbox) is a directory of its own for this run under $DEPLOYTOOL_DEMO_ROOT
+# (default /var/lib/deploytool-demo), removed at the end (DEPLOYTOOL_DEMO_KEEP=1 keeps it): not in the checkout,
+# which may be under /tmp (hidden by the units' PrivateTmp=yes) or in a 0700 home (closed to the servers, which
+# run as a DynamicUser as on the real box). A run killed before its clean-up is taken down by the next one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DT="$ROOT/.venv/bin/deploytool"
-W="$ROOT/demo-run"
-export DEPLOYTOOL_CONFIG="$W/deploytool.yaml"
+BASE="${DEPLOYTOOL_DEMO_ROOT:-/var/lib/deploytool-demo}"
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 run() { printf '\033[2m$ deploytool %s\033[0m\n' "$*"; "$DT" "$@"; }
+starttime() { [ -r "/proc/$1/stat" ] && sed 's/^.*) //' "/proc/$1/stat" | cut -d' ' -f20; }
 
-if [ -f "$W/sandbox/.deploytool-sandbox" ]; then "$DT" sandbox down "$W/sandbox" >/dev/null 2>&1 || true; fi
-rm -rf "$W"; mkdir -p "$W/models" "$ROOT/.cache/wheels-demo"
-cleanup() { say "sandbox down (nothing left running)"; "$DT" sandbox down "$W/sandbox"; }
+# earlier runs that were killed (their owner process is gone): sandbox down, directory removed
+mkdir -p "$BASE" && chmod 0755 "$BASE" || exit 1
+for old in "$BASE"/run-*; do
+  [ -f "$old/owner" ] || continue
+  read -r opid ostart < "$old/owner" || continue
+  [ "$(starttime "$opid")" = "$ostart" ] && continue  # still running
+  if [ -f "$old/sandbox/.deploytool-sandbox" ]; then "$DT" sandbox down "$old/sandbox" >/dev/null 2>&1 || true; fi
+  rm -rf "$old"
+done
+W="$(mktemp -d "$BASE/run-XXXXXXXX")" || exit 1
+chmod 0755 "$W"
+echo "$$ $(starttime $$)" > "$W/owner"
+export DEPLOYTOOL_CONFIG="$W/deploytool.yaml"
+mkdir -p "$W/models" "$ROOT/.cache/wheels-demo"
+cleanup() {
+  say "sandbox down (nothing left running)"
+  rc=0
+  if [ -f "$W/sandbox/.deploytool-sandbox" ]; then "$DT" sandbox down "$W/sandbox"; rc=$?; fi
+  if [ -n "${DEPLOYTOOL_DEMO_KEEP:-}" ] || [ -z "$finished" ]; then
+    echo "the demo box is kept in $W (the next make demo removes it)"
+  elif [ $rc -eq 0 ]; then rm -rf "$W"; fi
+}
+finished=
 trap cleanup EXIT
 
 say "1. a config for this machine: both backends on CPU, same port and model name"
 run init --example cpu-demo --out "$W/deploytool.yaml" || exit 1
+# a port free right now rather than the example's 18082, which another box on this machine may be using
+port="$("$ROOT/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+sed -i "s/^  port: 18082\b.*/  port: $port/" "$W/deploytool.yaml" && grep -q "^  port: $port\$" "$W/deploytool.yaml" || exit 1
 ln -s "$ROOT/.cache/wheels-demo" "$W/wheels"
 "$ROOT/.venv/bin/python" -m tests.support.tiny_model "$W/models/tiny-f16.gguf" --f16 || exit 1
 run check || exit 1
@@ -62,3 +90,4 @@ say "7. status and history"
 run status
 run history
 say "demo finished"
+finished=1

@@ -59,9 +59,10 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 def fresh(own_sandbox):
     """A packed cpu-demo bundle (directory form, copied to the box) and an empty box; torn down afterwards."""
     from tests.support.demo_box import make_demo
-    from tests.support.sandbox import free_port, restore, snapshot
+    from tests.support.sandbox import free_port, new_run_dir, restore, snapshot
 
-    d = REPO / ".cache" / f"bootstrap-{os.getpid()}"
+    root = new_run_dir("bootstrap")  # where the units can see it, wherever the checkout is
+    d = root / "box"
     snap = snapshot(own_sandbox)
     try:
         cfg = make_demo(d, sandbox_dir=own_sandbox.sandbox.dir, unit_dir=own_sandbox.unit_dir, port=free_port())
@@ -77,7 +78,7 @@ def fresh(own_sandbox):
     finally:
         restore(own_sandbox, snap)
         if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
-            shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _nothing_written(fresh, before: dict) -> None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from deploy_tool import checks
 from deploy_tool.cli import main
@@ -183,20 +187,25 @@ CASES: list[Case] = [
      "serve-context-differs", "info", ["ftllm-dflash 131,072"]),
     ("ctx-over-training", "cpu-demo", [(f"{LL}.ctx_size", 8192)], "llamacpp-ctx-over-training", "warning",
      ["-c 8,192", "2,048 tokens", "capping", "only on paper"]),
+    ("root-in-tmp", "cpu-demo", [("paths.root", "/tmp/deploytool-box/opt/deploytool")], "unit-path-hidden", "error",
+     ["paths.root", "/tmp/deploytool-box/opt/deploytool", "PrivateTmp=yes", "cannot see it"]),
+    ("model-in-var-tmp", "two-2080ti", [(f"{LL}.model", "/var/tmp/m.gguf")], "unit-path-hidden", "error",
+     [f"{LL}.model", "/var/tmp/m.gguf", "llamacpp-tensor.service", "PrivateTmp=yes"]),
 ]
 
 
 @pytest.fixture()
-def cpu_demo_files(tmp_path: Path) -> Path:
-    """The files cpu-demo names (the template from `init`, a tiny real GGUF model) in tmp_path."""
+def cpu_demo_files(visible_dir: Path) -> Path:
+    """The files cpu-demo names (the template from `init`, a tiny real GGUF model), where its units can see them
+    (not tmp_path: /tmp is hidden from them by PrivateTmp=yes, which `check` reports)."""
     from deploy_tool import config
     from tests.support.tiny_model import write_model
 
     for name, data in config.example_companions("cpu-demo").items():
-        (tmp_path / name).write_bytes(data)
-    (tmp_path / "models").mkdir()
-    write_model(tmp_path / "models" / "tiny-f16.gguf", f16=True)
-    return tmp_path
+        (visible_dir / name).write_bytes(data)
+    (visible_dir / "models").mkdir()
+    write_model(visible_dir / "models" / "tiny-f16.gguf", f16=True)
+    return visible_dir
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -213,12 +222,13 @@ def test_check_fires_on_its_bad_case(case: Case, tmp_path: Path, cpu_demo_files:
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLE_FINDINGS))
-def test_examples_quiet_through_cli(example: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_examples_quiet_through_cli(example: str, visible_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`init` + `check --json` on each embedded example: exit 0, no errors, and only the expected findings.
 
     The machine is pinned as "not the box" (no NVIDIA driver), which is what it is here; on a GPU machine the
-    box's missing model files would rightly be errors.
+    box's missing model files would rightly be errors. The config lives where its units can see it.
     """
+    tmp_path = visible_dir
     monkeypatch.setattr(checks, "nvidia_present", lambda: False)
     runner = CliRunner()
     cfg = tmp_path / "deploytool.yaml"
@@ -600,3 +610,83 @@ def test_q8_detected_from_gguf_header(tmp_path: Path) -> None:
     assert "general.file_type MOSTLY_Q8_0" in f.message
     q4 = _gguf_with_file_type(tmp_path / "Qwen-Q8_0-named.gguf", 15)
     assert not _only(_two(tmp_path / "b", (f"{LL}.model", str(q4))), "llamacpp-q8-f16-context")
+
+
+# ----------------------------------------------------------------------------------------- what the units see
+
+
+def _hidden(cfg_dir: Path, *changes: tuple[str, Any]) -> list[checks.Finding]:
+    return _only(_two(cfg_dir, *changes, example="cpu-demo"), "unit-path-hidden")
+
+
+@settings(max_examples=40, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(min_value=0, max_value=0o777), min_size=3, max_size=3))
+def test_dynamic_user_needs_every_directory_on_the_way_open(cpu_demo_files: Path, modes: list[int]) -> None:
+    """serve.user dynamic (DynamicUser=yes): whatever modes the directories between the box and the model have,
+    `check` reports the first one without o+x by path and mode, naming DynamicUser, and nothing when all have it;
+    run as root (serve.user: root), the same tree is fine."""
+    chain = [cpu_demo_files / "a", cpu_demo_files / "a" / "b", cpu_demo_files / "a" / "b" / "c"]
+    chain[-1].mkdir(parents=True, exist_ok=True)
+    model = chain[-1] / "m.gguf"
+    if not model.exists():
+        shutil.copy(cpu_demo_files / "models" / "tiny-f16.gguf", model)
+    for d, m in zip(chain, modes, strict=True):
+        os.chmod(d, m)
+    try:
+        found = _hidden(cpu_demo_files, (f"{LL}.model", str(model)))
+        closed = next((d for d, m in zip(chain, modes, strict=True) if not m & 0o001), None)
+        if closed is None:
+            assert found == []
+        else:
+            assert len(found) == 1, found
+            f = found[0]
+            assert f.backend == "llamacpp-tensor" and f.severity == "error"
+            assert f"{closed} is mode {modes[chain.index(closed)]:04o}" in f.message
+            assert "DynamicUser" in f.message and f"{LL}.model" in f.message and "pass through" in f.message
+        assert _hidden(cpu_demo_files, (f"{LL}.model", str(model)), ("serve.user", "root")) == []
+    finally:
+        for d in chain:
+            os.chmod(d, 0o755)
+
+
+def test_dynamic_user_cannot_read_a_private_model(cpu_demo_files: Path) -> None:
+    """A model file of mode 0600 (the directories open): the server's DynamicUser cannot read it."""
+    model = cpu_demo_files / "models" / "tiny-f16.gguf"
+    os.chmod(model, 0o600)
+    found = _hidden(cpu_demo_files)
+    assert {f.backend for f in found} == {"ftllm-dflash", "llamacpp-tensor"} and len(found) == 2
+    for f in found:
+        assert f"{model} is mode 0600" in f.message and "cannot read it" in f.message
+        assert f.fix.startswith(f"chmod o+r {model}")
+    os.chmod(model, 0o644)
+    assert _hidden(cpu_demo_files) == []
+
+
+def test_a_box_in_a_closed_home_is_reported_with_protecthome_named(cpu_demo_files: Path) -> None:
+    """The box under a 0700 home (as /root is): reported for each backend, naming the home and ProtectHome's
+    read-only view (visible, not open); the box is this directory, so paths.root and the models are listed."""
+    home = Path("/root")
+    if os.stat(home).st_mode & 0o001:
+        pytest.skip("/root is world-traversable on this machine")
+    found = _hidden(cpu_demo_files, ("paths.root", "/root/deploytool-box/opt"))
+    assert {f.backend for f in found} == {"ftllm-dflash", "llamacpp-tensor"}
+    for f in found:
+        assert "/root is mode" in f.message and "ProtectHome=read-only leaves /root visible" in f.message
+        assert "paths.root" in f.message
+
+
+def test_protect_home_yes_and_private_tmp_off(cpu_demo_files: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules follow the unit's directives (a fake unit for the cases the template does not render):
+    ProtectHome=yes hides /home; PrivateTmp=no and no DynamicUser leave /tmp visible."""
+    real = checks._unit_settings
+    monkeypatch.setattr(checks, "_unit_settings", lambda cfg, b: {**real(cfg, b), "ProtectHome": "yes"})
+    f = _hidden(cpu_demo_files, (f"{LL}.model", "/home/alice/m.gguf"))
+    assert len(f) == 1 and "ProtectHome=yes" in f[0].message and "/home/alice/m.gguf" in f[0].message
+    monkeypatch.setattr(checks, "_unit_settings", lambda cfg, b: {"PrivateTmp": "no", "User": "root"})
+    assert _hidden(cpu_demo_files, (f"{LL}.model", "/tmp/m.gguf")) == []
+
+
+def test_the_demo_box_layout_is_visible(cpu_demo_files: Path) -> None:
+    """cpu-demo as the demo and the e2e suite lay it out (a run directory under /var/lib): nothing to report."""
+    assert str(cpu_demo_files).startswith("/var/lib/") or os.environ.get("DEPLOYTOOL_TEST_ROOT")
+    assert _hidden(cpu_demo_files) == []

@@ -94,6 +94,32 @@ def test_install_byte_compiles_the_release_venv(installed):
     assert head[8:16] == importlib.util.source_hash(server.read_bytes())
 
 
+def test_servers_run_as_a_dynamic_user(installed, systemd_sandbox):
+    """The cpu-demo runs the servers as the production example does (serve.user: dynamic): ftllm's main process
+    has a transient uid from systemd's DynamicUser range, not root, and still serves."""
+    from tests.support.demo_box import server_uid
+
+    assert yaml.safe_load(installed.read_text())["serve"]["user"] == "dynamic"
+    unit = "ftllm-dflash.service"
+    assert "DynamicUser=yes" in (systemd_sandbox.unit_dir / unit).read_text()
+    ruid, euid = server_uid(systemd_sandbox.systemd, systemd_sandbox.run, unit)
+    assert ruid == euid and 61184 <= ruid <= 65519, (ruid, euid)  # systemd's DynamicUser= range
+    assert chat(installed)["choices"][0]["message"]["content"]
+
+
+def test_installed_tree_is_readable_by_the_servers_and_writable_by_root_only(installed):
+    """Everything a server needs (the release with its venv, tool, templates, units and env copies, the model, the
+    env files) and every directory on the way to it: root-owned, readable and traversable by any uid, writable by
+    no group or other. The venv unpacks into a private 0700 staging dir; install must not carry that mode over."""
+    from tests.support.demo_box import Box, access_problems
+
+    box = Box(installed)
+    release = box.current.resolve()
+    assert (release / "venv").is_dir() and (release / "venv" / "bin" / "python").exists()
+    wanted = [release, box.current, installed.parent / "models", box.env_dir]
+    assert access_problems(wanted) == []
+
+
 def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     """switch llamacpp then ftllm: one backend active at a time, same port and model name answer."""
     since = time.time()
@@ -109,6 +135,9 @@ def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     assert "warning" not in r.stderr, r.stderr
     assert active_units(systemd_sandbox) == {"llamacpp-tensor.service"}
     assert chat(installed)["model"] in ("qwen38-27b-ud",)
+    from tests.support.demo_box import server_uid
+
+    assert 61184 <= server_uid(systemd_sandbox.systemd, systemd_sandbox.run, "llamacpp-tensor.service")[0] <= 65519
     assert systemd_sandbox.systemd.is_enabled("llamacpp-tensor.service") == "enabled"
     assert systemd_sandbox.systemd.is_enabled("ftllm-dflash.service") != "enabled"
     r = dt(installed, "switch", "ftllm")
@@ -393,6 +422,33 @@ def test_rebuild_offline_native_libs_identical(demo):
     assert rep["ok"] and rep["identical"] == rep["native_libs"] > 10
 
 
+def test_make_rebuild_check_on_the_demo_bundle(demo):
+    """`make rebuild-check` (scripts/rebuild-check.sh) finds the newest bundle beside the config, rebuilds it in an
+    empty network namespace and compares every native library; a bundle whose signature no longer holds is
+    refused with the bundle's exit code (6), not reported as identical."""
+    import re
+
+    env = {**os.environ, "CONFIG": str(demo)}
+    env.pop("MAKEFLAGS", None)
+    r = subprocess.run(["make", "-s", "-C", str(REPO), "rebuild-check"], capture_output=True, text=True, env=env,
+                       timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"(\d+)/(\d+) native libraries byte-identical after an offline rebuild", r.stdout)
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) > 10, r.stdout + r.stderr
+    packed = next(p for p in (demo.parent / "artifacts").iterdir() if p.is_dir() and (p / "MANIFEST").is_file())
+    bad = demo.parent / "tampered" / packed.name
+    shutil.copytree(packed, bad)
+    try:
+        lock = bad / "requirements.lock"
+        lock.write_bytes(lock.read_bytes() + b"\n")
+        r = subprocess.run(["make", "-s", "-C", str(REPO), "rebuild-check", f"BUNDLE={bad}"], capture_output=True,
+                           text=True, env=env, timeout=600)
+        assert r.returncode == 2 and "Error 6" in r.stderr, r.stdout + r.stderr  # make's 2, the script's 6
+        assert "identical" not in r.stdout
+    finally:
+        shutil.rmtree(bad.parent, ignore_errors=True)
+
+
 def test_no_network_during_install(demo, tmp_path):
     """install --no-start works inside an empty network namespace: nothing it needs comes from a network."""
     data = yaml.safe_load(demo.read_text())
@@ -487,9 +543,10 @@ def test_performance_gate_rolls_back_a_slowed_backend(installed, systemd_sandbox
     data["health"]["perf_gate_fraction"] = 0.5
     cfg = installed.with_name("perf-gate.yaml")
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-    # throttled once it runs (ExecStartPost), so its ExecStartPre verify is not slowed as well
+    # throttled once it runs (ExecStartPost), so its ExecStartPre verify is not slowed as well; "+": as root (the
+    # server's DynamicUser may not change a unit's properties)
     d = _dropin(systemd_sandbox, "llamacpp-tensor.service",
-                "[Service]\nExecStartPost=/usr/bin/systemctl set-property --runtime llamacpp-tensor.service "
+                "[Service]\nExecStartPost=+/usr/bin/systemctl set-property --runtime llamacpp-tensor.service "
                 "CPUQuota=2%\n", installed)
     try:
         r = dt(cfg, "switch", "llamacpp")

@@ -608,7 +608,7 @@ def _sandbox_tree(template: Path, env, port: int) -> rt.Tree:
 
     Two views of one config: the test pins through deploytool.yaml, which names the sandbox's unit dir as the
     host sees it; the units' ExecStartPre reads inside.yaml, identical but for paths.unit_dir, which inside the
-    sandbox is /etc/systemd/system (the host path lies under /tmp, hidden by the units' PrivateTmp=yes).
+    sandbox is /etc/systemd/system (the host path of the sandbox's unit dir is not the one systemd sees).
     """
     def edit(data: dict) -> None:
         data["paths"]["unit_dir"] = str(env.unit_dir)
@@ -621,8 +621,11 @@ def _sandbox_tree(template: Path, env, port: int) -> rt.Tree:
         data["default_backend"] = "fpt-ftllm-dflash"
         del data["backends"]["fpt-llamacpp-tensor"]["mmproj"]  # a text GGUF: llama-server would refuse it as mmproj
 
-    # not under /tmp: the units run with PrivateTmp=yes
-    dest = REPO / ".cache" / "test-fingerprint" / f"{os.getpid()}-{time.monotonic_ns()}"
+    # in a run directory the units can see wherever the checkout is (PrivateTmp=yes hides /tmp); the caller
+    # removes tree.root.parent
+    from tests.support.sandbox import new_run_dir
+
+    dest = new_run_dir("fingerprint") / "tree"
     tree = rt.instantiate(template, dest, edit)
     inside = yaml.safe_load(tree.config_path.read_text())
     inside["paths"]["unit_dir"] = "/etc/systemd/system"
@@ -698,7 +701,7 @@ def test_systemd_refuses_ftllm_start_naming_each_changed_item(template: Path, sa
                 sandbox_env.systemd.daemon_reload()
             _starts(sandbox_env, unit, port)
     finally:
-        shutil.rmtree(tree.root, ignore_errors=True)
+        shutil.rmtree(tree.root.parent, ignore_errors=True)
 
 
 @pytest.mark.sandbox
@@ -723,7 +726,7 @@ def test_systemd_refuses_real_llama_server_start_and_starts_it_when_restored(tem
             target.write_bytes(original)
             _starts(sandbox_env, unit, port)
     finally:
-        shutil.rmtree(tree.root, ignore_errors=True)
+        shutil.rmtree(tree.root.parent, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- the fast entry

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.demo_box import Box, active_units, bundle_in, chat, dt, make_demo, pack, variant
-from tests.support.sandbox import free_port
+from tests.support.sandbox import free_port, new_run_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
@@ -35,7 +35,8 @@ def sbx(own_sandbox):
 def box(sbx):
     """Two bundles of one cpu-demo box (B differs from A in one env var of ftllm-dflash) and one signed by a key
     the box does not trust."""
-    d = REPO / ".cache" / f"install-faults-{os.getpid()}"
+    root = new_run_dir("install-faults")  # where the units can see it, wherever the checkout is
+    d = root / "box"
     cfg = make_demo(d, sandbox_dir=sbx.sandbox.dir, unit_dir=sbx.unit_dir, port=free_port())
     a = bundle_in(d / "artifacts")
     cfg_b = variant(cfg, "deploytool-b.yaml", {"DEPLOYTOOL_TEST_RELEASE": "b"})
@@ -47,7 +48,7 @@ def box(sbx):
     yield {"cfg": cfg, "cfg_b": cfg_b, "a": a, "b": b, "rogue": rogue, "box": Box(cfg), "dir": d}
     Box(cfg).reset(sbx.systemd)
     if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
-        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _port(cfg: Path) -> int:

@@ -202,31 +202,17 @@ def test_zombie_process_is_could_not_determine():
         proc.wait()
 
 
-def _unprivileged_python() -> str:
-    """An interpreter an unprivileged user can execute (the dev venv's may live under /root)."""
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        try:
-            probe = subprocess.run([candidate, "-c", "import sys; assert sys.version_info >= (3, 11)"],
-                                   user=65534, group=65534, extra_groups=[], capture_output=True, cwd="/")
-        except OSError:  # not executable (or not there) for that user
-            continue
-        if probe.returncode == 0:
-            return candidate
-    pytest.skip("no Python >= 3.11 executable by uid 65534")
-
-
 def test_unreadable_maps_is_could_not_determine(tmp_path):
     """Run as an unprivileged user against a root-owned process: permission denied becomes 'unknown', no traceback."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a check as another user")
-    python = _unprivileged_python()
+    from tests.support.nobody import REPO_AS_SEEN, run_python
+
     lib = copy_library(tmp_path / "libnccl.so.2")
     code = ("import json, sys; sys.path.insert(0, sys.argv[2]); from deploy_tool.runtime import inspect_runtime; "
             "print(json.dumps(inspect_runtime(int(sys.argv[1]), kind='ftllm', pins={}).to_json()))")
     with holding([lib]) as (pid, _):
-        out = subprocess.run([python, "-c", code, str(pid), str(REPO)], user=65534, group=65534,
-                             extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
-                             capture_output=True, text=True, timeout=60)
+        out = run_python(["-c", code, str(pid), REPO_AS_SEEN])  # as uid 65534, the checkout reachable
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["status"] == "unknown"

@@ -194,3 +194,55 @@ def chat(port: int, model: str = "qwen38-27b-ud") -> dict:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
+
+
+def server_uid(systemd, sandbox_run, unit: str) -> tuple[int, int]:
+    """(real uid, effective uid) of `unit`'s main process, read from /proc inside the sandbox (its PID namespace)."""
+    pid = systemd.show(unit).main_pid
+    assert pid > 0, f"{unit} has no main process"
+    status = sandbox_run("cat", f"/proc/{pid}/status").stdout
+    uids = next(ln.split()[1:] for ln in status.splitlines() if ln.startswith("Uid:"))
+    return int(uids[0]), int(uids[1])
+
+
+def access_problems(paths: list[Path]) -> list[str]:
+    """What keeps a DynamicUser server from reading `paths` (and everything below the directories among them), or
+    lets someone other than root change them. Every parent directory up to / must be root-owned, o+x and not
+    group/other-writable (a sticky, world-writable /tmp-like parent is reported too: no box path belongs there).
+    [] when all is well. (A secrets.env is not for this: systemd reads it as root, and it must stay 0600.)"""
+    import stat as st_
+
+    out: list[str] = []
+    seen: set[Path] = set()
+
+    def look(p: Path, *, what: str) -> None:
+        if p in seen:
+            return
+        seen.add(p)
+        s = os.lstat(p)
+        mode = s.st_mode & 0o7777
+        if st_.S_ISLNK(s.st_mode):
+            if s.st_uid != 0:
+                out.append(f"{p}: symlink owned by uid {s.st_uid}")
+            return
+        if s.st_uid != 0:
+            out.append(f"{p}: owned by uid {s.st_uid}, not root")
+        if mode & 0o022:
+            out.append(f"{p}: mode {mode:04o} lets group/other write")
+        if st_.S_ISDIR(s.st_mode):
+            need = 0o001 if what == "parent" else 0o005
+            if mode & need != need:
+                out.append(f"{p}: directory mode {mode:04o}, a DynamicUser cannot "
+                           + ("pass through" if what == "parent" else "list and enter") + " it")
+        elif mode & 0o004 != 0o004:
+            out.append(f"{p}: file mode {mode:04o}, a DynamicUser cannot read it")
+
+    for top in paths:
+        for parent in reversed(top.parents):
+            look(parent, what="parent")
+        look(top, what="top")
+        if top.is_dir() and not top.is_symlink():
+            for d, dirs, files in os.walk(top):
+                for n in dirs + files:
+                    look(Path(d) / n, what="tree")
+    return out

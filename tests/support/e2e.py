@@ -15,14 +15,16 @@ from tests.support.demo_box import DT, REPO, dt, make_demo  # noqa: F401  (DT, R
 def demo(systemd_sandbox):
     """A packed cpu-demo bundle and a config pointing at the session's sandboxed systemd.
 
-    It lives under the repo's .cache/, not /tmp: the units run with PrivateTmp=yes and could not see /tmp."""
-    from tests.support.sandbox import free_port
+    It lives in a run directory of its own under tests/support/sandbox.py's RUN_PARENT, wherever the checkout is:
+    the units (PrivateTmp=yes, ProtectHome=, DynamicUser=yes) see the box there as they do on a real one."""
+    from tests.support.sandbox import free_port, new_run_dir
 
-    d = REPO / ".cache" / f"e2e-{os.getpid()}"
-    cfg = make_demo(d, sandbox_dir=systemd_sandbox.sandbox.dir, unit_dir=systemd_sandbox.unit_dir, port=free_port())
+    root = new_run_dir("e2e")
+    cfg = make_demo(root / "box", sandbox_dir=systemd_sandbox.sandbox.dir, unit_dir=systemd_sandbox.unit_dir,
+                    port=free_port())
     yield cfg
     if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
-        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@
                                  stopped, disabled and removed (drop-ins and .wants links too), transient
                                  units stopped, reset-failed, daemon-reload
 
-Sandboxes live under $DEPLOYTOOL_TEST_SANDBOXES (default /tmp/deploytool-test-sandboxes), one directory per
+Sandboxes and test boxes live under $DEPLOYTOOL_TEST_ROOT (default /var/lib/deploytool-test), one directory per
 test run holding `owner.json` (the pytest process's PID and start time). A run that was killed leaves its
 sandbox up; the next run finds it by its dead owner and takes it down, by PID and cgroup, never by name.
 The machine's /proc/1/cgroup is recorded at session start and compared at session end.
@@ -33,12 +33,15 @@ from deploy_tool.errors import DeployError
 from deploy_tool.sandbox import Sandbox, sandbox_dirs_under
 from deploy_tool.systemd import Systemd
 
-__all__ = ["systemd_sandbox", "sandbox_env", "own_sandbox", "pytest_sessionstart", "pytest_sessionfinish"]
+__all__ = ["systemd_sandbox", "sandbox_env", "own_sandbox", "visible_dir", "pytest_sessionstart",
+           "pytest_sessionfinish"]
 
-# Not under /tmp: a sandbox whose directory lives in /tmp cannot start units with PrivateTmp=yes (systemd then
-# fails to locate their executables, status=203/EXEC), and the rendered backend units use PrivateTmp=yes.
-SANDBOX_PARENT = Path(os.environ.get("DEPLOYTOOL_TEST_SANDBOXES",
-                                     str(Path(__file__).resolve().parents[2] / ".cache" / "test-sandboxes")))
+# Where every test box (sandbox directories, demo boxes with their demo-root/) lives: one directory per run,
+# somewhere the rendered units can see it wherever the checkout is. Not under /tmp or /var/tmp (the units run
+# with PrivateTmp=yes: a release there is hidden from the server, and a sandbox there cannot start them, status
+# 203/EXEC), not in a home directory (ProtectHome=; a 0700 /root is closed to the servers' DynamicUser), and
+# world-traversable all the way down (root-owned 0755), as on the real box.
+RUN_PARENT = Path(os.environ.get("DEPLOYTOOL_TEST_ROOT", "/var/lib/deploytool-test"))
 CGROUP_PREFIX = "deploytool-sandbox-"
 
 
@@ -65,8 +68,11 @@ def _start_time(pid: int) -> int | None:
 
 def new_run_dir(tag: str = "run") -> Path:
     """A fresh directory for this test process's sandboxes, stamped with its owner (this process)."""
-    root = SANDBOX_PARENT / f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    root.mkdir(parents=True)
+    RUN_PARENT.mkdir(parents=True, exist_ok=True)
+    os.chmod(RUN_PARENT, 0o755)  # whatever the umask: the servers' DynamicUser must pass through
+    root = RUN_PARENT / f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
     (root / "owner.json").write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
     return root
 
@@ -74,9 +80,9 @@ def new_run_dir(tag: str = "run") -> Path:
 def sweep_orphans() -> list[str]:
     """Take down sandboxes left by killed test runs (owner process gone) and delete their directories."""
     swept = []
-    if not SANDBOX_PARENT.is_dir():
+    if not RUN_PARENT.is_dir():
         return swept
-    for root in sorted(SANDBOX_PARENT.iterdir()):
+    for root in sorted(RUN_PARENT.iterdir()):
         try:
             owner = json.loads((root / "owner.json").read_text())
         except (OSError, ValueError):
@@ -227,6 +233,15 @@ def sandbox_env(systemd_sandbox: SandboxEnv) -> Iterator[SandboxEnv]:
     snap = snapshot(systemd_sandbox)
     yield systemd_sandbox
     restore(systemd_sandbox, snap)
+
+
+@pytest.fixture()
+def visible_dir() -> Iterator[Path]:
+    """A fresh directory where a box's files can live as on a real box: the rendered units see it (not under /tmp,
+    not in a home) and the servers' DynamicUser can pass through every directory on the way. Removed afterwards."""
+    root = new_run_dir("box")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
