@@ -13,7 +13,6 @@ with no half-installed units.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import os
 import shutil
@@ -33,9 +32,9 @@ from deploy_tool.errors import (
     ExitCode,
     InputError,
     InstallError,
-    OSFailure,
     RollbackFailed,
 )
+from deploy_tool.faults import fault
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
 from deploy_tool.state import Operation, State, Store, now_iso
 
@@ -222,9 +221,7 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         steps.append({"step": name, "t": round(time.monotonic(), 3), **kw})
         store.save(replace(store.load(), operation=replace(op, step=name)))
         log(name + "".join(f" {k}={v}" for k, v in kw.items()))
-        from deploy_tool.switch import _fault
-
-        _fault(name)
+        fault(name)
 
     man = vb.manifest
     rid = man.bundle_id
@@ -234,13 +231,9 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         stage = releases / f".staging-{rid}"
         shutil.rmtree(stage, ignore_errors=True)
         try:
-            if getattr(vb, "extracted", False) and vb.root.resolve().parent.parent == releases.resolve():
-                os.rename(vb.root, stage)  # the private verified copy, on the same file system: no second copy
-            else:  # a bundle directory verified in place: copy it
-                shutil.copytree(vb.root, stage, symlinks=False)
-        except shutil.Error as exc:  # copytree's list of per-file errors
-            shutil.rmtree(stage, ignore_errors=True)
-            raise _copy_error(exc, f"cannot lay down release {rid} under {releases}") from None
+            # the private copy verify_bundle wrote and hashed (archive or directory alike), on the same file
+            # system: renamed, never read from the bundle again
+            os.rename(vb.root, stage)
         except OSError as exc:
             shutil.rmtree(stage, ignore_errors=True)
             raise os_error(exc, f"cannot lay down release {rid} under {releases}") from None
@@ -376,16 +369,6 @@ def _compile_bytecode(venv: Path, log: Log) -> bool:
         log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
         return False
     return True
-
-
-def _copy_error(exc: shutil.Error, what: str) -> DeployError:
-    """One readable error from shutil.copytree's list of (src, dst, reason) tuples."""
-    errs = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
-    reasons = [str(e[2]) for e in errs if isinstance(e, tuple) and len(e) == 3]
-    if any("No space left" in r for r in reasons):
-        return os_error(OSError(errno.ENOSPC, "No space left on device"), what)
-    first = reasons[0] if reasons else str(exc)
-    return OSFailure(f"{what}: {len(reasons)} files could not be copied; the first: {first[:300]}")
 
 
 def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:
