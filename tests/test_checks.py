@@ -220,7 +220,8 @@ def test_bad_case_not_on_examples(case: Case, tmp_path: Path, cpu_demo_files: Pa
 def test_every_catalog_id_is_tested() -> None:
     """Every check id in the catalog appears in this file's bad cases or in a dedicated test below."""
     dedicated = {"ftllm-nccl-arch", "ftllm-nccl-unreadable", "model-config-unreadable", "template-patch-match",
-                 "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable"}
+                 "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable",
+                 "os-library-missing"}
     tested = {c[3] for c in CASES} | dedicated
     assert tested == checks.CHECK_IDS
 
@@ -568,3 +569,32 @@ def test_q8_detected_from_gguf_header(tmp_path: Path) -> None:
     assert "general.file_type MOSTLY_Q8_0" in f.message
     q4 = _gguf_with_file_type(tmp_path / "Qwen-Q8_0-named.gguf", 15)
     assert not _only(_two(tmp_path / "b", (f"{LL}.model", str(q4))), "llamacpp-q8-f16-context")
+
+
+# ----------------------------------------------------------------------------------------- OS libraries
+
+
+def test_os_library_missing_is_named_with_its_backend(tmp_path: Path) -> None:
+    """A llama-server (a real gcc-built executable) whose shared library is not on this machine: `check` names
+    the library and the binary, as an error of that backend; with the library back, the check is quiet."""
+    import shutil
+    import subprocess
+
+    gcc = shutil.which("gcc")
+    assert gcc, "gcc is part of the setup"
+    d = tmp_path / "build"
+    d.mkdir()
+    (d / "g.c").write_text("int g(void) { return 0; }\n")
+    (d / "m.c").write_text("int g(void); int main(void) { return g(); }\n")
+    lib = d / "libgompish.so.1"
+    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libgompish.so.1", "-o", str(lib), str(d / "g.c")],
+                   check=True, timeout=120)
+    exe = d / "llama-server"
+    subprocess.run([gcc, "-o", str(exe), str(d / "m.c"), str(lib), "-Wl,-rpath,$ORIGIN"], check=True, timeout=120)
+    cfg_changes = ((f"{LL}.binary", str(exe)),)
+    assert not [f for f in _two(tmp_path, *cfg_changes, example="cpu-demo") if f.id == "os-library-missing"]
+    lib.unlink()
+    f = _one(_two(tmp_path, *cfg_changes, example="cpu-demo"), "os-library-missing", "error")
+    assert f.backend == "llamacpp-tensor" and "libgompish.so.1" in f.message and str(exe) in f.message
+    assert not [f for f in _two(tmp_path, *cfg_changes, example="cpu-demo", inspect=False)
+                if f.id == "os-library-missing"]
