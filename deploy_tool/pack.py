@@ -187,9 +187,33 @@ def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path) -> No
 
 
 def venv_archive_excludes(venv: Path, rel: str) -> bool:
-    """Bytecode caches and the interpreter links (bin/python* -> /usr/bin/python3) stay out of the archive:
-    install re-creates the links with `python -m venv` on the box, against the box's own interpreter."""
-    return "__pycache__" in rel.split("/") or (rel.startswith("bin/python") and (venv / rel).is_symlink())
+    """The interpreter links (bin/python* -> /usr/bin/python3) stay out of the archive: install re-creates them
+    with `python -m venv` on the box, against the box's own interpreter."""
+    return rel.startswith("bin/python") and (venv / rel).is_symlink()
+
+
+def compile_venv(venv: Path, current: str, log: Callable[[str], None] = lambda s: None) -> bool:
+    """Byte-compile the venv's Python (lib/) into checked-hash .pyc files, recording the paths the sources have
+    on the box through `current` (`<current>/venv/lib/...`), so the bytes are the same wherever the venv is
+    built: pack puts them in the venv archive and they are signed and pinned like every other file.
+
+    A backend runs with DynamicUser= and ProtectSystem=strict: it cannot write bytecode, so without these every
+    start of ftllm would compile its Python again. checked-hash .pyc files are validated against their source's
+    hash, not its mtime, so an edited source is never run from a stale .pyc (and an unpacked archive's mtimes do
+    not matter). A file that does not compile only costs its own speed: a warning, not a failure."""
+    python = venv / "bin" / "python"
+    try:
+        res = proc.run([str(python), "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
+                        "-s", str(venv), "-p", f"{current}/venv", str(venv / "lib")], ok=(0, 1), timeout=1800,
+                       env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONHASHSEED": "0"})
+    except DeployError as exc:
+        log(f"warning: byte-compiling the venv failed, backends will compile at each start: {exc.message}")
+        return False
+    if res.returncode != 0:
+        first = next((ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()), "")
+        log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
+        return False
+    return True
 
 
 def finish_venv(python: str, venv: Path) -> None:
@@ -333,6 +357,9 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         except proc.CommandFailed as exc:
             raise BundleError(f"building the venv from the locked wheels failed: {exc.message}",
                               hint="is the lock complete (every dependency pinned)? is bundle.python right?") from None
+        if compile_venv(venv, cfg.paths.current, log):
+            log("venv: byte-compiled (checked-hash .pyc, paths under "
+                f"{cfg.paths.current}/venv)")
         relocate_venv(venv, str(venv), VENV_PLACEHOLDER)
         native = hash_native_libs(venv, progress=progress)
         log(f"venv: {len(native)} native libraries hashed")

@@ -81,17 +81,25 @@ def test_install_serves_default_backend_and_second_install_is_noop(installed, sy
 
 
 def test_install_byte_compiles_the_release_venv(installed):
-    """The bundle has no __pycache__ and the units cannot write one (DynamicUser, ProtectSystem=strict): install
-    compiles the venv at its final path, as checked-hash .pyc (validated by the source's hash, not its mtime)."""
-    venv = installed.parent / "demo-root/opt/deploytool/current/venv"
+    """The units cannot write __pycache__ (DynamicUser, ProtectSystem=strict): the bundle's venv archive carries
+    the venv's bytecode, compiled at pack time as checked-hash .pyc (validated by the source's hash, not its
+    mtime) recording the stable `current/venv/...` path, and install lays it down with the sources."""
+    import importlib.util
+    import marshal
+
+    current = installed.parent / "demo-root/opt/deploytool/current"
+    venv = current / "venv"
     server = next(venv.glob("lib/python3*/site-packages/ftllm/server.py"))
     pycs = list((server.parent / "__pycache__").glob("server.cpython-*.pyc"))
     assert len(pycs) == 1, pycs
-    head = pycs[0].read_bytes()[:16]
-    assert int.from_bytes(head[4:8], "little") == 0b11  # PEP 552: hash-based, checked
-    import importlib.util
+    data = pycs[0].read_bytes()
+    assert int.from_bytes(data[4:8], "little") == 0b11  # PEP 552: hash-based, checked
+    assert data[8:16] == importlib.util.source_hash(server.read_bytes())
+    assert marshal.loads(data[16:]).co_filename == str(current / server.relative_to(current)), "recorded path"
+    from deploy_tool.archive import list_archive
 
-    assert head[8:16] == importlib.util.source_hash(server.read_bytes())
+    names = {e.name for e in list_archive(current / "venv.tar.zst")}
+    assert str(pycs[0].relative_to(venv)) in names, "the .pyc comes from the signed venv archive"
 
 
 def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
