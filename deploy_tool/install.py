@@ -413,9 +413,8 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
             else:
                 archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=progress)
                 pack.finish_venv(cfg.bundle.python, stage / "venv")
-                pack.relocate_venv(stage / "venv", man.inputs.get("venv_placeholder", pack.VENV_PLACEHOLDER),
-                                   str(venv_final))
-                pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
+                pack.relocate_venv(stage / "venv", (man.inputs.get("venv_placeholder", pack.VENV_PLACEHOLDER),
+                                                    str(stage / "venv")), str(venv_final))
             step("venv-ready", mode="rebuild" if rebuild else "unpack")
             check_os_libraries(cfg, stage)
             got = hash_native_libs(stage / "venv", progress=progress)

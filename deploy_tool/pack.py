@@ -221,19 +221,22 @@ def finish_venv(python: str, venv: Path) -> None:
     proc.run([python, "-m", "venv", "--without-pip", str(venv)], env=pip_env(), timeout=600)
 
 
-def relocate_venv(venv: Path, old: str, new: str) -> int:
-    """Rewrite the venv prefix in bin/ text files and pyvenv.cfg (shebangs, activate scripts), and the RECORD
-    lines of the rewritten files, so RECORD stays true and two builds at different places give the same bytes."""
+def relocate_venv(venv: Path, old: str | tuple[str, ...], new: str) -> int:
+    """Rewrite the venv prefix (`old`, or each of several) in bin/ text files and pyvenv.cfg (shebangs, activate
+    scripts), and the RECORD lines of the rewritten files, so RECORD stays true and two builds at different
+    places give the same bytes."""
+    olds = [o.encode() for o in ((old,) if isinstance(old, str) else old)]
     changed: dict[Path, bytes] = {}
     targets = [venv / "pyvenv.cfg"] + sorted((venv / "bin").iterdir())
     for p in targets:
         if p.is_symlink() or not p.is_file():
             continue
         data = p.read_bytes()
-        if b"\0" in data[:4096] or old.encode() not in data:
+        if b"\0" in data[:4096] or not any(o in data for o in olds):
             continue
         st = p.stat()
-        data = data.replace(old.encode(), new.encode())
+        for o in olds:
+            data = data.replace(o, new.encode())
         atomic_write(p, data, st.st_mode & 0o7777)
         changed[p.resolve()] = data
     if changed:
