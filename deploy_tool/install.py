@@ -6,8 +6,9 @@ from the bytes written there; nothing is read from the bundle after that) -> ref
 config -> rename the staging dir to releases/.staging-<id> -> unpack the venv archive, bytecode included (or
 rebuild it from the wheels with --no-index --require-hashes) and relocate it, deploytool's own venv built
 alongside -> refuse a box that lacks an OS library the native binaries need -> check every native library hash
-against the manifest -> rename to releases/<id> -> write env files and units atomically (drop-in dirs untouched) -> flip `current` -> pin fingerprints ->
-daemon-reload -> enable and start the default backend -> health gate -> commit state and history.
+against the manifest -> rename to releases/<id> -> write env files and units atomically (drop-in dirs
+untouched) -> flip `current` -> pin fingerprints -> daemon-reload -> enable and start the default backend ->
+health gate -> commit state and history. The same release again is a no-op, or starts the backend if none runs.
 A previous release keeps running untouched until the new one is ready to start; a fresh box that fails is left
 with no half-installed units.
 """

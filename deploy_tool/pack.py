@@ -200,10 +200,11 @@ def compile_venv(venv: Path, current: str, log: Callable[[str], None] = lambda s
     A backend runs with DynamicUser= and ProtectSystem=strict: it cannot write bytecode, so without these every
     start of ftllm would compile its Python again. checked-hash .pyc files are validated against their source's
     hash, not its mtime, so an edited source is never run from a stale .pyc (and an unpacked archive's mtimes do
-    not matter). A file that does not compile only costs its own speed: a warning, not a failure."""
+    not matter). `-f`: the timestamp-based .pyc that ensurepip left for pip itself (with the build path in them)
+    are rewritten too. A file that does not compile only costs its own speed: a warning, not a failure."""
     python = venv / "bin" / "python"
     try:
-        res = proc.run([str(python), "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
+        res = proc.run([str(python), "-m", "compileall", "-q", "-f", "-j", "0", "--invalidation-mode", "checked-hash",
                         "-s", str(venv), "-p", f"{current}/venv", str(venv / "lib")], ok=(0, 1), timeout=1800,
                        env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONHASHSEED": "0"})
     except DeployError as exc:
