@@ -374,9 +374,9 @@ def test_no_network_during_install(demo, tmp_path):
     data["paths"]["unit_dir"] = str(tmp_path / "box" / "units")
     data["systemd"]["sandbox"] = None
     data["systemd"]["systemctl"] = ["/bin/true"]
-    for k in ("requirements", "lock", "wheels_dir", "tool_wheels_dir"):
-        if data["bundle"].get(k):
-            data["bundle"][k] = str(demo.parent / data["bundle"][k])
+    for k in ("requirements", "lock", "wheels_dir"):
+        data["bundle"][k] = str(demo.parent / data["bundle"][k])
+    data["bundle"]["tool_wheels_dir"] = str(demo.parent / (data["bundle"].get("tool_wheels_dir") or "tool-wheels"))
     data["bundle"]["chat_template"]["source"] = str(demo.parent / "chat_template.jinja")
     for b in data["backends"].values():
         b["model"] = str(demo.parent / b["model"])
@@ -385,7 +385,9 @@ def test_no_network_during_install(demo, tmp_path):
     # the demo's bundle was packed for the demo's paths: refused here, naming them, before anything is written
     r = dt(cfg, "install", "--no-start", str(demo_bundle), wrap=["unshare", "--net", "--"])
     assert r.returncode == 6 and "paths.root" in r.stderr and "another config" in r.stderr, r.stdout + r.stderr
-    assert not (tmp_path / "box" / "root").exists() or not list((tmp_path / "box" / "root").iterdir())
+    root = tmp_path / "box" / "root"
+    assert not (root / "current").is_symlink() and not list((root / "releases").glob("*")), list(root.rglob("*"))
+    assert not (tmp_path / "box" / "units").exists() or not list((tmp_path / "box" / "units").iterdir())
     r = dt(cfg, "pack", "--out", str(tmp_path / "artifacts"), "--key", str(demo.parent / "keys" / "deploytool.key"))
     assert r.returncode == 0, r.stdout + r.stderr
     bundle = next((tmp_path / "artifacts").glob("*.tar*"))
