@@ -17,6 +17,7 @@ truncation, trailing garbage, and totals above a limit. On any error the staging
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import queue
@@ -25,7 +26,9 @@ import stat
 import tarfile
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -44,6 +47,9 @@ MAX_LONGNAME = 64 * 1024
 MAX_TRAILING_ZEROS = 1 << 20
 DEFAULT_MAX_TOTAL = 64 << 30
 DEFAULT_MAX_ENTRIES = 1_000_000
+SMALL_FILE = 4 << 20  # extract_archive: files up to this size are written by the writer threads
+WRITE_AHEAD = 64 << 20  # ... with at most this many bytes read but not yet written
+WRITERS = 4
 SINK_BATCH = 4 << 20
 SINK_DIRECT = 256 << 10
 
@@ -720,6 +726,12 @@ class SafeExtractor:
             os.mkdir(self.dest / p, 0o755)
             self.dirs.add(p)
 
+    def reserve(self, e: TarEntry) -> None:
+        """Create the parents of a file entry and claim its name now, in stream order, so that `write` may run in
+        another thread while later entries are checked against it."""
+        self._parents(e.name)
+        self.files.add(e.name)
+
     def write(self, e: TarEntry, chunks: Iterable[bytes], *, mode: int | None = None, digest: bool = True) -> str:
         """Create the entry (after `check`); for files return the SHA-256 of what was written (if `digest`)."""
         self._parents(e.name)
@@ -764,6 +776,17 @@ def extract_archive(archive: str | os.PathLike[str], dest: str | os.PathLike[str
                     progress: ProgressFn | None = None) -> Extracted:
     """Safely unpack a tar/tar.zst into `dest` (created, private, must not exist); removed again on any error."""
     ex = SafeExtractor(dest, symlinks=symlinks, max_total=max_total, max_entries=max_entries)
+    # Creating thousands of files costs file-system latency more than CPU: the stream is read and checked in this
+    # thread, each small file's bytes are handed to a few writer threads (open, write, chmod, close release the
+    # GIL), with at most WRITE_AHEAD bytes in flight; big files are written here, in stream order.
+    pending: deque[Future[str]] = deque()
+    inflight = threading.BoundedSemaphore(WRITE_AHEAD // CHUNK)
+    pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="extract")
+
+    def release(n: int, _f: Future[str]) -> None:
+        for _ in range(n):
+            inflight.release()
+
     try:
         total = os.stat(archive).st_size
         counter = ByteCounter(progress, "extracting", total)
@@ -771,14 +794,31 @@ def extract_archive(archive: str | os.PathLike[str], dest: str | os.PathLike[str
             reader = TarReader(stream, what=str(archive))
             for e in reader:
                 ex.check(e)
-                ex.write(e, reader.chunks() if e.kind == "file" else (), digest=False)
+                if e.kind == "file" and e.size <= SMALL_FILE:
+                    ex.reserve(e)
+                    data = [bytes(b) for b in reader.chunks()]
+                    n = max(1, -(-e.size // CHUNK))
+                    for _ in range(n):
+                        inflight.acquire()
+                    fut = pool.submit(ex.write, e, data, digest=False)
+                    fut.add_done_callback(functools.partial(release, n))
+                    pending.append(fut)
+                    while pending and pending[0].done():
+                        pending.popleft().result()
+                else:
+                    ex.write(e, reader.chunks() if e.kind == "file" else (), digest=False)
                 if progress is not None:
                     counter.done = 0
                     counter.add(min(reader.offset, total))
+            while pending:
+                pending.popleft().result()
         return Extracted(ex.dest, len(ex.files), ex.total)
     except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
         ex.remove()
         raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def list_archive(archive: str | os.PathLike[str]) -> list[TarEntry]:

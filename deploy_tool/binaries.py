@@ -29,7 +29,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -637,3 +637,320 @@ def find_build_number(path: str | os.PathLike[str], *, timeout: float = 30) -> s
     except _VersionRunFailed:
         info = read_llama_build_symbols(path)
     return info.build
+
+
+# --------------------------------------------------------------------------------------------- dynamic section
+
+_PT_LOAD, _PT_DYNAMIC = 1, 2
+_DT_NULL, _DT_NEEDED, _DT_STRTAB, _DT_STRSZ, _DT_SONAME, _DT_RPATH, _DT_RUNPATH = 0, 1, 5, 10, 14, 15, 29
+_MAX_DYNAMIC = 1 << 20
+
+
+@dataclass(frozen=True)
+class ElfDynamic:
+    """What the dynamic loader reads from an ELF file's dynamic section (the answer of `readelf -d`)."""
+
+    path: str
+    elf_class: int  # 1: 32-bit, 2: 64-bit
+    machine: int  # e_machine (0x3E x86-64, 0xB7 aarch64, 3 i386)
+    needed: tuple[str, ...] = ()
+    soname: str | None = None
+    rpath: tuple[str, ...] = ()
+    runpath: tuple[str, ...] = ()
+
+
+def is_elf(path: str | os.PathLike[str]) -> bool:
+    """True for a regular file (links not followed) that starts with the ELF magic."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, 4, 0) == _ELF_MAGIC
+    finally:
+        os.close(fd)
+
+
+def read_dynamic(path: str | os.PathLike[str]) -> ElfDynamic:
+    """DT_NEEDED, DT_SONAME, DT_RPATH and DT_RUNPATH of an ELF file (32/64-bit, either byte order), found the way
+    the loader finds them: PT_DYNAMIC, and its DT_STRTAB address mapped to the file through the PT_LOAD
+    segments (section headers are not needed; stripped files work). A static executable has none of them."""
+    p = Path(path)
+    with _File(p, "an ELF file") as f:
+        head = f.pread(0, min(f.size, 64), "the ELF header")
+        if head[:4] != _ELF_MAGIC or len(head) < 52:
+            raise InputError(f"{p} is not an ELF file")
+        cls, data = head[4], head[5]
+        if cls not in (1, 2) or data not in (1, 2):
+            raise InputError(f"{p} is a corrupt ELF file (class {cls}, data {data})")
+        if len(head) < (64 if cls == 2 else 52):
+            raise InputError(f"{p} is truncated: {len(head)} bytes, shorter than its ELF header")
+        e = "<" if data == 1 else ">"
+        (machine,) = struct.unpack_from(e + "H", head, 0x12)
+        if cls == 2:
+            (phoff,) = struct.unpack_from(e + "Q", head, 0x20)
+            phentsize, phnum = struct.unpack_from(e + "HH", head, 0x36)
+            ph_fmt, want_ent, dyn_fmt = e + "IIQQQQQQ", 56, e + "qQ"
+        else:
+            (phoff,) = struct.unpack_from(e + "I", head, 0x1C)
+            phentsize, phnum = struct.unpack_from(e + "HH", head, 0x2A)
+            ph_fmt, want_ent, dyn_fmt = e + "IIIIIIII", 32, e + "iI"
+        if phnum == 0:
+            return ElfDynamic(str(p), cls, machine)
+        if phentsize != want_ent:
+            raise InputError(f"{p} is a corrupt ELF file (program header size {phentsize})")
+        table = f.pread(phoff, phnum * phentsize, "the program header table")
+        loads: list[tuple[int, int, int]] = []  # (vaddr, offset, filesz)
+        dyn: tuple[int, int] | None = None
+        for i in range(phnum):
+            row = struct.unpack_from(ph_fmt, table, i * phentsize)
+            if cls == 2:
+                p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = row[:6]
+            else:
+                p_type, p_offset, p_vaddr, _paddr, p_filesz = row[:5]
+            if p_type == _PT_LOAD:
+                loads.append((p_vaddr, p_offset, p_filesz))
+            elif p_type == _PT_DYNAMIC:
+                dyn = (p_offset, p_filesz)
+        if dyn is None:
+            return ElfDynamic(str(p), cls, machine)
+        raw = f.pread(dyn[0], min(dyn[1], _MAX_DYNAMIC, f.size - dyn[0]), "the dynamic section")
+        step = struct.calcsize(dyn_fmt)
+        tags: list[tuple[int, int]] = []
+        for i in range(0, len(raw) - step + 1, step):
+            tag, val = struct.unpack_from(dyn_fmt, raw, i)
+            if tag == _DT_NULL:
+                break
+            tags.append((tag, val))
+        strtab = next((v for t, v in tags if t == _DT_STRTAB), None)
+        strsz = next((v for t, v in tags if t == _DT_STRSZ), None)
+        if strtab is None or strsz is None:
+            return ElfDynamic(str(p), cls, machine)
+        off = next((o + strtab - va for va, o, n in loads if va <= strtab < va + n), None)
+        if off is None or strsz > _MAX_TABLE:
+            raise InputError(f"{p} is a corrupt ELF file (its dynamic string table lies outside the file)")
+        strings = f.pread(off, min(strsz, f.size - off), "the dynamic string table")
+
+        def text(i: int) -> str:
+            if i >= len(strings):
+                raise InputError(f"{p} is a corrupt ELF file (dynamic string offset {i} past the table)")
+            end = strings.find(b"\0", i)
+            return strings[i: end if end >= 0 else len(strings)].decode("utf-8", "surrogateescape")
+
+        def dirs(tag: int) -> tuple[str, ...]:
+            return tuple(d for t, v in tags if t == tag for d in text(v).split(":") if d)
+
+        soname = next((text(v) for t, v in tags if t == _DT_SONAME), None)
+        return ElfDynamic(str(p), cls, machine, tuple(text(v) for t, v in tags if t == _DT_NEEDED), soname,
+                          dirs(_DT_RPATH), dirs(_DT_RUNPATH))
+
+
+# --------------------------------------------------------------------------------------------- OS libraries
+
+# The Debian package that provides a library these backends need from the OS (no dpkg, no network at check
+# time). A library not listed is named without a package.
+DEBIAN_PACKAGES = {
+    "libgomp.so.1": "libgomp1", "libstdc++.so.6": "libstdc++6", "libgcc_s.so.1": "libgcc-s1",
+    "libatomic.so.1": "libatomic1", "libquadmath.so.0": "libquadmath0", "libgfortran.so.5": "libgfortran5",
+    **{n: "libc6" for n in ("libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
+                            "libutil.so.1", "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1")},
+    "libnuma.so.1": "libnuma1", "libvulkan.so.1": "libvulkan1", "libOpenCL.so.1": "ocl-icd-libopencl1",
+    "libcuda.so.1": "the NVIDIA driver (libcuda1, or the driver's own installer)",
+    "libnvidia-ml.so.1": "the NVIDIA driver (libnvidia-ml1, or the driver's own installer)",
+    "libz.so.1": "zlib1g", "libssl.so.3": "libssl3", "libcrypto.so.3": "libssl3", "libcurl.so.4": "libcurl4",
+    "libopenblas.so.0": "libopenblas0", "libnccl.so.2": "the bundle's NCCL or nvidia-nccl-cu12 in the lock",
+    **{n: f"nvidia-{p}-cu12 in the lock (pip), or the CUDA toolkit" for n, p in (
+        ("libcudart.so.12", "cuda-runtime"), ("libcublas.so.12", "cublas"), ("libcublasLt.so.12", "cublas"))},
+}
+
+_MULTIARCH = {(2, 0x3E): "x86_64-linux-gnu", (2, 0xB7): "aarch64-linux-gnu", (1, 3): "i386-linux-gnu"}
+_LD_CACHE_NEW = b"glibc-ld.so.cache1.1"
+
+
+def default_lib_dirs(elf_class: int, machine: int) -> list[str]:
+    """The loader's trusted directories on Debian/Ubuntu (multiarch first), after ld.so.cache."""
+    arch = _MULTIARCH.get((elf_class, machine))
+    out = [f"/lib/{arch}", f"/usr/lib/{arch}"] if arch else []
+    return out + (["/lib64", "/usr/lib64"] if elf_class == 2 else []) + ["/lib", "/usr/lib"]
+
+
+def read_ld_so_cache(path: str | os.PathLike[str] = "/etc/ld.so.cache") -> dict[str, list[str]]:
+    """{library name: [paths]} from glibc's ld.so.cache (the new format, alone or after the old one); a missing
+    or unreadable cache is empty (the loader then only searches the default directories)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return {}
+    start = data.find(_LD_CACHE_NEW)
+    if start < 0 or len(data) < start + 48:
+        return {}
+    nlibs, _strlen = struct.unpack_from("<II", data, start + 20)
+    out: dict[str, list[str]] = {}
+
+    def cstr(off: int) -> str | None:
+        i = start + off
+        if not 0 <= i < len(data):
+            return None
+        end = data.find(b"\0", i)
+        return data[i: end if end >= 0 else len(data)].decode("utf-8", "surrogateescape")
+
+    for i in range(nlibs):
+        pos = start + 48 + i * 24
+        if pos + 24 > len(data):
+            break
+        _flags, key, value = struct.unpack_from("<iII", data, pos)
+        name, where = cstr(key), cstr(value)
+        if name and where:
+            out.setdefault(name, []).append(where)
+    return out
+
+
+@dataclass(frozen=True)
+class MissingLibrary:
+    name: str  # the DT_NEEDED entry
+    needed_by: str  # the file that needs it
+    package: str | None  # the Debian package that provides it, if known
+
+    def describe(self) -> str:
+        pkg = f" (Debian package: {self.package})" if self.package else ""
+        return f"{self.name}{pkg}, needed by {self.needed_by}"
+
+
+def _matches(path: str, elf_class: int, machine: int) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return False
+    if len(head) < 20 or head[:4] != _ELF_MAGIC or head[4] != elf_class:
+        return False
+    return struct.unpack_from("<H" if head[5] == 1 else ">H", head, 18)[0] == machine
+
+
+def _expand(d: str, origin: str) -> str | None:
+    d = d.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
+    return None if "$" in d else d  # $LIB, $PLATFORM: not used by these backends; such a dir is skipped
+
+
+def provided_names(files: Sequence[str | os.PathLike[str]]) -> dict[str, str]:
+    """{file name and DT_SONAME: path} of the bundle's own ELF files (what a NEEDED entry may find there)."""
+    by_name: dict[str, str] = {}
+    for p in files:
+        by_name.setdefault(os.path.basename(p), str(p))
+        try:
+            so = read_dynamic(p).soname
+        except InputError:
+            continue
+        if so:
+            by_name.setdefault(so, str(p))
+    return by_name
+
+
+def missing_libraries(roots: Sequence[str | os.PathLike[str]],
+                      provided: Sequence[str | os.PathLike[str]] | dict[str, str] = (), *,
+                      sysroot: str = "/", ld_cache: dict[str, list[str]] | None = None,
+                      closure: set[str] | None = None) -> list[MissingLibrary]:
+    """Every DT_NEEDED entry of `roots` and of the libraries they load from `provided` (the bundle's own ELF
+    files) that cannot be resolved, searched as the dynamic loader does: the object's DT_RPATH (when it has no
+    DT_RUNPATH, together with the RPATH of the objects that loaded it) or DT_RUNPATH, $ORIGIN expanded; then a
+    library of that name the bundle provides (the venv's lib dirs, already-loaded sonames); then ld.so.cache;
+    then the default directories. Candidates must be ELF files of the same class and machine. Libraries found in
+    the OS are not followed further (their own needs are the OS's business). `sysroot` prefixes every OS path
+    (a test's minimal box); `ld_cache` overrides <sysroot>/etc/ld.so.cache; `closure` collects the files
+    visited (the roots and the bundle's libraries they load)."""
+    by_name = provided if isinstance(provided, dict) else provided_names(provided)
+    cache = ld_cache if ld_cache is not None else read_ld_so_cache(os.path.join(sysroot, "etc/ld.so.cache"))
+
+    def osp(p: str) -> str:
+        return os.path.join(sysroot, p.lstrip("/")) if sysroot != "/" else p
+
+    missing: dict[str, MissingLibrary] = {}
+    seen: set[str] = set()
+    queue: list[tuple[str, tuple[str, ...]]] = [(str(r), ()) for r in roots]
+    while queue:
+        path, inherited = queue.pop(0)
+        real = os.path.realpath(path)
+        if real in seen:
+            continue
+        seen.add(real)
+        if closure is not None:
+            closure.add(path)
+        dyn = read_dynamic(path)
+        origin = os.path.dirname(os.path.abspath(path))
+        own_rpath = tuple(x for d in dyn.rpath if (x := _expand(d, origin)))
+        rpath = () if dyn.runpath else own_rpath + inherited
+        runpath = tuple(x for d in dyn.runpath if (x := _expand(d, origin)))
+        for need in dyn.needed:
+            found: str | None = None
+            in_bundle = False
+            if "/" in need:
+                found = need if _matches(need, dyn.elf_class, dyn.machine) else None
+            else:
+                for d in (*rpath, *runpath):
+                    cand = os.path.join(d, need)
+                    if _matches(cand, dyn.elf_class, dyn.machine):
+                        found, in_bundle = cand, True
+                        break
+                if found is None and need in by_name and _matches(by_name[need], dyn.elf_class, dyn.machine):
+                    found, in_bundle = by_name[need], True
+                if found is None:
+                    for cand in [osp(c) for c in cache.get(need, [])] + \
+                            [osp(os.path.join(d, need)) for d in default_lib_dirs(dyn.elf_class, dyn.machine)]:
+                        if _matches(cand, dyn.elf_class, dyn.machine):
+                            found = cand
+                            break
+            if found is None:
+                missing.setdefault(need, MissingLibrary(need, str(path), DEBIAN_PACKAGES.get(need)))
+            elif in_bundle:
+                queue.append((found, own_rpath + inherited if not dyn.runpath else inherited))
+    return sorted(missing.values(), key=lambda m: m.name)
+
+
+# ftllm loads the first of these that loads (ftllm/llm.py): the CUDA build, then the CUDA 11 build, then the CPU
+# build. On a CPU box the CUDA builds fail to load for want of the driver and that is expected; on a GPU box the
+# CUDA build must load, or ftllm would silently run on the CPU.
+FTLLM_LIBS = ("libfastllm_tools.so", "libfastllm_tools-cu11.so", "libfastllm_tools-cpu.so")
+
+
+def venv_elf_files(root: str | os.PathLike[str]) -> list[str]:
+    """Every ELF file under `root` (shared objects and executables; symlinks not followed), sorted."""
+    out = []
+
+    def walk(d: str) -> None:
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                walk(e.path)
+            elif e.is_file(follow_symlinks=False) and (e.name.endswith(".so") or ".so." in e.name or (
+                    not e.name.endswith((".py", ".pyc", ".txt", ".pyi")) and e.stat(follow_symlinks=False).st_mode & 0o111)) \
+                    and is_elf(e.path):
+                out.append(e.path)
+
+    walk(os.fspath(root))
+    return out
+
+
+def release_missing_libraries(venv: str | os.PathLike[str], *, ftllm_devices: Collection[str] = frozenset(),
+                              extra: Sequence[str | os.PathLike[str]] = (), sysroot: str = "/",
+                              ld_cache: dict[str, list[str]] | None = None) -> list[MissingLibrary]:
+    """The OS libraries a release's native binaries need and the box lacks: every ELF file of the venv (and the
+    `extra` files, e.g. the bundled NCCL or a llama-server outside the venv), their NEEDED entries resolved as
+    the loader does. ftllm's builds are alternatives (FTLLM_LIBS): for a cuda backend its CUDA build must
+    resolve; for a cpu backend one of them is enough (the CPU build's needs are named if none resolves)."""
+    files = venv_elf_files(venv)
+    alts = [p for p in files if os.path.basename(p) in FTLLM_LIBS and os.path.basename(os.path.dirname(p)) == "ftllm"]
+    roots = [p for p in files if p not in alts] + [str(x) for x in extra]
+    provided = provided_names(files + [str(x) for x in extra])
+    if ld_cache is None:
+        ld_cache = read_ld_so_cache(os.path.join(sysroot, "etc/ld.so.cache"))
+    out = {m.name: m for m in missing_libraries(roots, provided, sysroot=sysroot, ld_cache=ld_cache)}
+    by_name = {os.path.basename(p): p for p in alts}
+    if alts and ftllm_devices:
+        checks = {p: missing_libraries([p], provided, sysroot=sysroot, ld_cache=ld_cache) for p in alts}
+        if "cuda" in ftllm_devices and FTLLM_LIBS[0] in by_name:
+            out.update({m.name: m for m in checks[by_name[FTLLM_LIBS[0]]]})
+        if not any(not v for v in checks.values()):
+            pick = by_name.get(FTLLM_LIBS[2]) or next(iter(checks))
+            out.update({m.name: m for m in checks[pick]})
+    return sorted(out.values(), key=lambda m: m.name)

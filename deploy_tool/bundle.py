@@ -20,7 +20,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -37,7 +37,8 @@ from deploy_tool.archive import (
     write_archive,
 )
 from deploy_tool.errors import BundleError, InputError, OSFailure
-from deploy_tool.hashing import sha256_chunks, sha256_stream, write_all
+from deploy_tool.faults import fault
+from deploy_tool.hashing import read_buffer, sha256_chunks, sha256_stream, write_all
 from deploy_tool.manifest import (
     DEFAULT_KEYS_DIR,
     MANIFEST_NAME,
@@ -268,7 +269,10 @@ def verify_bundle(path: str | os.PathLike[str], keys_dir: str | os.PathLike[str]
     """Verify a bundle directory or archive; raise BundleError (with `.reason`) on the first problem.
 
     For an archive, files are unpacked into `staging` (created private; must not exist) or a fresh temp dir,
-    and nowhere else; on rejection that directory is removed.
+    and nowhere else; on rejection that directory is removed. For a directory with `staging`, every file is
+    copied into it and hashed from the bytes written there (one read of each file, after the signature check):
+    what the staging directory holds is what was verified, whatever happens to the directory afterwards.
+    Without `staging`, a directory is verified in place (a check only: its files may change right after).
     """
     p = Path(path)
     try:
@@ -277,7 +281,7 @@ def verify_bundle(path: str | os.PathLike[str], keys_dir: str | os.PathLike[str]
         raise InputError(f"bundle {q(p)} not found: {exc.strerror}",
                          hint="pass a bundle directory or its .tar.zst archive") from exc
     if stat.S_ISDIR(st.st_mode):
-        vb = _verify_dir(p, keys_dir, workers=workers, progress=progress)
+        vb = _verify_dir(p, keys_dir, staging=staging, workers=workers, progress=progress)
     elif stat.S_ISREG(st.st_mode):
         vb = _verify_archive(p, keys_dir, staging=staging, progress=progress)
     else:
@@ -329,11 +333,12 @@ def _special_reason(mode: int) -> str:
     return "special-file"
 
 
-def _verify_dir(root: Path, keys_dir: str | os.PathLike[str], *, workers: int | None,
-                progress: ProgressFn | None) -> VerifiedBundle:
+def _verify_dir(root: Path, keys_dir: str | os.PathLike[str], *, staging: str | os.PathLike[str] | None,
+                workers: int | None, progress: ProgressFn | None) -> VerifiedBundle:
     mbytes = _read_small(root / MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest-missing")
     sbytes = _read_small(root / SIGNATURE_NAME, MAX_SIGNATURE_BYTES, "signature-missing")
     key_id = verify_signature(mbytes, sbytes, keys_dir)
+    fault("signature-checked")
     manifest = Manifest.from_bytes(mbytes)
     expected = manifest.by_path()
     needed_dirs = {str(p) for f in manifest.files for p in PurePosixPath(f.path).parents} - {"."}
@@ -369,6 +374,19 @@ def _verify_dir(root: Path, keys_dir: str | os.PathLike[str], *, workers: int | 
     if missing:
         raise reject("missing-file", f"bundle lacks {len(missing)} file(s) the MANIFEST lists: "
                      f"{', '.join(missing[:5])}", path=missing[0])
+    if staging is not None:
+        dest = Path(staging)
+        try:
+            dest.mkdir(mode=0o700)
+        except FileExistsError as exc:
+            raise InputError(f"staging directory {dest} already exists",
+                             hint="pass a path that does not exist yet") from exc
+        try:
+            _copy_verified(root, dest, manifest, mbytes, sbytes, workers=workers, progress=progress)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        return VerifiedBundle(dest, manifest, key_id, root, extracted=True)
     for f in manifest.files:
         st = found[f.path]
         if st.st_size != f.size:
@@ -384,6 +402,84 @@ def _verify_dir(root: Path, keys_dir: str | os.PathLike[str], *, workers: int | 
             raise reject("hash-mismatch", f"{q(f.path)}: SHA-256 {actual[:16]}..., MANIFEST says {f.sha256[:16]}...",
                          path=f.path, hint="the file was changed after signing; fetch the bundle again")
     return VerifiedBundle(root, manifest, key_id, root)
+
+
+def _copy_verified(root: Path, dest: Path, manifest: Manifest, mbytes: bytes, sbytes: bytes, *,
+                   workers: int | None, progress: ProgressFn | None) -> None:
+    """Copy every file the MANIFEST lists from `root` into the private `dest`, each hashed from the bytes that
+    were written; MANIFEST and MANIFEST.sig are written from the bytes whose signature was checked."""
+    for fname, data in ((MANIFEST_NAME, mbytes), (SIGNATURE_NAME, sbytes)):
+        fd = os.open(dest / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    for d in sorted({str(p) for f in manifest.files for p in PurePosixPath(f.path).parents} - {"."}):
+        (dest / d).mkdir(mode=0o755)
+    counter = ByteCounter(progress, "verifying", manifest.total_size)
+    with ThreadPoolExecutor(max_workers=workers or max(1, os.cpu_count() or 1),
+                            thread_name_prefix="bundle-copy") as pool:
+        futs = [pool.submit(_copy_checked, root / f.path, dest / f.path, f, counter) for f in manifest.files]
+        for fut in futs:
+            fut.result()
+
+
+def _copy_checked(src: Path, dst: Path, fe: FileEntry, counter: ByteCounter) -> None:
+    """One file of a bundle directory into the staging copy: opened without following links, checked as a
+    regular file with the MANIFEST's size and mode, copied, and the SHA-256 of the bytes written compared."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError as exc:
+        raise reject("missing-file", f"bundle lacks {fe.path} (it went away while being read)",
+                     path=fe.path) from exc
+    except OSError as exc:
+        if os.path.islink(src):
+            raise reject("symlink", f"bundle entry {fe.path} is a symlink, not a regular file", path=fe.path) from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise reject(_special_reason(st.st_mode), f"bundle entry {fe.path} is a "
+                         f"{_special_reason(st.st_mode).replace('-', ' ')}, not a regular file", path=fe.path)
+        if st.st_nlink > 1:
+            raise reject("hardlink", f"bundle file {fe.path} is hardlinked ({st.st_nlink} links)", path=fe.path)
+        if stat.S_IMODE(st.st_mode) != fe.mode:
+            raise reject("mode-mismatch", f"{fe.path}: mode {stat.S_IMODE(st.st_mode):04o}, MANIFEST says "
+                         f"{fe.mode:04o}", path=fe.path)
+        size, sha = copy_hashed(fd, dst, fe.mode, limit=fe.size, counter=counter)
+    finally:
+        os.close(fd)
+    if size != fe.size:
+        raise reject("size-mismatch", f"{fe.path}: size {size}, MANIFEST says {fe.size}", path=fe.path)
+    if sha != fe.sha256:
+        raise reject("hash-mismatch", f"{fe.path}: SHA-256 {sha[:16]}..., MANIFEST says {fe.sha256[:16]}...",
+                     path=fe.path, hint="the file was changed after signing; fetch the bundle again")
+
+
+def copy_hashed(fd: int, dst: Path, mode: int, *, limit: int, counter: ByteCounter | None = None) -> tuple[int, str]:
+    """Copy the open file `fd` into the new file `dst` (at most `limit` + 1 bytes: a grown file is seen as such)
+    and return (bytes written, SHA-256 of exactly those bytes). The one place a bundle's bytes are hashed as
+    they are laid down."""
+    buf, mv = read_buffer()
+
+    def chunks() -> Iterator[memoryview]:
+        size = 0
+        while size <= limit:
+            n = os.readv(fd, [buf])
+            if not n:
+                return
+            size += n
+            if counter is not None:
+                counter.add(n)
+            yield mv[:n]
+
+    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        sha, size = sha256_chunks(chunks(), sink=write_all(out))
+        os.fchmod(out, mode)
+    finally:
+        os.close(out)
+    return size, sha
 
 
 def _verify_archive(archive: Path, keys_dir: str | os.PathLike[str], *, staging: str | os.PathLike[str] | None,
@@ -430,6 +526,7 @@ def _extract_verified(archive: Path, keys_dir: str | os.PathLike[str], ex: SafeE
             head[want] = b"".join(reader.chunks())
         mbytes, sbytes = head[MANIFEST_NAME], head[SIGNATURE_NAME]
         key_id = verify_signature(mbytes, sbytes, keys_dir)
+        fault("signature-checked")
         manifest = Manifest.from_bytes(mbytes)
         for fname in (MANIFEST_NAME, SIGNATURE_NAME):
             ex.write(_FileHead(fname, len(head[fname])), [head[fname]], mode=0o644)  # type: ignore[arg-type]

@@ -120,6 +120,8 @@ CATALOG: tuple[CheckInfo, ...] = (
               "config"),
     CheckInfo("unit-path-hidden", "error", "a path the server needs is hidden from it by its unit's sandboxing "
               "(PrivateTmp=, ProtectHome=) or closed to its DynamicUser", "config"),
+    CheckInfo("os-library-missing", "error", "a native binary needs an OS library this machine lacks (ELF NEEDED)",
+              "issue 13: llama-server needs libgomp.so.1 from the OS on a minimal Debian 12"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -1253,6 +1255,51 @@ def check_unit_visibility(ctx: _Ctx) -> Iterator[Finding]:
                      fix)
 
 
+def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
+    """Every OS library the installed release's native binaries (and a llama-server outside it) need, resolved
+    as the dynamic loader would; a missing one is named with the Debian package that provides it, attributed to
+    the backend that loads it (llama-server's own closure, else the ftllm backends that run the venv)."""
+    if not ctx.inspect_files:
+        return
+    from deploy_tool import binaries
+    from deploy_tool.errors import InputError
+    from deploy_tool.render import BUNDLED_NCCL, expand
+
+    cfg = ctx.cfg
+    venv = os.path.join(cfg.paths.current, "venv")
+    runs = [b for b in cfg.backends.values() if _runs_here(ctx, b)]
+    llama = {b.name: expand(cfg, b.binary) for b in runs if isinstance(b, LlamacppBackend)}
+    llama = {n: p for n, p in llama.items() if os.path.isfile(p)}
+    extra = [p for p in llama.values() if not p.startswith(venv + "/")]
+    nccl = os.path.join(cfg.paths.current, BUNDLED_NCCL)
+    ftllm = [b for b in runs if isinstance(b, FtllmBackend)]
+    if ftllm and os.path.isfile(nccl):
+        extra.append(nccl)
+    try:
+        if os.path.isdir(venv):
+            missing = binaries.release_missing_libraries(venv, extra=extra, ftllm_devices={b.device for b in ftllm})
+        elif extra:
+            missing = binaries.missing_libraries(extra)
+        else:
+            return
+        closures: dict[str, set[str]] = {}
+        for name, path in llama.items():
+            closures[name] = set()
+            binaries.missing_libraries([path], binaries.venv_elf_files(venv) if os.path.isdir(venv) else (),
+                                       closure=closures[name])
+    except InputError:
+        return  # an unreadable binary is reported by the checks that name files
+    for m in missing:
+        owners: list[str | None] = [n for n, c in closures.items() if m.needed_by in c] or [b.name for b in ftllm] \
+            or [None]
+        pkg = f" (Debian package: {m.package})" if m.package else ""
+        for owner in owners:
+            yield _f("os-library-missing", "error", owner,
+                     f"{m.name} is not on this machine{pkg}; {m.needed_by} needs it, so the service would fail "
+                     f"at its start", f"apt-get install {m.package}" if m.package and " " not in m.package
+                     else f"install {m.name} on this machine" + (f": {m.package}" if m.package else ""))
+
+
 # ----------------------------------------------------------------------------------------- driver
 
 BackendCheck = Callable[[_Ctx, Backend], Iterator[Finding]]
@@ -1266,7 +1313,7 @@ BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_draft_unused,
 )
 BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_unit_visibility,
-                                    check_port_in_use, check_context_differs)
+                                    check_port_in_use, check_context_differs, check_os_libraries)
 
 
 def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:

@@ -1,11 +1,14 @@
 """`deploytool install`: from a signed bundle to the known-good service, offline, all or nothing.
 
 Steps (each undone, in reverse, if a later one fails; intent is in state.json before anything changes):
-verify the bundle with a trusted key (into a private staging dir) -> lay the release down under
-releases/.staging-<id> and rename it to releases/<id> -> unpack the venv archive (or rebuild it from the wheels
-with --no-index --require-hashes) and relocate it -> check every native library hash against the manifest ->
-write env files and units atomically (drop-in dirs untouched) -> flip `current` -> pin fingerprints ->
-daemon-reload -> enable and start the default backend -> health gate -> commit state and history.
+verify the bundle with a trusted key into a private staging dir (archive or directory alike: each file hashed
+from the bytes written there; nothing is read from the bundle after that) -> refuse a bundle packed for another
+config -> rename the staging dir to releases/.staging-<id> -> unpack the venv archive, bytecode included (or
+rebuild it from the wheels with --no-index --require-hashes) and relocate it, deploytool's own venv built
+alongside -> refuse a box that lacks an OS library the native binaries need -> check every native library hash
+against the manifest -> rename to releases/<id> -> write env files and units atomically (drop-in dirs
+untouched) -> flip `current` -> pin fingerprints -> daemon-reload -> enable and start the default backend ->
+health gate -> commit state and history. The same release again is a no-op, or starts the backend if none runs.
 A previous release keeps running untouched until the new one is ready to start; a fresh box that fails is left
 with no half-installed units.
 """
@@ -13,7 +16,6 @@ with no half-installed units.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import os
 import shutil
@@ -22,6 +24,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,9 +37,9 @@ from deploy_tool.errors import (
     ExitCode,
     InputError,
     InstallError,
-    OSFailure,
     RollbackFailed,
 )
+from deploy_tool.faults import fault
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
 from deploy_tool.state import Operation, State, Store, now_iso
 
@@ -47,7 +50,7 @@ BUNDLE_SUFFIXES = (".tar", ".tar.zst")
 @dataclass
 class InstallResult:
     ok: bool
-    action: str  # "installed" | "noop" | "planned"
+    action: str  # "installed" | "noop" | "started" | "planned"
     release: str
     release_dir: str
     backend: str | None
@@ -130,7 +133,7 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
     if dry_run:
         return InstallResult(True, "planned", "?", str(releases / "<id>"), cfg.default_backend, steps=[
             {"step": s} for s in (f"verify {path} against keys in {keys}", f"unpack to {releases}/<id>",
-                                  "unpack venv, relocate, check native library hashes, byte-compile it",
+                                  "unpack venv (bytecode included), relocate, check native library hashes",
                                   f"write units to {cfg.paths.unit_dir}, env files to {cfg.paths.env_dir}",
                                   f"flip {cfg.paths.current}", "pin fingerprints", "daemon-reload",
                                   f"enable and start {cfg.default_backend}", "health gate", "commit state")])
@@ -158,8 +161,12 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             man = vb.manifest
             rid = man.bundle_id
             final = releases / rid
+            check_config_matches(cfg, vb.root / "config.json", rid)
             if st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \
                     and _units_match(cfg, vb.root):
+                if start and not any(sd.show(b.unit).active_state in ("active", "activating", "reloading")
+                                     for b in cfg.backends.values()):
+                    return _start_installed(cfg, sd, store, st, rid, final, log=log, t0=t0)
                 active = st.active_backend
                 return InstallResult(True, "noop", rid, str(final), active, seconds=time.monotonic() - t0,
                                      message=f"release {rid} is already installed; nothing to do")
@@ -189,8 +196,8 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
                         err = InstallError(f"install of {rid} failed: {exc.message}",
                                            hint=exc.hint or "nothing was left half-installed; fix the cause "
                                            "and run deploytool install again")
-                        if exc.exit_code == ExitCode.OS:  # disk full, permission denied: the box needs fixing
-                            err.exit_code = ExitCode.OS
+                        if exc.exit_code in (ExitCode.OS, ExitCode.MISSING_TOOL):
+                            err.exit_code = exc.exit_code  # disk full, a missing OS library: the box needs fixing
                         raise err from exc
                     raise exc from None
                 raise
@@ -198,6 +205,159 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             return res
         finally:
             shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def release_binaries(cfg: Config, release: Path) -> tuple[dict[str, set[str]], list[Path]]:
+    """({backend: its llama-server binaries}, extra ELF roots outside the venv) of a release laid down at
+    `release` (a staging dir or the installed one): binaries named under {current}/{venv} are looked up there,
+    others on the box; the bundled NCCL when present."""
+    from deploy_tool.render import expand
+
+    cur = cfg.paths.current.rstrip("/")
+    per_backend: dict[str, set[str]] = {}
+    extra: list[Path] = []
+    nccl = release / "nccl" / "libnccl.so.2"
+    if nccl.is_file():
+        extra.append(nccl)
+    for b in cfg.backends.values():
+        if b.kind != "llamacpp":
+            continue
+        path = expand(cfg, b.binary)  # type: ignore[union-attr]
+        p = release / path[len(cur) + 1:] if path.startswith(cur + "/") else Path(path)
+        if p.is_file():
+            per_backend.setdefault(b.name, set()).add(str(p))
+            if not str(p).startswith(str(release) + "/venv/"):
+                extra.append(p)
+    return per_backend, extra
+
+
+def check_os_libraries(cfg: Config, release: Path) -> None:
+    """Refuse a box that lacks an OS library the release's native binaries need (ELF NEEDED entries resolved
+    as the dynamic loader would), naming the library and the Debian package that provides it; nothing on the box
+    has changed yet (the release is still in its staging dir)."""
+    from deploy_tool import binaries
+    from deploy_tool.errors import MissingTool
+
+    _per_backend, extra = release_binaries(cfg, release)
+    try:
+        missing = binaries.release_missing_libraries(
+            release / "venv", extra=extra,
+            ftllm_devices={b.device for b in cfg.backends.values() if b.kind == "ftllm"})
+    except InputError as exc:
+        raise BundleError(f"a native binary of the release cannot be read: {exc.message}") from None
+    if not missing:
+        return
+
+    def rel(p: str) -> str:
+        return os.path.relpath(p, release) if p.startswith(str(release) + "/") else p
+
+    first = missing[0]
+    pkgs = sorted({m.package for m in missing if m.package and " " not in m.package})
+    others = f" (and {', '.join(m.name for m in missing[1:4])}{' ...' if len(missing) > 4 else ''})" \
+        if len(missing) > 1 else ""
+    raise MissingTool(f"this box lacks {first.name}, needed by {rel(first.needed_by)}"
+                      + (f" (Debian package: {first.package})" if first.package else "") + others
+                      + "; nothing was installed",
+                      hint=(f"apt-get install {' '.join(pkgs)}" if pkgs else "install the library from the OS")
+                      + ", then run deploytool install again",
+                      details={"missing": [{"library": m.name, "needed_by": rel(m.needed_by), "package": m.package}
+                                          for m in missing]})
+
+
+# Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
+# packing machine and the box without changing anything the box runs. Every other key reaches the box (unit and
+# env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
+PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
+                  "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
+                  "bundle.nccl.library", "bundle.nccl.force", "systemd")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, list) and d and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in d):
+        d = dict(d)  # a mapping kept as (key, value) pairs, e.g. a backend's env: compared key by key
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    if d == []:
+        return {}  # empty is absent: an empty env or argument list against a filled one names the filled keys
+    return {prefix[:-1]: d}
+
+
+def config_differences(packed: dict[str, Any], box: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key path, packed value, box value) for every key the box runs by that differs; pack-only keys aside."""
+    a, b = _flatten(packed), _flatten(box)
+    missing = object()
+
+    def pack_only(k: str) -> bool:
+        return any(k == p or k.startswith(p + ".") for p in PACK_ONLY_KEYS)
+
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if not pack_only(k) and a.get(k, missing) != b.get(k, missing)]
+
+
+def check_config_matches(cfg: Config, packed_json: Path, rid: str) -> None:
+    """Refuse a bundle packed for another config, naming the differing keys.
+
+    The bundle's units, env files and paths were rendered from the config it was packed with and are signed as
+    such; installing them under a config that says otherwise would start services pointing at paths the box
+    does not have, or pin and check something else than what runs. Rendering the units again on the box would
+    install unsigned files: the fix is to pack with this box's config (or install with the one it was packed
+    from)."""
+    import json
+
+    from deploy_tool.pack import resolved_config_json
+
+    try:
+        packed = json.loads(packed_json.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"bundle {rid} carries no readable config.json: {exc}",
+                          hint="pack the bundle again with `deploytool pack`") from None
+    diffs = config_differences(packed, json.loads(resolved_config_json(cfg)))
+    if not diffs:
+        return
+
+    def show(v: Any) -> str:
+        return "(unset)" if not isinstance(v, str | int | float | bool | list | dict | None) else json.dumps(v)[:60]
+
+    where = cfg.source_path or "the config"
+    listed = "; ".join(f"{k}: bundle {show(a)}, here {show(b)}" for k, a, b in diffs[:4])
+    more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
+    raise BundleError(f"bundle {rid} was packed for another config than {where}: {listed}{more}",
+                      hint="pack the bundle with this box's config (`deploytool pack`), or install with the config "
+                           "it was packed from", details={"differences": [k for k, _, _ in diffs]})
+
+
+def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, rid: str, final: Path, *,
+                     log: Log, t0: float) -> InstallResult:
+    """The release is installed but no backend runs (an earlier `install --no-start`, a stopped box): start the
+    backend the box should serve (the recorded active one, else the default) behind the same gate as install."""
+    from deploy_tool.gate import run_gate
+
+    name = st.active_backend if st.active_backend and st.active_backend in cfg.backends else cfg.default_backend
+    target = cfg.backends[name]
+    log(f"release {rid} is already installed but no backend is running; starting {name}")
+    sd.reset_failed(target.unit)
+    sd.restart(target.unit, past_start_limit=True)
+    try:
+        gate = run_gate(cfg, sd, target, invocation=sd.show(target.unit).invocation_id or None, on_event=log)
+    except DeployError as exc:
+        with contextlib.suppress(DeployError):
+            sd.stop(target.unit)
+        store.record("install", ok=False, release=rid, backend=name, reason=exc.message.splitlines()[0])
+        raise
+    sd.enable(target.unit)
+    for o in cfg.other_backends(name):
+        if sd.is_enabled(o.unit) == "enabled":
+            sd.disable(o.unit)
+    store.save(replace(store.load(), active_backend=name,
+                       previous_backend=st.previous_backend if st.active_backend == name else st.active_backend))
+    store.record("install", ok=True, release=rid, backend=name, action="started")
+    return InstallResult(True, "started", rid, str(final), name, seconds=time.monotonic() - t0,
+                         steps=[{"step": "healthy", "ready_s": round(gate.ready_s, 2)}],
+                         message=f"release {rid} is already installed; {name} was not running and now serves "
+                                 f"{cfg.serve.model_name!r} on port {cfg.serve.port}")
 
 
 def _units_match(cfg: Config, root: Path) -> bool:
@@ -223,9 +383,7 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         steps.append({"step": name, "t": round(time.monotonic(), 3), **kw})
         store.save(replace(store.load(), operation=replace(op, step=name)))
         log(name + "".join(f" {k}={v}" for k, v in kw.items()))
-        from deploy_tool.switch import _fault
-
-        _fault(name)
+        fault(name)
 
     man = vb.manifest
     rid = man.bundle_id
@@ -235,41 +393,43 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         stage = releases / f".staging-{rid}"
         shutil.rmtree(stage, ignore_errors=True)
         try:
-            if getattr(vb, "extracted", False) and vb.root.resolve().parent.parent == releases.resolve():
-                os.rename(vb.root, stage)  # the private verified copy, on the same file system: no second copy
-            else:  # a bundle directory verified in place: copy it
-                shutil.copytree(vb.root, stage, symlinks=False)
-        except shutil.Error as exc:  # copytree's list of per-file errors
-            shutil.rmtree(stage, ignore_errors=True)
-            raise _copy_error(exc, f"cannot lay down release {rid} under {releases}") from None
+            # the private copy verify_bundle wrote and hashed (archive or directory alike), on the same file
+            # system: renamed, never read from the bundle again
+            os.rename(vb.root, stage)
         except OSError as exc:
             shutil.rmtree(stage, ignore_errors=True)
             raise os_error(exc, f"cannot lay down release {rid} under {releases}") from None
         undo.add(f"remove {stage}", lambda: shutil.rmtree(stage, ignore_errors=True))
         os.chmod(stage, 0o755)  # the staging copy came from a private temp dir; services must read the release
         venv_final = final / "venv"
-        if rebuild:
-            log("venv: rebuilding from the bundle's wheels (--no-index --require-hashes)")
-            pack.build_venv(cfg.bundle.python, stage / "requirements.lock", stage / "wheels", stage / "venv")
-            pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
-        else:
-            archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=progress)
-            pack.finish_venv(cfg.bundle.python, stage / "venv")
-            pack.relocate_venv(stage / "venv", man.inputs.get("venv_placeholder", pack.VENV_PLACEHOLDER),
-                               str(venv_final))
-            pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
-        step("venv-ready", mode="rebuild" if rebuild else "unpack")
-        got = hash_native_libs(stage / "venv", progress=progress)
-        want = dict(man.native_libs)
-        bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-        if bad:
-            raise BundleError(f"{len(bad)} native libraries in the venv differ from the manifest: "
-                              + ", ".join(f"{k} (expected {str(want.get(k))[:12]}, got {str(got.get(k))[:12]})"
-                                          for k in bad[:5]), hint="the bundle or the rebuild is not reproducible")
-        step("native-libs-checked", count=len(got))
-        if (stage / "tool" / "wheels").is_dir():
-            _bootstrap_tool(cfg, stage, final, log)
-            step("tool-ready")
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-venv") as pool:
+            # deploytool's own venv needs only the (verified) tool wheels: it is built while the backend venv
+            # unpacks (on another core: its work is mostly a child python), and waited for before the rename
+            tool = pool.submit(_bootstrap_tool, cfg, stage, final, log) \
+                if (stage / "tool" / "wheels").is_dir() else None
+            if rebuild:
+                log("venv: rebuilding from the bundle's wheels (--no-index --require-hashes)")
+                pack.build_venv(cfg.bundle.python, stage / "requirements.lock", stage / "wheels", stage / "venv")
+                pack.compile_venv(stage / "venv", cfg.paths.current, log)  # the same .pyc the archive carries
+                pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
+            else:
+                archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=progress)
+                pack.finish_venv(cfg.bundle.python, stage / "venv")
+                pack.relocate_venv(stage / "venv", (man.inputs.get("venv_placeholder", pack.VENV_PLACEHOLDER),
+                                                    str(stage / "venv")), str(venv_final))
+            step("venv-ready", mode="rebuild" if rebuild else "unpack")
+            check_os_libraries(cfg, stage)
+            got = hash_native_libs(stage / "venv", progress=progress)
+            want = dict(man.native_libs)
+            bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            if bad:
+                raise BundleError(f"{len(bad)} native libraries in the venv differ from the manifest: "
+                                  + ", ".join(f"{k} (expected {str(want.get(k))[:12]}, got {str(got.get(k))[:12]})"
+                                              for k in bad[:5]), hint="the bundle or the rebuild is not reproducible")
+            step("native-libs-checked", count=len(got))
+            if tool is not None:
+                tool.result()
+                step("tool-ready")
         try:
             os.rename(stage, final)
         except OSError as exc:
@@ -277,8 +437,6 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
         undo.actions.pop()  # the staging dir no longer exists
         undo.add(f"remove release {final}", lambda: shutil.rmtree(final, ignore_errors=True))
         step("release-laid-down", dir=str(final))
-        compiled = _compile_bytecode(final / "venv", log)
-        step("bytecode-compiled", ok=compiled)
     server_modes(final)  # also a release laid down before (by an older deploytool, with a 0700 venv)
     # env files and units
     env_dir, unit_dir = Path(cfg.paths.env_dir), Path(cfg.paths.unit_dir)
@@ -358,30 +516,6 @@ def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: An
                                                              if start else ""))
 
 
-def _compile_bytecode(venv: Path, log: Log) -> bool:
-    """Byte-compile the release venv in place, at its final path (the paths tracebacks show).
-
-    The bundle carries no __pycache__ (reproducible archives), and a backend runs with DynamicUser= and
-    ProtectSystem=strict: it cannot write bytecode, so without this every start of ftllm would compile its
-    Python again (about 0.9 s of each start on the cpu-demo). checked-hash .pyc files are validated against
-    their source's hash, not its mtime, so an edited source is never run from a stale .pyc. A file that does
-    not compile only costs its own speed: a warning, not a failed install."""
-    from deploy_tool import proc
-
-    python = venv / "bin" / "python"
-    try:
-        res = proc.run([str(python), "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
-                        str(venv / "lib")], ok=(0, 1), timeout=1800, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
-    except DeployError as exc:
-        log(f"warning: byte-compiling the venv failed, backends will compile at each start: {exc.message}")
-        return False
-    if res.returncode != 0:
-        first = next((ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()), "")
-        log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
-        return False
-    return True
-
-
 def makedirs_open(d: Path) -> None:
     """mkdir -p with every directory it creates 0755 whatever the umask (the servers' DynamicUser passes through
     the install root to reach the release); directories already there keep their modes (`check` reports one
@@ -420,16 +554,6 @@ def server_modes(tree: Path) -> int:
             elif stat.S_ISREG(st.st_mode):
                 fix(p, 0o755 if st.st_mode & 0o111 else 0o644, st.st_mode)
     return changed
-
-
-def _copy_error(exc: shutil.Error, what: str) -> DeployError:
-    """One readable error from shutil.copytree's list of (src, dst, reason) tuples."""
-    errs = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
-    reasons = [str(e[2]) for e in errs if isinstance(e, tuple) and len(e) == 3]
-    if any("No space left" in r for r in reasons):
-        return os_error(OSError(errno.ENOSPC, "No space left on device"), what)
-    first = reasons[0] if reasons else str(exc)
-    return OSFailure(f"{what}: {len(reasons)} files could not be copied; the first: {first[:300]}")
 
 
 def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:

@@ -209,9 +209,34 @@ def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path) -> No
 
 
 def venv_archive_excludes(venv: Path, rel: str) -> bool:
-    """Bytecode caches and the interpreter links (bin/python* -> /usr/bin/python3) stay out of the archive:
-    install re-creates the links with `python -m venv` on the box, against the box's own interpreter."""
-    return "__pycache__" in rel.split("/") or (rel.startswith("bin/python") and (venv / rel).is_symlink())
+    """The interpreter links (bin/python* -> /usr/bin/python3) stay out of the archive: install re-creates them
+    with `python -m venv` on the box, against the box's own interpreter."""
+    return rel.startswith("bin/python") and (venv / rel).is_symlink()
+
+
+def compile_venv(venv: Path, current: str, log: Callable[[str], None] = lambda s: None) -> bool:
+    """Byte-compile the venv's Python (lib/) into checked-hash .pyc files, recording the paths the sources have
+    on the box through `current` (`<current>/venv/lib/...`), so the bytes are the same wherever the venv is
+    built: pack puts them in the venv archive and they are signed and pinned like every other file.
+
+    A backend runs with DynamicUser= and ProtectSystem=strict: it cannot write bytecode, so without these every
+    start of ftllm would compile its Python again. checked-hash .pyc files are validated against their source's
+    hash, not its mtime, so an edited source is never run from a stale .pyc (and an unpacked archive's mtimes do
+    not matter). `-f`: the timestamp-based .pyc that ensurepip left for pip itself (with the build path in them)
+    are rewritten too. A file that does not compile only costs its own speed: a warning, not a failure."""
+    python = venv / "bin" / "python"
+    try:
+        res = proc.run([str(python), "-m", "compileall", "-q", "-f", "-j", "0", "--invalidation-mode", "checked-hash",
+                        "-s", str(venv), "-p", f"{current}/venv", str(venv / "lib")], ok=(0, 1), timeout=1800,
+                       env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONHASHSEED": "0"})
+    except DeployError as exc:
+        log(f"warning: byte-compiling the venv failed, backends will compile at each start: {exc.message}")
+        return False
+    if res.returncode != 0:
+        first = next((ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()), "")
+        log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
+        return False
+    return True
 
 
 def finish_venv(python: str, venv: Path) -> None:
@@ -219,19 +244,22 @@ def finish_venv(python: str, venv: Path) -> None:
     proc.run([python, "-m", "venv", "--without-pip", str(venv)], env=pip_env(), timeout=600)
 
 
-def relocate_venv(venv: Path, old: str, new: str) -> int:
-    """Rewrite the venv prefix in bin/ text files and pyvenv.cfg (shebangs, activate scripts), and the RECORD
-    lines of the rewritten files, so RECORD stays true and two builds at different places give the same bytes."""
+def relocate_venv(venv: Path, old: str | tuple[str, ...], new: str) -> int:
+    """Rewrite the venv prefix (`old`, or each of several) in bin/ text files and pyvenv.cfg (shebangs, activate
+    scripts), and the RECORD lines of the rewritten files, so RECORD stays true and two builds at different
+    places give the same bytes."""
+    olds = [o.encode() for o in ((old,) if isinstance(old, str) else old)]
     changed: dict[Path, bytes] = {}
     targets = [venv / "pyvenv.cfg"] + sorted((venv / "bin").iterdir())
     for p in targets:
         if p.is_symlink() or not p.is_file():
             continue
         data = p.read_bytes()
-        if b"\0" in data[:4096] or old.encode() not in data:
+        if b"\0" in data[:4096] or not any(o in data for o in olds):
             continue
         st = p.stat()
-        data = data.replace(old.encode(), new.encode())
+        for o in olds:
+            data = data.replace(o, new.encode())
         atomic_write(p, data, st.st_mode & 0o7777)
         changed[p.resolve()] = data
     if changed:
@@ -355,6 +383,9 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         except proc.CommandFailed as exc:
             raise BundleError(f"building the venv from the locked wheels failed: {exc.message}",
                               hint="is the lock complete (every dependency pinned)? is bundle.python right?") from None
+        if compile_venv(venv, cfg.paths.current, log):
+            log("venv: byte-compiled (checked-hash .pyc, paths under "
+                f"{cfg.paths.current}/venv)")
         relocate_venv(venv, str(venv), VENV_PLACEHOLDER)
         native = hash_native_libs(venv, progress=progress)
         log(f"venv: {len(native)} native libraries hashed")

@@ -325,3 +325,24 @@ def test_fuzzed_archives_fail_cleanly(tmp_path: Path, fuzz_seed: tuple[bytes, by
                 archive.check_symlink_target(str(p.relative_to(stage)), os.readlink(p))
     assert sorted(x.name for x in case.iterdir()) in (["a.tar"], ["a.tar", "stage"])
     shutil.rmtree(case)
+
+
+def test_extract_many_small_files_and_big_ones_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer threads (small files) and the in-stream writes (big files) lay down exactly the archived bytes
+    and modes, with a write-ahead budget smaller than the files in flight."""
+    monkeypatch.setattr(archive, "WRITE_AHEAD", 4 * archive.CHUNK)
+    monkeypatch.setattr(archive, "SMALL_FILE", 2 * archive.CHUNK)
+    src = tmp_path / "src"
+    for i in range(300):
+        d = src / f"d{i % 7}"
+        d.mkdir(parents=True, exist_ok=True)
+        size = (i * 7919) % (3 * archive.CHUNK) if i % 25 == 0 else i * 13
+        (d / f"f{i}").write_bytes(os.urandom(size))
+        (d / f"f{i}").chmod(0o755 if i % 3 == 0 else 0o644)
+    a = tmp_path / "a.tar.zst"
+    archive.archive_tree(src, a, symlinks=True)
+    archive.extract_archive(a, tmp_path / "out", symlinks=True)
+    for p in src.rglob("*"):
+        q = tmp_path / "out" / p.relative_to(src)
+        if p.is_file():
+            assert q.read_bytes() == p.read_bytes() and q.stat().st_mode & 0o777 == p.stat().st_mode & 0o777, p

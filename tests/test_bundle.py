@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from deploy_tool import bundle
 from deploy_tool.errors import BundleError, InputError
@@ -510,3 +512,106 @@ def test_keys_type_is_real(world: dict) -> None:
     k: Keys = world["keys"]
     assert b"BEGIN PRIVATE KEY" in k.private.read_bytes()
     assert len(k.key_id) == 16
+
+
+DIR_CASES = [c for c in CASES if c[1] == "dir"]
+
+
+@pytest.mark.parametrize(("case", "form", "tamper", "reason"), DIR_CASES, ids=[c[0] for c in DIR_CASES])
+def test_tamper_matrix_staged_directory(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
+                                        form: str, tamper: Callable, reason: str) -> None:
+    """A bundle directory verified into a staging dir (what install does) refuses each tampering with the same
+    reason as the in-place check, and leaves no staging dir and nothing anywhere else."""
+    work = tmp_path / "work"
+    work.mkdir()
+    systmp = tmp_path / "systmp"
+    systmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    target = tamper(world, work, _copy_dir(world, work))
+    staging = tmp_path / "staging"
+    before = snapshot(tmp_path)
+    with pytest.raises(BundleError) as ei:
+        bundle.verify_bundle(target, world["keys"].trusted_dir, staging=staging)
+    assert ei.value.reason == reason, f"{case}: {ei.value.message}"
+    assert not staging.exists(), "staging dir must be removed on rejection"
+    assert snapshot(tmp_path) == before
+    assert list(systmp.iterdir()) == []
+
+
+def test_staged_directory_is_what_was_verified(world: dict, tmp_path: Path) -> None:
+    """After a staged verify of a directory, changing every file of the source changes nothing in the staged
+    copy: it holds the signed bytes, private (0700), with the MANIFEST's modes."""
+    d = _copy_dir(world, tmp_path)
+    vb = bundle.verify_bundle(d, world["keys"].trusted_dir, staging=tmp_path / "s")
+    assert vb.extracted and vb.root == tmp_path / "s" and vb.source == d
+    assert oct(vb.root.stat().st_mode & 0o777) == oct(0o700)
+    signed = {f.path: (world["a"].directory / f.path).read_bytes() for f in vb.manifest.files}
+    for f in vb.manifest.files:
+        p = d / f.path
+        p.chmod(0o644)
+        p.write_bytes(b"swapped " + p.read_bytes())
+    assert {f.path: (vb.root / f.path).read_bytes() for f in vb.manifest.files} == signed
+    assert (vb.root / MANIFEST_NAME).read_bytes() == (world["a"].directory / MANIFEST_NAME).read_bytes()
+    for f in vb.manifest.files:
+        assert (vb.root / f.path).stat().st_mode & 0o7777 == f.mode
+
+
+@settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_byte_of_any_file_flipped_is_refused_staged(world: dict, tmp_path_factory: pytest.TempPathFactory,
+                                                         data: st.DataObject) -> None:
+    """Property: any one byte of any file of a bundle directory flipped (any bit) is refused by the staged
+    verify with hash-mismatch naming that file, and the staging dir is gone."""
+    tmp = tmp_path_factory.mktemp("flip")
+    d = _copy_dir(world, tmp)
+    files = [f for f in world["a"].manifest.files if f.size]
+    f = data.draw(st.sampled_from(files), label="file")
+    off = data.draw(st.integers(0, f.size - 1), label="offset")
+    bit = data.draw(st.integers(0, 7), label="bit")
+    p = d / f.path
+    raw = bytearray(p.read_bytes())
+    raw[off] ^= 1 << bit
+    p.write_bytes(bytes(raw))
+    with pytest.raises(BundleError) as ei:
+        bundle.verify_bundle(d, world["keys"].trusted_dir, staging=tmp / "s")
+    assert ei.value.reason == "hash-mismatch" and f.path in ei.value.message
+    assert not (tmp / "s").exists()
+    shutil.rmtree(tmp)
+
+
+def test_file_rewritten_while_copied_is_refused(world: dict, tmp_path: Path) -> None:
+    """A thread rewrites one file of the directory (same size, other bytes, in place) in a loop while the staged
+    verify runs: each run either refuses naming that file or stages exactly the signed bytes, never a mix."""
+    import threading
+
+    d = _copy_dir(world, tmp_path)
+    victim = d / ARCNAMES["unit"]
+    good = victim.read_bytes()
+    bad = good.swapcase()
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            for data in (bad, good):
+                with open(victim, "r+b") as f:
+                    f.write(data)
+
+    t = threading.Thread(target=flip, daemon=True)
+    t.start()
+    outcomes = set()
+    try:
+        for i in range(60):
+            s = tmp_path / f"s{i}"
+            try:
+                vb = bundle.verify_bundle(d, world["keys"].trusted_dir, staging=s)
+            except BundleError as exc:
+                assert exc.reason == "hash-mismatch" and ARCNAMES["unit"] in exc.message, exc.message
+                assert not s.exists()
+                outcomes.add("refused")
+            else:
+                assert (vb.root / ARCNAMES["unit"]).read_bytes() == good
+                outcomes.add("staged")
+    finally:
+        stop.set()
+        t.join()
+    assert "refused" in outcomes

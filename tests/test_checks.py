@@ -262,7 +262,7 @@ def test_every_catalog_id_is_tested() -> None:
     """Every check id in the catalog appears in this file's bad cases or in a dedicated test below."""
     dedicated = {"ftllm-nccl-arch", "ftllm-nccl-unreadable", "model-config-unreadable", "template-patch-match",
                  "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable",
-                 "serve-port-in-use"}  # serve-port-in-use: test_checks_contradictions.py, a real listener
+                 "serve-port-in-use", "os-library-missing"}  # serve-port-in-use: test_checks_contradictions.py, a real listener
     tested = {c[3] for c in CASES} | dedicated
     assert tested == checks.CHECK_IDS
 
@@ -690,3 +690,32 @@ def test_the_demo_box_layout_is_visible(cpu_demo_files: Path) -> None:
     """cpu-demo as the demo and the e2e suite lay it out (a run directory under /var/lib): nothing to report."""
     assert str(cpu_demo_files).startswith("/var/lib/") or os.environ.get("DEPLOYTOOL_TEST_ROOT")
     assert _hidden(cpu_demo_files) == []
+
+
+# ----------------------------------------------------------------------------------------- OS libraries
+
+
+def test_os_library_missing_is_named_with_its_backend(tmp_path: Path) -> None:
+    """A llama-server (a real gcc-built executable) whose shared library is not on this machine: `check` names
+    the library and the binary, as an error of that backend; with the library back, the check is quiet."""
+    import shutil
+    import subprocess
+
+    gcc = shutil.which("gcc")
+    assert gcc, "gcc is part of the setup"
+    d = tmp_path / "build"
+    d.mkdir()
+    (d / "g.c").write_text("int g(void) { return 0; }\n")
+    (d / "m.c").write_text("int g(void); int main(void) { return g(); }\n")
+    lib = d / "libgompish.so.1"
+    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libgompish.so.1", "-o", str(lib), str(d / "g.c")],
+                   check=True, timeout=120)
+    exe = d / "llama-server"
+    subprocess.run([gcc, "-o", str(exe), str(d / "m.c"), str(lib), "-Wl,-rpath,$ORIGIN"], check=True, timeout=120)
+    cfg_changes = ((f"{LL}.binary", str(exe)),)
+    assert not [f for f in _two(tmp_path, *cfg_changes, example="cpu-demo") if f.id == "os-library-missing"]
+    lib.unlink()
+    f = _one(_two(tmp_path, *cfg_changes, example="cpu-demo"), "os-library-missing", "error")
+    assert f.backend == "llamacpp-tensor" and "libgompish.so.1" in f.message and str(exe) in f.message
+    assert not [f for f in _two(tmp_path, *cfg_changes, example="cpu-demo", inspect=False)
+                if f.id == "os-library-missing"]

@@ -81,17 +81,25 @@ def test_install_serves_default_backend_and_second_install_is_noop(installed, sy
 
 
 def test_install_byte_compiles_the_release_venv(installed):
-    """The bundle has no __pycache__ and the units cannot write one (DynamicUser, ProtectSystem=strict): install
-    compiles the venv at its final path, as checked-hash .pyc (validated by the source's hash, not its mtime)."""
-    venv = installed.parent / "demo-root/opt/deploytool/current/venv"
+    """The units cannot write __pycache__ (DynamicUser, ProtectSystem=strict): the bundle's venv archive carries
+    the venv's bytecode, compiled at pack time as checked-hash .pyc (validated by the source's hash, not its
+    mtime) recording the stable `current/venv/...` path, and install lays it down with the sources."""
+    import importlib.util
+    import marshal
+
+    current = installed.parent / "demo-root/opt/deploytool/current"
+    venv = current / "venv"
     server = next(venv.glob("lib/python3*/site-packages/ftllm/server.py"))
     pycs = list((server.parent / "__pycache__").glob("server.cpython-*.pyc"))
     assert len(pycs) == 1, pycs
-    head = pycs[0].read_bytes()[:16]
-    assert int.from_bytes(head[4:8], "little") == 0b11  # PEP 552: hash-based, checked
-    import importlib.util
+    data = pycs[0].read_bytes()
+    assert int.from_bytes(data[4:8], "little") == 0b11  # PEP 552: hash-based, checked
+    assert data[8:16] == importlib.util.source_hash(server.read_bytes())
+    assert marshal.loads(data[16:]).co_filename == str(current / server.relative_to(current)), "recorded path"
+    from deploy_tool.archive import list_archive
 
-    assert head[8:16] == importlib.util.source_hash(server.read_bytes())
+    names = {e.name for e in list_archive(current / "venv.tar.zst")}
+    assert str(pycs[0].relative_to(venv)) in names, "the .pyc comes from the signed venv archive"
 
 
 def test_servers_run_as_a_dynamic_user(installed, systemd_sandbox):
@@ -461,11 +469,21 @@ def test_no_network_during_install(demo, tmp_path):
     data["systemd"]["systemctl"] = ["/bin/true"]
     for k in ("requirements", "lock", "wheels_dir"):
         data["bundle"][k] = str(demo.parent / data["bundle"][k])
+    data["bundle"]["tool_wheels_dir"] = str(demo.parent / (data["bundle"].get("tool_wheels_dir") or "tool-wheels"))
     data["bundle"]["chat_template"]["source"] = str(demo.parent / "chat_template.jinja")
     for b in data["backends"].values():
         b["model"] = str(demo.parent / b["model"])
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
-    bundle = next((demo.parent / "artifacts").glob("*.tar*"))
+    demo_bundle = next((demo.parent / "artifacts").glob("*.tar*"))
+    # the demo's bundle was packed for the demo's paths: refused here, naming them, before anything is written
+    r = dt(cfg, "install", "--no-start", str(demo_bundle), wrap=["unshare", "--net", "--"])
+    assert r.returncode == 6 and "paths.root" in r.stderr and "another config" in r.stderr, r.stdout + r.stderr
+    root = tmp_path / "box" / "root"
+    assert not (root / "current").is_symlink() and not list((root / "releases").glob("*")), list(root.rglob("*"))
+    assert not (tmp_path / "box" / "units").exists() or not list((tmp_path / "box" / "units").iterdir())
+    r = dt(cfg, "pack", "--out", str(tmp_path / "artifacts"), "--key", str(demo.parent / "keys" / "deploytool.key"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    bundle = next((tmp_path / "artifacts").glob("*.tar*"))
     r = dt(cfg, "install", "--no-start", str(bundle), wrap=["unshare", "--net", "--"])
     assert r.returncode == 0, r.stdout + r.stderr
     rel = tmp_path / "box" / "root" / "current"

@@ -21,8 +21,7 @@ from tests.support.sandbox import free_port, new_run_dir
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[1]
-ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "bytecode-compiled",
-             "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
+ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +240,163 @@ def test_full_disk_on_upgrade_keeps_previous_release(with_a, sbx):
     assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
     assert bx.current_release() == a and bx.release_entries() == [a]
     assert bx.state()["operation"] is None and bx.state()["release"] == a
+
+
+# ------------------------------------------------------------------------------- verified bytes, box fitness
+
+def _bundle_dir_copy(bundle: Path, dest: Path) -> Path:
+    """A private copy of the bundle directory packed beside `bundle` (the form the README tells to rsync)."""
+    src = bundle.parent / bundle.name.split(".tar")[0]
+    out = dest / src.name
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out)
+    return out
+
+
+def _stopped_install(cfg: Path, *args: str, point: str) -> subprocess.Popen[str]:
+    """`deploytool install ARGS` that SIGSTOPs itself at fault point `point`; returned once it is stopped."""
+    import time
+
+    from tests.support.demo_box import DT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DEPLOYTOOL_FAULT": f"stop:{point}"}
+    p = subprocess.Popen([*DT, "--config", str(cfg), "install", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=cfg.parent)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "gone"
+        if state in ("T", "gone") or p.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, f"install ended before {point}: {p.communicate()}"
+    return p
+
+
+def _swap(p: Path) -> bytes:
+    """Replace p (rename over it, as an attacker would) with other bytes of the same size and mode."""
+    data = p.read_bytes()
+    other = bytes(b ^ 0x20 if 0x41 <= (b & 0xDF) <= 0x5A else b for b in data) if b"\0" not in data[:4096] \
+        else data[:-1] + bytes([data[-1] ^ 1])
+    assert other != data and len(other) == len(data)
+    tmp = p.with_name(p.name + ".swap")
+    tmp.write_bytes(other)
+    tmp.chmod(p.stat().st_mode & 0o7777)
+    os.replace(tmp, p)
+    return other
+
+
+@pytest.mark.parametrize("victim", ["env/ftllm-dflash.env", "units/llamacpp-tensor.service", "config.json",
+                                    "templates/chat_template.jinja", "venv.tar.zst"])
+def test_file_swapped_after_the_signature_check_is_refused(fresh, sbx, victim, tmp_path):
+    """install of a bundle directory, stopped right after the signature check; VICTIM is swapped for other bytes
+    of the same size and mode; install resumes: exit 6, one error line naming VICTIM, nothing installed."""
+    bx: Box = fresh["box"]
+    bdir = _bundle_dir_copy(fresh["a"], tmp_path)
+    assert (bdir / victim).is_file(), sorted(p.name for p in bdir.iterdir())
+    p = _stopped_install(fresh["cfg"], str(bdir), point="signature-checked")
+    try:
+        _swap(bdir / victim)
+    finally:
+        os.kill(p.pid, 18)  # SIGCONT
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 6, out + err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and victim in errors[0], err
+    assert "Traceback" not in err
+    assert bx.traces() == {"units": [], "env": [], "current": [], "releases": [], "pins": []}
+    assert active_units(sbx.systemd) == set()
+    assert not bx.state().get("operation") and not bx.state().get("release")
+
+
+def test_swap_while_serving_leaves_the_serving_release_alone(with_a, sbx, tmp_path):
+    """The same race on an upgrade A->B: refused with exit 6; A's process, units, env and current untouched."""
+    bx: Box = with_a["box"]
+    before = {p.name: p.read_bytes() for p in [*bx.unit_dir.glob("*.service"), *bx.env_dir.iterdir()]}
+    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
+    bdir = _bundle_dir_copy(with_a["b"], tmp_path)
+    p = _stopped_install(with_a["cfg_b"], str(bdir), point="signature-checked")
+    try:
+        _swap(bdir / "env" / "ftllm-dflash.env")
+    finally:
+        os.kill(p.pid, 18)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 6 and "env/ftllm-dflash.env" in err, out + err
+    assert {p.name: p.read_bytes() for p in [*bx.unit_dir.glob("*.service"), *bx.env_dir.iterdir()]} == before
+    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
+    assert bx.current_release() == _rid(with_a["a"]) and bx.release_entries() == [_rid(with_a["a"])]
+
+
+def test_swap_after_the_copy_installs_the_signed_bytes(fresh, sbx, tmp_path):
+    """A swap after install has copied the bundle (stopped at venv-ready) changes nothing: the env file and unit
+    installed are the signed ones, byte for byte."""
+    bx: Box = fresh["box"]
+    bdir = _bundle_dir_copy(fresh["a"], tmp_path)
+    signed = {n: (bdir / n).read_bytes() for n in ("env/ftllm-dflash.env", "units/ftllm-dflash.service")}
+    p = _stopped_install(fresh["cfg"], "--no-start", str(bdir), point="venv-ready")
+    try:
+        for n in signed:
+            _swap(bdir / n)
+    finally:
+        os.kill(p.pid, 18)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, out + err
+    assert (bx.env_dir / "ftllm-dflash.env").read_bytes() == signed["env/ftllm-dflash.env"]
+    assert (bx.unit_dir / "ftllm-dflash.service").read_bytes() == signed["units/ftllm-dflash.service"]
+
+
+def test_bundle_packed_for_another_config_is_refused(fresh, sbx):
+    """Bundle B (packed from a config whose ftllm env differs) installed under config A: exit 6 naming the key,
+    nothing written."""
+    bx: Box = fresh["box"]
+    r = dt(fresh["cfg"], "install", str(fresh["b"]))
+    assert r.returncode == 6, r.stdout + r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and "another config" in err[0], r.stderr
+    assert "backends.ftllm-dflash.env.DEPLOYTOOL_TEST_RELEASE: bundle \"b\", here (unset)" in err[0], err
+    assert "Traceback" not in r.stderr
+    assert bx.traces() == {"units": [], "env": [], "current": [], "releases": [], "pins": []}
+
+
+def _without_libgomp() -> list[str]:
+    """Run a command in a private mount namespace where the OS's libgomp.so.1 is hidden (/dev/null over it), as
+    on a minimal Debian 12 box."""
+    from deploy_tool.binaries import read_ld_so_cache
+
+    paths = sorted({os.path.realpath(p) for p in read_ld_so_cache().get("libgomp.so.1", [])})
+    assert paths, "libgomp.so.1 is on this machine (the setup installs it)"
+    binds = " && ".join(f'mount --bind /dev/null "{p}"' for p in paths)
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{binds} && exec "$@"', "sh"]
+
+
+def test_box_without_libgomp_is_refused_naming_the_package(fresh, sbx):
+    """On a box without libgomp.so.1, install is refused before anything changes: exit 16, the library, the
+    binary that needs it and the Debian package (libgomp1); no unit, env, current or release."""
+    bx: Box = fresh["box"]
+    r = dt(fresh["cfg"], "install", str(fresh["a"]), wrap=_without_libgomp())
+    assert r.returncode == 16, r.stdout + r.stderr
+    assert "libgomp.so.1" in r.stderr and "libgomp1" in r.stderr and "libggml" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert bx.traces() == {"units": [], "env": [], "current": [], "releases": [], "pins": []}
+    assert active_units(sbx.systemd) == set()
+
+
+def test_install_again_after_no_start_starts_the_default_backend(fresh, sbx):
+    """install --no-start, then the same install again: the default backend starts behind the gate (it said
+    "nothing to do" before); a third run is a no-op."""
+    bx: Box = fresh["box"]
+    r = dt(fresh["cfg"], "install", "--no-start", str(fresh["a"]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert active_units(sbx.systemd) == set() and bx.state()["active_backend"] is None
+    r = dt(fresh["cfg"], "--json", "install", str(fresh["a"]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+
+    assert json.loads(r.stdout)["action"] == "started"
+    assert active_units(sbx.systemd) == {"ftllm-dflash.service"} and bx.state()["active_backend"] == "ftllm-dflash"
+    assert chat(_port(fresh["cfg"]))["choices"][0]["message"]["content"]
+    assert bx.history()[-1]["event"] == "install" and bx.history()[-1].get("action") == "started"
+    r = dt(fresh["cfg"], "install", str(fresh["a"]))
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,125 @@
+"""A box that cannot run a bundle is refused before anything changes: the packed config against the box's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deploy_tool import config, install
+from deploy_tool.errors import BundleError
+from deploy_tool.pack import resolved_config_json
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "deploy_tool" / "examples" / "cpu-demo.yaml"
+
+
+def _cfg(tmp: Path, edit=None, name: str = "deploytool.yaml") -> config.Config:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    if edit:
+        edit(data)
+    p = tmp / name
+    p.write_text(yaml.safe_dump(data, sort_keys=False))
+    return config.load(p)
+
+
+def _packed(tmp: Path, cfg: config.Config) -> Path:
+    p = tmp / "packed.json"
+    p.write_bytes(resolved_config_json(cfg))
+    return p
+
+
+def test_same_config_passes(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    install.check_config_matches(cfg, _packed(tmp_path, cfg), "r1")
+
+
+def _leaves(cfg: config.Config) -> list[str]:
+    flat = install._flatten(json.loads(resolved_config_json(cfg)))
+    return sorted(k for k, v in flat.items() if isinstance(v, str) and not any(
+        k == p or k.startswith(p + ".") for p in install.PACK_ONLY_KEYS))
+
+
+@settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_box_key_changed_is_named(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    """Property: any string-valued key the box runs by, changed in the packed config, refuses the install with
+    exit 6 naming exactly that key (the fields are compared on the resolved config, as pack wrote it)."""
+    tmp = tmp_path_factory.mktemp("cmp")
+    cfg = _cfg(tmp)
+    key = data.draw(st.sampled_from(_leaves(cfg)), label="key")
+    packed = json.loads(resolved_config_json(cfg))
+    node = packed
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node[part]
+    node[parts[-1]] = node[parts[-1]] + "-other"
+    (tmp / "config.json").write_text(json.dumps(packed))
+    with pytest.raises(BundleError) as ei:
+        install.check_config_matches(cfg, tmp / "config.json", "r1")
+    assert ei.value.exit_code == 6
+    assert ei.value.details == {"differences": [key]}
+    assert key in ei.value.message and "\n" not in ei.value.message
+
+
+def test_other_paths_named_and_pack_only_keys_ignored(tmp_path: Path) -> None:
+    """A bundle packed for other paths is refused naming paths.root; where pack found its inputs (lock, wheels,
+    the template's source) and how systemd is reached may differ."""
+    box = _cfg(tmp_path)
+
+    def other(d: dict) -> None:
+        d["paths"]["root"] = "/srv/elsewhere"
+        d["paths"]["config"] = str(box.source_path)
+        d["bundle"]["wheels_dir"] = "/somewhere/wheels"
+        d["bundle"]["lock"] = "/somewhere/requirements.lock"
+        d["systemd"]["systemctl"] = ["/usr/local/bin/systemctl"]
+
+    packed = _cfg(tmp_path, other, "packed.yaml")
+    with pytest.raises(BundleError) as ei:
+        install.check_config_matches(box, _packed(tmp_path, packed), "r1")
+    assert ei.value.details["differences"] == ["paths.root"], ei.value.details
+    assert "bundle.wheels_dir" not in ei.value.details["differences"]
+    assert "systemd.systemctl" not in ei.value.details["differences"]
+    assert '"/srv/elsewhere"' in ei.value.message
+
+    def pack_only(d: dict) -> None:
+        d["paths"]["config"] = str(box.source_path)
+        d["bundle"]["wheels_dir"] = "/somewhere/wheels"
+        d["systemd"]["systemctl"] = ["/usr/local/bin/systemctl"]
+
+    install.check_config_matches(box, _packed(tmp_path, _cfg(tmp_path, pack_only, "packed.yaml")), "r1")
+
+
+def test_config_in_another_directory_with_relative_model_paths_is_named(tmp_path: Path) -> None:
+    """The same YAML in another directory resolves its relative model paths elsewhere: the units would point at
+    models the box does not have there, so the keys are named."""
+    box = _cfg(tmp_path)
+    (tmp_path / "p").mkdir()
+    with pytest.raises(BundleError) as ei:
+        install.check_config_matches(box, _packed(tmp_path, _cfg(tmp_path / "p")), "r1")
+    assert "backends.ftllm-dflash.model" in ei.value.details["differences"]
+
+
+def test_unreadable_packed_config_is_a_bundle_error(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(BundleError):
+        install.check_config_matches(cfg, tmp_path / "config.json", "r1")
+
+
+def test_env_pairs_are_compared_key_by_key(tmp_path: Path) -> None:
+    """A backend's env (kept as pairs) differing in one variable names exactly that variable."""
+    box = _cfg(tmp_path)
+
+    def extra_env(d: dict) -> None:
+        d["paths"]["config"] = str(box.source_path)
+        b = d["backends"]["ftllm-dflash"]
+        b["env"] = {**(b.get("env") or {}), "DEPLOYTOOL_TEST_RELEASE": "b"}
+
+    with pytest.raises(BundleError) as ei:
+        install.check_config_matches(box, _packed(tmp_path, _cfg(tmp_path, extra_env, "packed.yaml")), "r1")
+    assert ei.value.details == {"differences": ["backends.ftllm-dflash.env.DEPLOYTOOL_TEST_RELEASE"]}
+    assert 'backends.ftllm-dflash.env.DEPLOYTOOL_TEST_RELEASE: bundle "b", here (unset)' in ei.value.message
