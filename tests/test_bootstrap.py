@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -345,3 +346,20 @@ def test_added_pth_file_in_tool_venv_is_named(bootstrapped):
         assert "zz-injected.pth" in r.stdout
     finally:
         pth.unlink()
+
+
+@pytest.mark.parametrize("dirname", ["plain", "with space", "x" * 120])
+def test_console_script_runs_under_any_interpreter_path(tmp_path: Path, dirname: str) -> None:
+    """A console script of deploytool's wheel installer runs from a venv under a path with a space or longer
+    than the kernel's 127-byte shebang (a checkout in "/tmp/x y" holds the test and bench boxes)."""
+    d = tmp_path / dirname
+    d.mkdir()
+    python = d / "python"
+    python.symlink_to(sys.executable)
+    script = d / "tool"
+    script.write_bytes(bootstrap._script(str(python), "json", "tool.main"))
+    script.chmod(0o755)
+    r = subprocess.run([str(script)], input='{"a": [1]}', capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"a": [1]}
+    assert script.read_text().startswith("#!/bin/sh\n" if " " in str(python) or len(str(python)) > 125 else "#!/")
