@@ -60,7 +60,7 @@ from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, settled, sha256_fd, stat_key
 from deploy_tool.render import BUNDLED_NCCL, expand
-from deploy_tool.textsafe import q
+from deploy_tool.textsafe import q, safe
 
 PINS_FORMAT = 1
 HEADER_BYTES = 1 << 20  # a GGUF's header hash covers its first 1 MiB
@@ -983,15 +983,6 @@ def drift_error(r: VerifyReport) -> DriftError:
 
 # --------------------------------------------------------------------------------------------------------------
 # text
-
-
-_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def safe(text: str) -> str:
-    """Text for one terminal or journal line: control characters and undecodable bytes of file names (surrogate
-    escapes) written as Python escapes (\\n, \\x1b, \\udcff)."""
-    return _UNSAFE.sub(lambda m: ascii(m.group(0))[1:-1], text)
 
 
 def short(value: str, width: int = 44) -> str:

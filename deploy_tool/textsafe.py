@@ -18,6 +18,7 @@ Standard library only; imported by config, render and the modules that print nam
 from __future__ import annotations
 
 import os
+import re
 import unicodedata
 
 # Bidirectional formatting characters: invisible, and they reorder the text around them ("Trojan Source").
@@ -30,6 +31,15 @@ def q(name: object) -> str:
     if isinstance(name, bytes):
         name = os.fsdecode(name)
     return repr(name if isinstance(name, str) else os.fspath(name) if isinstance(name, os.PathLike) else str(name))
+
+
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def safe(text: str) -> str:
+    """Text for one terminal or journal line: control characters and undecodable bytes of file names (surrogate
+    escapes) written as Python escapes (\\n, \\x1b, \\udcff)."""
+    return _UNSAFE.sub(lambda m: ascii(m.group(0))[1:-1], text)
 
 
 def key(name: str) -> str:

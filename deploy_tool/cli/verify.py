@@ -104,7 +104,8 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
 
 
 def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) -> str:
-    from deploy_tool.fingerprint import safe, short
+    from deploy_tool.fingerprint import short
+    from deploy_tool.textsafe import safe
 
     verb = "would pin" if dry else "pinned"
     if not had_pins:
