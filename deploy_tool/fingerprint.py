@@ -375,14 +375,21 @@ class _Collector:
     def _walk_tree(self, prefix: str, root: str, todo: list[_Job]) -> tuple[Any, list[Any], list[tuple[int, _Job]],
                                                                              int]:
         """(walk, values with None where a hash is pending, the pending jobs by index, cache hits)."""
-        w = treepin.walk(root)
-        key = treepin.snapshot_key(w)
         snap = self.cache.section("trees") if self.use_cache else None
         snap = snap.get(prefix) if isinstance(snap, dict) else None
+
+        def unchanged(w: treepin.Walk) -> bool:
+            return (isinstance(snap, dict) and snap.get("root") == root and snap.get("key") == treepin.snapshot_key(w)
+                    and snap.get("settled") is True and isinstance(snap.get("values"), list)
+                    and len(snap["values"]) == len(w.rels) and set(map(type, snap["values"])) <= {str})
+
+        w = treepin.prefetched(root)  # walked beside the imports (entry.py): its key and names, no stats
+        if w is None or not unchanged(w):
+            w = treepin.walk(root)
+        key = treepin.snapshot_key(w)
         n = len(w.rels)
-        if (isinstance(snap, dict) and snap.get("root") == root and snap.get("key") == key
-                and snap.get("settled") is True and isinstance(snap.get("values"), list)
-                and len(snap["values"]) == n and set(map(type, snap["values"])) <= {str}):
+        if unchanged(w):
+            assert isinstance(snap, dict)
             self.snapshots[prefix] = snap  # nothing changed since the last run: its values hold
             return w, snap["values"], [], w.files
         fc = self.files_cache()
