@@ -12,7 +12,7 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
             its mode [release/PATH] (deploy_tool.treepin). Anything added after the pin is drift as well
             (expected "absent"): a new .pth, sitecustomize or usercustomize module, a planted .pyc in a
             __pycache__, any new file in any directory. A venv outside the release (a backend's executable
-            elsewhere [venv/PATH], or paths.deploytool's venv [tool/PATH], see selfcheck) is pinned the same way.
+            elsewhere [venv/PATH], or paths.deploytool's venv [tool/PATH], see _collect_tool) is pinned the same way.
   ftllm     ftllm version from the venv's dist-info METADATA [ftllm.version] (ftllm is never imported), Python
             version from pyvenv.cfg [python.version], the base interpreter's real path [python.interpreter] and
             SHA-256 [python.binary] (and its libpython, when linked against one [python.libpython]), the import
@@ -55,11 +55,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from deploy_tool import treepin
-from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
+from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend, expand
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, settled, sha256_fd, stat_key
-from deploy_tool.render import BUNDLED_NCCL, expand
+from deploy_tool.render import BUNDLED_NCCL
 from deploy_tool.textsafe import q, safe
 
 PINS_FORMAT = 1
@@ -749,6 +749,47 @@ def _mode_value(path: str | os.PathLike[str]) -> str:
         return _err_value(exc)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# deploytool itself: the deploytool the units' ExecStartPre runs is pinned like the backend it guards, so a
+# changed verifier (a stray `pip install -U`, an edited module, an added .pth file or .pyc) is drift, exit 7:
+#   tool.path     the real path of paths.deploytool (normally {current}/tool/bin/deploytool, a link into the
+#                 release's own tool venv)
+#   tool.python   the real path of the tool venv's interpreter
+#   tool/PATH     every entry of the tool venv by type, mode and SHA-256 (treepin), when the venv lies outside the
+#                 release; inside it (the normal case) the release's own entries (release/tool/venv/...) are these
+#   tool.script   SHA-256 of the console script, when it is not in a venv (nor in the release)
+
+
+def tool_path(cfg: Config) -> Path:
+    return Path(expand(cfg, cfg.paths.deploytool))
+
+
+def tool_venv(script: str | os.PathLike[str]) -> Path | None:
+    """The venv a console script lives in (.../venv/bin/deploytool -> .../venv), or None."""
+    real = Path(os.path.realpath(script))
+    venv = real.parent.parent
+    if real.parent.name == "bin" and (venv / "pyvenv.cfg").is_file():
+        return venv
+    return None
+
+
+def _collect_tool(c: _Collector, cfg: Config) -> None:
+    script = tool_path(cfg)
+    if not os.path.lexists(script):
+        c.value("tool.path", "deploytool (paths.deploytool)", script, MISSING)
+        return
+    c.value("tool.path", "deploytool (paths.deploytool)", script, os.path.realpath(script))
+    venv = tool_venv(script)
+    if venv is None:
+        if not c.in_tree(script):
+            c.sha256("tool.script", "deploytool console script", os.path.realpath(script))
+        return
+    py = venv / "bin" / "python"
+    c.value("tool.python", "deploytool venv interpreter", py,
+            os.path.realpath(py) if os.path.lexists(py) else MISSING)
+    c.tree("tool", venv)  # nothing added when the venv lies in the release (normally {current}/tool/venv)
+
+
 def _resolve(cfg: Config, backend: Backend | str) -> Backend:
     return cfg.backend(backend) if isinstance(backend, str) else backend
 
@@ -786,9 +827,7 @@ def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, st
         _collect_ftllm(c, cfg, b)
     else:
         _collect_llamacpp(c, cfg, b)
-    from deploy_tool import selfcheck  # the deploytool that runs this check is pinned as well (tool.*)
-
-    selfcheck.collect(c, cfg)
+    _collect_tool(c, cfg)  # the deploytool that runs this check is pinned as well
     items, trees, stats = c.finish()
     seen: set[str] = set()
     for it in items:
@@ -970,14 +1009,6 @@ def verify(cfg: Config, backend: Backend | str, *, use_cache: bool = True, worke
     rows = diff(pins.items, items) + tree_diff(pins.trees, trees)
     return VerifyReport(ok=not rows, rows=rows, backend=b.name, pins=pins, items=tuple(items), stats=stats,
                         trees=trees)
-
-
-def check(cfg: Config, backend: Backend | str, **kw: Any) -> VerifyReport:
-    """verify() that raises DriftError (exit 7) on any difference, its message naming the items."""
-    r = verify(cfg, backend, **kw)
-    if not r.ok:
-        raise drift_error(r)
-    return r
 
 
 def drift_error(r: VerifyReport) -> DriftError:
