@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -461,6 +461,60 @@ def test_recover_an_interrupted_first_install(box: Box, point: str) -> None:
 BEHAVIOUR = st.sampled_from(sorted(fs.BEHAVIOURS))
 BACKEND = st.sampled_from([F, L])
 KILL = st.one_of(st.none(), st.sampled_from([*SWITCH_POINTS, ROLLBACK_POINT]))
+
+
+HEALTHY = ("ok", "slow", "slow-stop", "hangs-on-stop")
+
+
+def reached(point: str, target: str) -> bool:
+    """Whether a switch from a serving backend to a target behaving as `target` reaches kill point `point`."""
+    starts = target not in ("refused-by-check", "crash-at-start")
+    return {"gate": starts, "committing": target in HEALTHY, ROLLBACK_POINT: target not in HEALTHY}.get(point, True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(point=st.sampled_from([*SWITCH_POINTS, ROLLBACK_POINT]), target=BEHAVIOUR,
+       current=st.sampled_from(["ok", "slow-stop", "hangs-on-stop"]),
+       back=BEHAVIOUR, later=st.sampled_from([0.0, 5.0, 600.0]), then=st.sampled_from(["recover", "switch"]))
+def test_kill_point_by_unit_behaviour(tmp_path_factory: pytest.TempPathFactory, point: str, target: str,
+                                      current: str, back: str, later: float, then: str) -> None:
+    """kill point x how the target behaves x how the current backend stops x how it starts again x how long
+    until the operator comes back x recover or the next switch: the outcome is the one the state machine
+    promises, and the box ends settled."""
+    d = tmp_path_factory.mktemp("sm")
+    mp = pytest.MonkeyPatch()
+    box = Box(d, mp)
+    try:
+        with box.world.running():
+            box.installed(F, fs.BEHAVIOURS[current], fs.BEHAVIOURS[back])
+            box.world.script(LU, fs.BEHAVIOURS[target])
+            out = box.run("switch", L, kill=point)
+            if not reached(point, target):
+                assert out.action != "killed"
+                want = ("switched" if target in HEALTHY else
+                        ExitCode.ROLLED_BACK if back in HEALTHY else ExitCode.ROLLBACK_FAILED)
+                assert out.action == want or out.code == want, (out, box.log)
+                assert_settled(box)
+                return
+            assert out.action == "killed" and box.state()["operation"]["step"] == point
+            box.world.advance(later)
+            out = box.run(then, *((F,) if then == "switch" else ()))
+            assert_settled(box)
+            st_ = box.state()
+            # a switch killed while committing is finished if the target is healthy; anything else goes back
+            target_up = point == "committing" and LU in box.world.healthy()
+            if target_up or (then == "switch" and point == "committing" and st_["active_backend"] == F):
+                return  # committed (then maybe switched back on purpose)
+            if point in ("intent", "preflight", "stopping-current"):  # F was never stopped: it serves on
+                assert st_["active_backend"] == F and out.code == 0, out
+            elif back in HEALTHY or then == "switch":
+                # rolled back; with `switch F`, F is started through its own gate even if its rollback failed
+                assert st_["active_backend"] == F or out.code in (ExitCode.ROLLBACK_FAILED, ExitCode.HEALTH), out
+            else:
+                assert out.code == ExitCode.ROLLBACK_FAILED and st_["active_backend"] is None, out
+    finally:
+        box.world.close()
+        mp.undo()
 
 
 class Operations(RuleBasedStateMachine):
