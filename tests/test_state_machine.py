@@ -15,6 +15,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,25 +155,39 @@ class Outcome:
     killed: str = ""
 
 
+def no_real_sleep(mp: pytest.MonkeyPatch) -> list[float]:
+    """time.sleep records instead of sleeping: every wait of the state machine must go through the retry
+    policies (virtual time); a test asserts the list stays empty."""
+    slept: list[float] = []
+    mp.setattr(time, "sleep", slept.append)
+    return slept
+
+
 @pytest.fixture
 def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
     monkeypatch.delenv("DEPLOYTOOL_FAULT", raising=False)
     b = Box(tmp_path, monkeypatch)
+    slept = no_real_sleep(monkeypatch)
     try:
         with b.world.running():
             yield b
     finally:
         b.world.close()
+    assert slept == [], f"slept for real: {slept}"
 
 
-def assert_settled(box: Box) -> None:
-    """No operation pending; the recorded backend serves, alone, and is the one enabled for boot."""
+def assert_settled(box: Box, *, after_rollback_failed: bool = False) -> None:
+    """No operation pending; the recorded backend serves, alone, and is the one enabled for boot.
+
+    With no backend recorded, nothing passes a gate either, unless a rollback failed earlier
+    (`after_rollback_failed`): that start of the previous backend is left as it is, so systemd's
+    Restart=on-failure may bring it up later by itself, unrecorded."""
     st = box.state()
     assert st.get("operation") is None, st
     active = st.get("active_backend")
     if active is None:
-        # nothing passes a gate; a rollback start that failed its gate is left running as it is (exit-11 test)
-        assert box.world.healthy() == set()
+        if not after_rollback_failed:
+            assert box.world.healthy() == set()
         return
     unit = f"{active}.service"
     assert box.world.active() == {unit}
@@ -253,10 +268,14 @@ def test_slow_but_healthy_is_switched(box: Box, behaviour: fs.Behaviour) -> None
         assert behaviour.stop_s <= waited < behaviour.stop_s + 5
 
 
+@pytest.mark.parametrize("conflicts", [True, False], ids=["conflicts", "no-conflicts"])
 @pytest.mark.parametrize("name", FAILING)
-def test_failing_target_is_rolled_back(box: Box, name: str) -> None:
+def test_failing_target_is_rolled_back(box: Box, name: str, conflicts: bool) -> None:
     """Every way a target can fail its start or gate: exit 10, the previous backend serves again, enabled for
-    boot, history says rolled-back with the target's own journal lines."""
+    boot, history says rolled-back with the target's own journal lines. Also with units whose Conflicts= were
+    edited away: the rollback itself stops the target."""
+    if not conflicts:
+        box.world.install_units(conflicts=False)
     box.installed(F)
     box.world.script(LU, fs.BEHAVIOURS[name])
     out = box.run("switch", L)
@@ -301,7 +320,7 @@ def test_failing_first_start_leaves_nothing_running(box: Box, name: str) -> None
     out = box.run("switch", L)
     assert out.code == ExitCode.HEALTH, out
     assert_settled(box)
-    assert box.world.enabled() == set()
+    assert box.world.active() == set() and box.world.enabled() == set()
     assert box.history()[-1]["outcome"] == "failed"
 
 
@@ -456,6 +475,48 @@ def test_recover_an_interrupted_first_install(box: Box, point: str) -> None:
     assert box.history()[-1]["outcome"] == "undone"
 
 
+@pytest.mark.parametrize("name", ["crash-at-start", "never-ready", "dies-during-smoke", "wrong-model"])
+def test_recover_whose_previous_backend_does_not_come_back_exits_11(box: Box, name: str) -> None:
+    box.installed(F, fs.OK, fs.BEHAVIOURS[name])
+    assert box.run("switch", L, kill="gate").action == "killed"
+    out = box.run("recover")
+    assert out.code == ExitCode.ROLLBACK_FAILED, out
+    assert "did not come back" in out.error.message
+    assert box.state()["operation"] is None and box.state()["active_backend"] is None
+    assert box.world.active() & {LU} == set() and box.world.enabled() == {FU}
+    h = box.history()[-1]
+    assert (h["event"], h["ok"], h["outcome"], h["step"]) == ("recover", False, "rollback-failed", "gate")
+
+
+@pytest.mark.parametrize("point", SWITCH_POINTS)
+def test_kill_during_the_rollback_command(box: Box, point: str) -> None:
+    """`deploytool rollback` is a switch back to the previous backend: killed at each step, recover settles it
+    (on the backend it left, or, killed while committing, on the one it went back to)."""
+    box.installed(F)
+    assert box.run("switch", L).action == "switched"
+    out = box.run("rollback", kill=point)
+    assert out.action == "killed"
+    op = box.state()["operation"]
+    assert (op["kind"], op["step"], op["from_backend"], op["to_backend"]) == ("rollback", point, L, F)
+    out = box.run("recover")
+    assert out.action == "recovered"
+    assert box.state()["active_backend"] == (F if point == "committing" else L)
+    assert_settled(box)
+
+
+def test_the_journal_tail_is_the_failed_invocations(box: Box) -> None:
+    """The rolled-back target's tail in the history holds its failed start's lines, not an earlier start's."""
+    box.installed(F)
+    box.world.script(LU, fs.OK, fs.DIES_LOADING)
+    assert box.run("switch", L).action == "switched"
+    assert box.run("switch", F).action == "switched"
+    box.world.advance(30)
+    out = box.run("switch", L)
+    assert out.code == ExitCode.ROLLED_BACK
+    tail = box.history()[-1]["journal_tail"]
+    assert "out of memory" in tail and tail.count("Starting llamacpp-tensor.service") == 1
+
+
 # ------------------------------------------------------------------------------------------------ hypothesis
 
 BEHAVIOUR = st.sampled_from(sorted(fs.BEHAVIOURS))
@@ -472,7 +533,7 @@ def reached(point: str, target: str) -> bool:
     return {"gate": starts, "committing": target in HEALTHY, ROLLBACK_POINT: target not in HEALTHY}.get(point, True)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(point=st.sampled_from([*SWITCH_POINTS, ROLLBACK_POINT]), target=BEHAVIOUR,
        current=st.sampled_from(["ok", "slow-stop", "hangs-on-stop"]),
        back=BEHAVIOUR, later=st.sampled_from([0.0, 5.0, 600.0]), then=st.sampled_from(["recover", "switch"]))
@@ -484,6 +545,7 @@ def test_kill_point_by_unit_behaviour(tmp_path_factory: pytest.TempPathFactory, 
     d = tmp_path_factory.mktemp("sm")
     mp = pytest.MonkeyPatch()
     box = Box(d, mp)
+    slept = no_real_sleep(mp)
     try:
         with box.world.running():
             box.installed(F, fs.BEHAVIOURS[current], fs.BEHAVIOURS[back])
@@ -515,6 +577,7 @@ def test_kill_point_by_unit_behaviour(tmp_path_factory: pytest.TempPathFactory, 
     finally:
         box.world.close()
         mp.undo()
+    assert slept == []
 
 
 class Operations(RuleBasedStateMachine):
@@ -528,10 +591,12 @@ class Operations(RuleBasedStateMachine):
         self.mp = pytest.MonkeyPatch()
         self.dir = Path(tempfile.mkdtemp(prefix="dt-sm-"))
         self.box = Box(self.dir, self.mp)
+        self.slept = no_real_sleep(self.mp)
         self.ctx = self.box.world.running()
         self.ctx.__enter__()
         self.box.installed(F)
         self.pending: str | None = None
+        self.rollback_failed = False
 
     def teardown(self) -> None:
         try:
@@ -559,7 +624,10 @@ class Operations(RuleBasedStateMachine):
                                 ExitCode.CHECK_FAILED, ExitCode.DRIFT), out
             if out.code == ExitCode.ROLLBACK_FAILED:
                 assert self.box.state()["active_backend"] is None
-        assert_settled(self.box)
+                self.rollback_failed = True
+        if self.box.state().get("active_backend"):
+            self.rollback_failed = False
+        assert_settled(self.box, after_rollback_failed=self.rollback_failed)
 
     @rule(to=BACKEND, behaviour=BEHAVIOUR, kill=KILL)
     def switch(self, to: str, behaviour: str, kill: str | None) -> None:
@@ -583,6 +651,10 @@ class Operations(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([1.0, 15.0, 120.0]))
     def time_passes(self, seconds: float) -> None:
         self.box.world.advance(seconds)
+
+    @invariant()
+    def never_slept_for_real(self) -> None:
+        assert self.slept == []
 
     @invariant()
     def one_listener_at_most(self) -> None:

@@ -217,9 +217,9 @@ class World:
 
     # ------------------------------------------------------------------ setting up
 
-    def install_units(self, *, await_port: bool = True) -> None:
-        """deploytool's own rendered units (and env files) for the config's backends; await_port=False drops
-        `--await-port` from their ExecStartPre (a unit rendered by an older deploytool)."""
+    def install_units(self, *, await_port: bool = True, conflicts: bool = True) -> None:
+        """deploytool's own rendered units for the config's backends; await_port=False drops `--await-port` from
+        their ExecStartPre (a unit rendered by an older deploytool), conflicts=False their Conflicts= lines."""
         from deploy_tool.render import render_backend
 
         self.unit_dir.mkdir(parents=True, exist_ok=True)
@@ -227,6 +227,8 @@ class World:
             for f in render_backend(self.cfg, b):
                 if f.kind == "unit":
                     text = f.content if await_port else f.content.replace(" --await-port", "")
+                    if not conflicts:
+                        text = "".join(ln for ln in text.splitlines(True) if not ln.startswith("Conflicts="))
                     (self.unit_dir / f.name).write_text(text)
 
     def script(self, unit: str, *behaviours: Behaviour) -> None:
