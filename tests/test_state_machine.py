@@ -370,6 +370,16 @@ def test_nothing_running_and_the_port_taken_is_refused_before_the_start(box: Box
     assert_settled(box)
 
 
+def test_a_failed_enable_rolls_back(box: Box) -> None:
+    """The boot-time enablement flipped during the gate failed: the switch is not committed half-done."""
+    box.installed(F)
+    box.world.failing[("enable", LU)] = "Failed to enable unit: Unit file llamacpp-tensor.service is masked."
+    out = box.run("switch", L)
+    assert out.code == ExitCode.ROLLED_BACK, out
+    assert "masked" in out.error.message
+    assert_settled(box)
+
+
 def test_units_without_await_port_get_stop_then_start(box: Box) -> None:
     """Units rendered before --await-port: the stop is waited for, then the port is checked, then the start."""
     box.world.install_units(await_port=False)

@@ -214,6 +214,8 @@ class World:
         self._cursor = itertools.count(1)
         self.current: FakeSystemd | None = None
         self.kills: list[str] = []
+        #: (method, unit) -> the error systemctl prints: that driver call fails (e.g. ("enable", "x.service"))
+        self.failing: dict[tuple[str, str | None], str] = {}
 
     # ------------------------------------------------------------------ setting up
 
@@ -619,6 +621,9 @@ class FakeSystemd(Systemd):
         if self.dead:
             raise Killed(f"{method} after the kill")
         self.world.calls.append(Call(self.handle, method, args, kwargs))
+        why = self.world.failing.get((method, args[0] if args else None))
+        if why is not None:
+            raise SystemdError(f"systemctl {method} {' '.join(map(str, args))} failed (exit 1): {why}")
 
     # manager
     def daemon_reload(self) -> None:
