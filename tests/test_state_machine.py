@@ -45,7 +45,7 @@ ROLLBACK_POINT = "rolling-back"  # reached only when the target failed
 #: the install's kill points (the real-sandbox suite tests/test_install_faults.py covers them)
 INSTALL_POINTS = ("signature-checked", "venv-ready", "native-libs-checked", "tool-ready", "release-laid-down",
                   "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
-#: the exit code each failing target behaviour gives when the previous backend comes back (rolled back)
+#: the scripted behaviours a target must fail its start or gate with
 FAILING = fs.FAILING
 
 
