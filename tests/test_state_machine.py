@@ -164,6 +164,11 @@ def no_real_sleep(mp: pytest.MonkeyPatch) -> list[float]:
 
 
 @pytest.fixture
+def mp(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    return monkeypatch
+
+
+@pytest.fixture
 def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
     monkeypatch.delenv("DEPLOYTOOL_FAULT", raising=False)
     b = Box(tmp_path, monkeypatch)
@@ -525,6 +530,43 @@ def test_the_journal_tail_is_the_failed_invocations(box: Box) -> None:
     assert out.code == ExitCode.ROLLED_BACK
     tail = box.history()[-1]["journal_tail"]
     assert "out of memory" in tail and tail.count("Starting llamacpp-tensor.service") == 1
+
+
+@pytest.mark.parametrize("back", ["ok", "never-ready"])
+@pytest.mark.parametrize("point", ["units-written", "current-flipped", "pinned", "started", "healthy"])
+def test_recover_an_interrupted_upgrade(box: Box, mp: pytest.MonkeyPatch, point: str, back: str) -> None:
+    """An install of release r2 killed over release r1 (ftllm serving): recover puts r1's units back, points
+    current at r1 and brings ftllm back through the gate (restarted if r2's units had started it), or exits 11
+    naming it if it does not come back."""
+    pins: list[str] = []
+    patch_everywhere(mp, fingerprint.pin, lambda cfg, b, reason, **kw: pins.append(f"{b.name}: {reason}"))
+    releases = Path(box.cfg.paths.releases_dir)
+    for rid in ("r1", "r2"):
+        (releases / rid / "env").mkdir(parents=True)
+        (releases / rid / "units").mkdir()
+        for u in (FU, LU):
+            (releases / rid / "units" / u).write_text((box.dir / "units" / u).read_text() + f"# {rid}\n")
+    Path(box.cfg.paths.current).symlink_to("releases/r2")
+    box.installed(F, fs.OK, fs.BEHAVIOURS[back])
+    box.store.save(State(active_backend=F, release="r1", operation=Operation(
+        kind="install", op_id="x", started="t", step=point, from_backend=F, to_backend=F, release="r2",
+        previous_release="r1")))
+    out = box.run("recover")
+    st_ = box.state()
+    assert st_["operation"] is None and st_["release"] == "r1"
+    assert os.readlink(box.cfg.paths.current) == "releases/r1" and not (releases / "r2").exists()
+    assert (box.dir / "units" / FU).read_text().endswith("# r1\n")
+    assert pins == [f"{F}: recover: back to release r1", f"{L}: recover: back to release r1"]
+    restarted = point in ("started", "healthy")
+    if back == "ok" or not restarted:
+        assert out.action == "recovered" and st_["active_backend"] == F
+        assert box.history()[-1]["outcome"] == "undone"
+        assert_settled(box)
+        assert [c.method for c in box.world.calls if c.method in ("restart", "start")] == \
+            (["restart"] if restarted else [])
+    else:
+        assert out.code == ExitCode.ROLLBACK_FAILED and "did not come back" in out.error.message
+        assert st_["active_backend"] is None and box.history()[-1]["outcome"] == "rollback-failed"
 
 
 # ------------------------------------------------------------------------------------------------ hypothesis
