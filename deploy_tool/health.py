@@ -15,9 +15,9 @@ While waiting, an optional `unit_state()` callback is polled on every attempt: a
 failed, inactive, exited or restarting ends the wait at once with the journal tail. ftllm exits with
 status 0 on an unsupported model architecture: that is a failure too, whatever the exit status.
 
-The retry policy lives in one place (`_retrying`), built on tenacity with an injectable clock and sleep so
-tests drive it with a fake clock and never wait for real time. HTTP uses the standard library only, with a
-timeout on every request and no proxy (servers bind 127.0.0.1).
+The retry policy is `retry.ready` (deploytool's tenacity policies, in one place), with an injectable clock
+and sleep so tests drive it with a fake clock and never wait for real time. HTTP uses the standard library
+only, with a timeout on every request and no proxy (servers bind 127.0.0.1).
 
 Every failure is a `HealthError` whose `details["reason"]` names what went wrong (see `REASONS`).
 """
@@ -34,8 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import tenacity
-
+from deploy_tool import retry
 from deploy_tool.errors import HealthError
 
 Kind = Literal["ftllm", "llamacpp"]
@@ -218,34 +217,6 @@ class _NotReady(Exception):
         self.observed = observed
 
 
-class _Deadline(tenacity.stop.stop_base):
-    """Stop once the injected clock passes the deadline (tenacity's own stops read time.monotonic)."""
-
-    def __init__(self, clock: Callable[[], float], deadline: float) -> None:
-        self.clock = clock
-        self.deadline = deadline
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        return self.clock() >= self.deadline
-
-
-def _retrying(*, timeout: float, interval: float, clock: Callable[[], float],
-              sleep: Callable[[float], None]) -> tenacity.Retrying:
-    """The one retry policy: retry only `_NotReady`, every `interval`, never sleeping past the deadline."""
-    deadline = clock() + timeout
-
-    def wait(_: tenacity.RetryCallState) -> float:
-        return max(0.0, min(interval, deadline - clock()))
-
-    return tenacity.Retrying(
-        retry=tenacity.retry_if_exception_type(_NotReady),
-        stop=_Deadline(clock, deadline),
-        wait=wait,
-        sleep=sleep,
-        reraise=True,
-    )
-
-
 def _journal(journal_tail: Callable[[], str] | None, lines: int = 30) -> str | None:
     if journal_tail is None:
         return None
@@ -263,6 +234,58 @@ def _with_journal(message: str, journal: str | None) -> str:
     return message + "\n  journal tail:\n    " + "\n    ".join(journal.splitlines())
 
 
+def _check_unit(kind: str, base: str, unit_state: Callable[[], UnitSnapshot | None] | None,
+                journal_tail: Callable[[], str] | None) -> None:
+    """Raise unit-failed / unit-exited (with the journal tail) if the server's unit is dead now."""
+    if unit_state is None:
+        return
+    snap = unit_state()
+    if snap is None or not snap.dead:
+        return
+    who = snap.name or "the server's unit"
+    exited = snap.active_state == "inactive" or snap.sub_state in ("exited", "dead")
+    clean = snap.exec_main_code in ("", "exited") and snap.exec_main_status == 0
+    reason = "unit-exited" if exited and snap.result in ("", "success") else "unit-failed"
+    note = " (an exit with status 0 before ready is still a failure: ftllm does this on an unsupported " \
+           "model)" if clean else ""
+    journal = _journal(journal_tail)
+    raise _fail(reason, _with_journal(f"{who} stopped before {kind} at {base} was ready: "
+                                      f"{snap.describe()}{note}", journal),
+                hint="read the journal tail above; fix the cause, then start it again",
+                unit=snap.name or None, state=snap.describe(), journal_tail=journal)
+
+
+def _probe(kind: str, base: str, model_name: str, *, api_key: str | None, timeout: float,
+           on_unreachable: Callable[[], None]) -> tuple[str, ...]:
+    """One readiness probe: the served names when ready; _NotReady when not yet; HealthError when it never will.
+
+    llamacpp: /health first (503 while loading); both kinds: /v1/models must list `model_name`.
+    `on_unreachable` runs when nothing answers (a dead server is named at once, not at the deadline)."""
+    try:
+        if kind == "llamacpp":
+            health = _request("GET", f"{base}/health", timeout=timeout, api_key=api_key)
+            if health.status == 503:
+                raise _NotReady(f"/health 503 {health.text(80)}")
+            _reject_status(kind, base, "/health", health, ok=(200,))
+        models = _request("GET", f"{base}/v1/models", timeout=timeout, api_key=api_key)
+    except _Unreachable as exc:
+        on_unreachable()
+        raise _NotReady(exc.detail) from exc
+    if models.status == 503 or models.status >= 500:
+        raise _NotReady(f"/v1/models {models.status} {models.text(80)}")
+    _reject_status(kind, base, "/v1/models", models, ok=(200,))
+    try:
+        names = _served_names(models.json())
+    except ValueError as exc:
+        raise _fail("bad-response", f"{kind} at {base}: /v1/models is not JSON: {models.text()}") from exc
+    if model_name not in names:
+        shown = ", ".join(repr(n) for n in names) or "nothing"
+        raise _fail("wrong-model", f"{kind} at {base} serves model {shown}, expected {model_name!r}",
+                    hint="make the server's model name (ftllm --model_name, llama-server --alias) "
+                         "match the configured model_name", served=list(names), expected=model_name)
+    return names
+
+
 def wait_ready(
     kind: Kind | str,
     base_url: str,
@@ -274,75 +297,34 @@ def wait_ready(
     request_timeout: float = 2.0,
     unit_state: Callable[[], UnitSnapshot | None] | None = None,
     journal_tail: Callable[[], str] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] | None = None,
 ) -> ReadyReport:
     """Wait until the server at `base_url` is ready and serves `model_name`; raise HealthError otherwise.
 
     `unit_state()` is polled on every attempt (every `interval` seconds): a dead unit ends the wait at
-    once. `journal_tail()` is called only on failure and its text is added to the error.
+    once. `journal_tail()` is called only on failure and its text is added to the error. `clock` and `sleep`
+    default to the real ones (retry.ready, which a test mode replaces).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown backend kind {kind!r}; expected one of {', '.join(KINDS)}")
     if timeout < 0 or interval <= 0:
         raise ValueError("timeout must be >= 0 and interval > 0")
     base = base_url.rstrip("/")
-    start = clock()
-    deadline = start + timeout
+    poll = retry.ready(timeout, interval, retry_on=_NotReady, clock=clock, sleep=sleep)
     attempts = 0
     served: tuple[str, ...] = ()
 
     def check_unit() -> None:
-        if unit_state is None:
-            return
-        snap = unit_state()
-        if snap is None or not snap.dead:
-            return
-        who = snap.name or "the server's unit"
-        exited = snap.active_state == "inactive" or snap.sub_state in ("exited", "dead")
-        clean = snap.exec_main_code in ("", "exited") and snap.exec_main_status == 0
-        reason = "unit-exited" if exited and snap.result in ("", "success") else "unit-failed"
-        note = " (an exit with status 0 before ready is still a failure: ftllm does this on an unsupported " \
-               "model)" if clean else ""
-        journal = _journal(journal_tail)
-        raise _fail(reason, _with_journal(f"{who} stopped before {kind} at {base} was ready: "
-                                          f"{snap.describe()}{note}", journal),
-                    hint="read the journal tail above; fix the cause, then start it again",
-                    unit=snap.name or None, state=snap.describe(), journal_tail=journal)
-
-    def attempt() -> tuple[str, ...]:
-        nonlocal attempts
-        attempts += 1
-        check_unit()
-        per_request = max(0.05, min(request_timeout, deadline - clock()))
-        try:
-            if kind == "llamacpp":
-                health = _request("GET", f"{base}/health", timeout=per_request, api_key=api_key)
-                if health.status == 503:
-                    raise _NotReady(f"/health 503 {health.text(80)}")
-                _reject_status(kind, base, "/health", health, ok=(200,))
-            models = _request("GET", f"{base}/v1/models", timeout=per_request, api_key=api_key)
-        except _Unreachable as exc:
-            check_unit()  # a refused connection from a dead server: say so now, not at the deadline
-            raise _NotReady(exc.detail) from exc
-        if models.status == 503 or models.status >= 500:
-            raise _NotReady(f"/v1/models {models.status} {models.text(80)}")
-        _reject_status(kind, base, "/v1/models", models, ok=(200,))
-        try:
-            names = _served_names(models.json())
-        except ValueError as exc:
-            raise _fail("bad-response", f"{kind} at {base}: /v1/models is not JSON: {models.text()}") from exc
-        if model_name not in names:
-            shown = ", ".join(repr(n) for n in names) or "nothing"
-            raise _fail("wrong-model", f"{kind} at {base} serves model {shown}, expected {model_name!r}",
-                        hint="make the server's model name (ftllm --model_name, llama-server --alias) "
-                             "match the configured model_name", served=list(names), expected=model_name)
-        return names
+        _check_unit(kind, base, unit_state, journal_tail)
 
     try:
-        for try_ in _retrying(timeout=timeout, interval=interval, clock=clock, sleep=sleep):
-            with try_:
-                served = attempt()
+        for attempt in poll:
+            with attempt:
+                attempts += 1
+                check_unit()
+                served = _probe(kind, base, model_name, api_key=api_key, on_unreachable=check_unit,
+                                timeout=max(0.05, min(request_timeout, poll.left())))
     except _NotReady as exc:
         # deadline passed: one last look at the unit gives the better message if it died meanwhile
         check_unit()
@@ -351,7 +333,7 @@ def wait_ready(
             f"{kind} at {base} not ready after {timeout:g}s ({attempts} attempts; last: {exc.observed})",
             journal), hint="raise the health timeout if the model is large, or read the server's log",
             last=exc.observed, attempts=attempts, journal_tail=journal) from None
-    return ReadyReport(kind=kind, base_url=base, model_name=model_name, seconds=clock() - start,
+    return ReadyReport(kind=kind, base_url=base, model_name=model_name, seconds=poll.elapsed(),
                        attempts=attempts, served_models=served)
 
 

@@ -12,7 +12,8 @@ beginning only then). A plain `systemctl start` of one backend while the other r
 Then the port: free, go; held by anything (a foreign server, a process this check cannot see), fail at once,
 naming it, so a switch rolls back in a second instead of waiting out a timeout.
 
-Only the standard library: this runs before every start.
+Only the standard library on the path of every start: the waits go through deploytool's retry policies
+(deploy_tool.retry, tenacity: ~22 ms to import), imported only when there is something to wait for.
 """
 
 from __future__ import annotations
@@ -178,6 +179,45 @@ def _wait_exit(pids: Iterable[int], timeout: float) -> None:
             os.close(fd)
 
 
+class _StillRunning(Exception):
+    """Processes of the other backends still run: {pid: unit}."""
+
+    def __init__(self, running: dict[int, str]) -> None:
+        super().__init__(running)
+        self.running = running
+
+
+def _who(running: dict[int, str]) -> str:
+    return ", ".join(f"{u} (pid {', '.join(str(p) for p in sorted(running) if running[p] == u)})"
+                     for u in sorted(set(running.values())))
+
+
+def _await_siblings(running: dict[int, str], find: Callable[[], dict[int, str]], *, port: int, timeout: float,
+                    say: Callable[[str], None]) -> float:
+    """Until `find()` finds no process of the other backends (`running`: what it found first), woken by their
+    exits; seconds waited. PortTaken if they still run after `timeout`."""
+    from deploy_tool import retry  # only when waiting (see the module doc)
+
+    last = running
+    if timeout > 0:
+        say(f"waiting for {_who(running)} to exit")
+    poll = retry.siblings_exit(timeout, retry_on=_StillRunning, wait_for=lambda left: _wait_exit(last, left))
+    first = True
+    try:
+        for attempt in poll:
+            with attempt:
+                if not first:
+                    last = find()
+                first = False
+                if last:
+                    raise _StillRunning(last)
+    except _StillRunning as exc:
+        raise PortTaken(f"{_who(exc.running)} still running after {timeout:g}s; "
+                        f"{'its' if len(exc.running) == 1 else 'their'} GPU memory and port {port} "
+                        f"are not free", hint="see `systemctl status` of that unit: its stop may be stuck") from None
+    return poll.elapsed()
+
+
 def await_port(host: str, port: int, *, siblings: Iterable[str], timeout: float = 90.0,
                say: Callable[[str], None] = lambda s: None, proc: str = "/proc",
                sibling_pids: Callable[[], dict[int, str]] | None = None) -> float:
@@ -190,29 +230,16 @@ def await_port(host: str, port: int, *, siblings: Iterable[str], timeout: float 
     units = list(siblings)
     find = sibling_pids or (lambda: unit_pids(units, proc))
     t0 = time.monotonic()
-    said = False
-    while True:
-        running = find()
-        if not running:
-            break
-        left = timeout - (time.monotonic() - t0)
-        who = ", ".join(f"{u} (pid {', '.join(str(p) for p in sorted(running) if running[p] == u)})"
-                        for u in sorted(set(running.values())))
-        if left <= 0:
-            raise PortTaken(f"{who} still running after {timeout:g}s; {'its' if len(running) == 1 else 'their'} "
-                            f"GPU memory and port {port} are not free",
-                            hint="see `systemctl status` of that unit: its stop may be stuck")
-        if not said:
-            say(f"waiting for {who} to exit")
-            said = True
-        _wait_exit(running, left)
+    running = find()
+    waited = _await_siblings(running, find, port=port, timeout=timeout, say=say) if running else 0.0
     if can_bind(host, port):
-        return time.monotonic() - t0
+        return waited or time.monotonic() - t0
     held = holders(listening_inodes(port, proc), proc)
     if not held:  # a listener closing right now, or one this check cannot see (another PID namespace)
-        time.sleep(0.05)
-        if can_bind(host, port):
-            return time.monotonic() - t0
+        from deploy_tool import retry  # only on this rare path (see the module doc)
+
+        if retry.port_recheck()(lambda: can_bind(host, port)):
+            return waited or time.monotonic() - t0
     who = (", ".join(h.describe() for h in held) if held
            else "a process this check cannot see (not one of this manager's backends)")
     raise PortTaken(f"port {port} is held by {who}; the server cannot bind it",

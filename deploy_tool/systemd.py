@@ -4,6 +4,9 @@ The `systemctl` and `journalctl` command prefixes and the unit directory are giv
 config), so a rehearsal or a test points them at a sandbox (`Sandbox.systemctl_prefix()`, ...) and never at
 the machine's own systemd. Unit files are installed atomically (temp file, fsync, rename) and `<unit>.d/`
 drop-in directories, where the user's own edits live, are never touched.
+
+The one wait here (a failed unit's journal tail settling) goes through deploy_tool.retry, imported on that
+failure path only: tenacity costs ~22 ms to import, on every switch's critical path if imported at the top.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ import json
 import os
 import re
 import shutil
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,20 +230,7 @@ class Systemd:
             self.sync_journal()
             inv = None if since_cursor else (invocation or self.show(unit).invocation_id or None)
 
-            def read() -> str:
-                return self.journal(unit, since_cursor=since_cursor, invocation=inv, lines=lines)
-
-            # wait (at most ~2 s) until the unit's own processes have a line in and nothing new arrives for 0.1 s
-            text = read()
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline:
-                time.sleep(0.1)
-                again = read()
-                own = any(" systemd[1]: " not in ln for ln in again.splitlines())
-                if again == text and own:
-                    break
-                text = again
-            return text
+            return _settled(lambda: self.journal(unit, since_cursor=since_cursor, invocation=inv, lines=lines))
         return ""
 
     # ------------------------------------------------------------------ state
@@ -455,6 +444,23 @@ def for_config(cfg: object) -> Systemd:
         sb = Sandbox(scfg.sandbox)
         return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)
     return Systemd(scfg.systemctl, scfg.journalctl, unit_dir)
+
+
+def _settled(read: Callable[[], str]) -> str:
+    """What `read()` returns once the unit's own processes have a line in and nothing new arrived for 0.1 s (the
+    retry.journal_settle policy: at most ~2 s; then the last read)."""
+    from deploy_tool import retry  # the failure path only (see the module doc)
+
+    seen: list[str] = []
+
+    def again() -> bool:
+        text = read()
+        settled = bool(seen) and text == seen[-1] and any(" systemd[1]: " not in ln for ln in text.splitlines())
+        seen.append(text)
+        return settled
+
+    retry.journal_settle()(again)
+    return seen[-1]
 
 
 def _indent(text: str) -> str:

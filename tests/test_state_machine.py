@@ -1,0 +1,722 @@
+"""The switch / rollback / recover state machine, fast: every kill point and every scripted unit failure against
+a fake systemd (tests.support.fake_systemd: real sockets, fake processes, virtual time), no root, no sandbox,
+no backends. Driven through the public interface only: Switcher(cfg, log=, sd=).switch / rollback / recover,
+state.json and history.jsonl on disk, the DeployError exit codes, DEPLOYTOOL_FAULT=kill:<step> for kill points.
+
+The preflight's config checks and fingerprints are scripted here (checks.run_checks, fingerprint.verify): their
+real runs are tested in test_checks, test_fingerprint and, with everything else real, in the e2e suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from deploy_tool import checks, fingerprint, health
+from deploy_tool.errors import DeployError, ExitCode
+from deploy_tool.state import Operation, State, Store
+from deploy_tool.switch import Switcher
+from deploy_tool.systemd import Systemd
+from tests.support import fake_systemd as fs
+from tests.support.backends import free_port
+from tests.support.configs import DELETE, example_dict, load_dict, set_key
+
+REPO = Path(__file__).resolve().parents[1]
+F, L = "ftllm-dflash", "llamacpp-tensor"
+FU, LU = f"{F}.service", f"{L}.service"
+
+#: the kill points of a switch (and of a rollback, which is a switch back), in order
+SWITCH_POINTS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing")
+ROLLBACK_POINT = "rolling-back"  # reached only when the target failed
+#: the install's kill points (the real-sandbox suite tests/test_install_faults.py covers them)
+INSTALL_POINTS = ("signature-checked", "venv-ready", "native-libs-checked", "tool-ready", "release-laid-down",
+                  "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
+#: the scripted behaviours a target must fail its start or gate with
+FAILING = fs.FAILING
+
+
+# ------------------------------------------------------------------------------------------------ the box
+
+def make_config(d: Path, port: int) -> Any:
+    data = example_dict("cpu-demo")
+    set_key(data, "systemd.sandbox", DELETE)
+    set_key(data, "paths.unit_dir", str(d / "units"))
+    set_key(data, "serve.port", port)
+    set_key(data, "health.start_timeout_s", 10)  # virtual seconds: 20 probes
+    set_key(data, "health.interval_s", 0.5)
+    set_key(data, "health.smoke_timeout_s", 5)
+    return load_dict(d, data)
+
+
+@dataclass
+class Preflight:
+    """What the preflight finds per backend: nothing, a config check error, or drifted fingerprints."""
+
+    verdict: dict[str, str] = field(default_factory=dict)  # backend -> "check" | "drift"
+
+    def run_checks(self, cfg: Any, **_: Any) -> list[checks.Finding]:
+        return [checks.Finding("file-missing", "error", b, f"{b}: the model file does not exist", "restore it",
+                               "scripted") for b, v in sorted(self.verdict.items()) if v == "check"]
+
+    def verify(self, cfg: Any, backend: Any, **_: Any) -> fingerprint.VerifyReport:
+        name = backend if isinstance(backend, str) else backend.name
+        if self.verdict.get(name) != "drift":
+            return fingerprint.VerifyReport(ok=True, rows=[], backend=name)
+        item = fingerprint.Item("env", "env file", f"/etc/deploytool/env/{name}.env", "b" * 64)
+        return fingerprint.VerifyReport(ok=False, rows=[fingerprint.Drift(item, "a" * 64, "b" * 64)], backend=name)
+
+
+def patch_everywhere(mp: pytest.MonkeyPatch, original: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    """Replace `original` in every deploy_tool module that holds it (module.function or a from-import)."""
+    for mod in [m for n, m in sys.modules.items() if n.startswith("deploy_tool") and m is not None]:
+        for attr, value in list(vars(mod).items()):
+            if value is original:
+                mp.setattr(mod, attr, fake)
+
+
+class Box:
+    """A configured box of two backends on the fake systemd; state on disk in its own directory."""
+
+    def __init__(self, d: Path, mp: pytest.MonkeyPatch) -> None:
+        self.dir = d
+        self.cfg = make_config(d, free_port())
+        self.world = fs.World(self.cfg)
+        self.world.install_units()
+        self.preflight = Preflight()
+        patch_everywhere(mp, checks.run_checks, self.preflight.run_checks)
+        patch_everywhere(mp, fingerprint.verify, self.preflight.verify)
+        self.store = Store(self.cfg.paths.state_dir)
+        self.log: list[str] = []
+
+    # what a finished install leaves: `name` serving, enabled, recorded active
+    def installed(self, name: str, *behaviours: fs.Behaviour) -> None:
+        unit = f"{name}.service"
+        if behaviours:
+            self.world.script(unit, *behaviours)
+        self.world.bring_up(unit)
+        self.store.save(State(active_backend=name, release="r1"))
+
+    def switcher(self) -> Switcher:
+        return Switcher(self.cfg, log=self.log.append, sd=self.world.systemd())
+
+    def run(self, op: str, *args: Any, kill: str | None = None) -> Outcome:
+        """One deploytool command (a fresh process: a new driver handle), optionally killed at `kill`."""
+        sw = self.switcher()
+        if kill:
+            os.environ["DEPLOYTOOL_FAULT"] = f"kill:{kill}"
+        try:
+            res = getattr(sw, op)(*args)
+        except fs.Killed as exc:
+            return Outcome("killed", killed=str(exc))
+        except DeployError as exc:
+            return Outcome("error", error=exc, code=int(exc.exit_code))
+        finally:
+            os.environ.pop("DEPLOYTOOL_FAULT", None)
+        return Outcome(res.action, result=res)
+
+    # what is on disk
+    def state(self) -> dict[str, Any]:
+        p = self.dir / "demo-root/var/lib/deploytool/state.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    def history(self) -> list[dict[str, Any]]:
+        p = self.dir / "demo-root/var/lib/deploytool/history.jsonl"
+        return [json.loads(ln) for ln in p.read_text().splitlines()] if p.exists() else []
+
+    def serves(self) -> str:
+        """What a client gets on the served port right now: the completion's content (real HTTP)."""
+        return health.smoke_completion(f"http://127.0.0.1:{self.cfg.serve.port}", self.cfg.serve.model_name,
+                                       timeout=5).content
+
+    def calls(self, method: str) -> list[fs.Call]:
+        return [c for c in self.world.calls if c.method == method]
+
+
+@dataclass
+class Outcome:
+    action: str  # switched | noop | recovered | killed | error
+    result: Any = None
+    error: DeployError | None = None
+    code: int = 0
+    killed: str = ""
+
+
+def no_real_sleep(mp: pytest.MonkeyPatch) -> list[float]:
+    """time.sleep records instead of sleeping: every wait of the state machine must go through the retry
+    policies (virtual time); a test asserts the list stays empty. And no fsync: a kill point here is an
+    exception, never a power loss, so what was written is read back from the page cache alike (half of a
+    switch's time here was fsync on a busy disk)."""
+    slept: list[float] = []
+    mp.setattr(time, "sleep", slept.append)
+    mp.setattr(os, "fsync", lambda fd: None)
+    return slept
+
+
+@pytest.fixture
+def mp(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    return monkeypatch
+
+
+@pytest.fixture
+def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
+    monkeypatch.delenv("DEPLOYTOOL_FAULT", raising=False)
+    b = Box(tmp_path, monkeypatch)
+    slept = no_real_sleep(monkeypatch)
+    try:
+        with b.world.running():
+            yield b
+    finally:
+        b.world.close()
+    assert slept == [], f"slept for real: {slept}"
+
+
+def assert_settled(box: Box, *, after_rollback_failed: bool = False) -> None:
+    """No operation pending; the recorded backend serves, alone, and is the one enabled for boot.
+
+    With no backend recorded, nothing passes a gate either, unless a rollback failed earlier
+    (`after_rollback_failed`): that start of the previous backend is left as it is, so systemd's
+    Restart=on-failure may bring it up later by itself, unrecorded."""
+    st = box.state()
+    assert st.get("operation") is None, st
+    active = st.get("active_backend")
+    if active is None:
+        if not after_rollback_failed:
+            assert box.world.healthy() == set()
+        return
+    unit = f"{active}.service"
+    assert box.world.active() == {unit}
+    assert box.world.listening() == unit
+    assert box.world.enabled() == {unit}
+    assert box.serves()
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+
+def test_the_fake_implements_every_method_of_the_driver() -> None:
+    public = {n for n, v in vars(Systemd).items() if callable(v) and not n.startswith("_")}
+    assert public <= set(fs.FAKED), f"not faked: {sorted(public - set(fs.FAKED))}"
+
+
+def test_every_fault_point_in_the_code_is_known_here() -> None:
+    """Every literal fault/step name in deploy_tool is one this suite kills at, or an install point (sandbox
+    suite). A new point fails here until it is added to one of the lists."""
+    found: set[str] = set()
+    for p in (REPO / "deploy_tool").rglob("*.py"):
+        text = p.read_text()
+        found |= set(re.findall(r"\b_?(?:fault|step)\((?:[a-z_]+, )?\"([a-z][a-z-]*)\"", text))
+        found |= {n for m in re.findall(r"\bSTEPS = \(([^)]*)\)", text) for n in re.findall(r"\"([a-z-]+)\"", m)}
+    assert found == set(SWITCH_POINTS) | {ROLLBACK_POINT} | set(INSTALL_POINTS), found
+
+
+# ------------------------------------------------------------------------------------------------ switch
+
+def test_switch_hands_the_port_over(box: Box) -> None:
+    box.installed(F)
+    out = box.run("switch", L)
+    assert out.action == "switched", out
+    assert_settled(box)
+    st = box.state()
+    assert st["active_backend"] == L and st["previous_backend"] == F
+    h = box.history()[-1]
+    assert (h["event"], h["ok"], h["outcome"], h["from_backend"], h["to_backend"]) == \
+        ("switch", True, "switched", F, L)
+    # the current backend's stop is only queued: the target's ExecStartPre waits for it (--await-port)
+    assert [c.kwargs.get("no_block") for c in box.calls("stop")] == [True]
+    assert [c.args[0] for c in box.calls("enable")] == [LU] and box.calls("disable")[0].args == (FU,)
+
+
+def test_switch_to_what_serves_is_a_noop(box: Box) -> None:
+    box.installed(F)
+    n = len(box.world.calls)
+    out = box.run("switch", F)
+    assert out.action == "noop"
+    assert [c.method for c in box.world.calls[n:]] == ["show"]  # looked, changed nothing
+    assert box.history() == []
+
+
+def test_first_switch_on_a_box_with_nothing_running(box: Box) -> None:
+    out = box.run("switch", L)
+    assert out.action == "switched"
+    assert_settled(box)
+    assert box.state()["previous_backend"] is None
+
+
+@pytest.mark.parametrize("behaviour", [fs.SLOW, fs.SLOW_STOP, fs.HANGS_ON_STOP])
+def test_slow_but_healthy_is_switched(box: Box, behaviour: fs.Behaviour) -> None:
+    """A target ready after seconds, a current backend slow to stop or SIGKILLed after TimeoutStopSec: the
+    switch waits (virtual time) and succeeds."""
+    if behaviour is fs.SLOW:
+        box.installed(F)
+        box.world.script(LU, behaviour)
+    else:
+        box.installed(F, behaviour)
+    t0 = box.world.now
+    out = box.run("switch", L)
+    assert out.action == "switched", out
+    assert_settled(box)
+    waited = box.world.now - t0
+    if behaviour is fs.HANGS_ON_STOP:
+        assert fs.TIMEOUT_STOP_S <= waited < fs.TIMEOUT_STOP_S + 5
+        assert box.world.units[FU].result == "timeout"  # SIGKILLed
+    elif behaviour is fs.SLOW_STOP:
+        assert behaviour.stop_s <= waited < behaviour.stop_s + 5
+
+
+@pytest.mark.parametrize("conflicts", [True, False], ids=["conflicts", "no-conflicts"])
+@pytest.mark.parametrize("name", FAILING)
+def test_failing_target_is_rolled_back(box: Box, name: str, conflicts: bool) -> None:
+    """Every way a target can fail its start or gate: exit 10, the previous backend serves again, enabled for
+    boot, history says rolled-back with the target's own journal lines. Also with units whose Conflicts= were
+    edited away: the rollback itself stops the target."""
+    if not conflicts:
+        box.world.install_units(conflicts=False)
+    box.installed(F)
+    box.world.script(LU, fs.BEHAVIOURS[name])
+    out = box.run("switch", L)
+    assert out.code == ExitCode.ROLLED_BACK, (out, box.log)
+    assert_settled(box)
+    st = box.state()
+    assert st["active_backend"] == F
+    assert box.world.units[LU].active_state != "active" and box.world.units[LU].sub_state != "auto-restart"
+    h = box.history()[-1]
+    assert (h["event"], h["ok"], h["outcome"], h["from_backend"], h["to_backend"]) == \
+        ("switch", False, "rolled-back", F, L)
+    assert f"{F} was restored" in out.error.message
+    words = {"refused-by-check": "fingerprint(s) differ", "crash-at-start": "203/EXEC",
+             "dies-while-loading": "out of memory", "exits-0": "Unsupport graph model type"}.get(name)
+    if words:
+        assert words in h["journal_tail"] and words in out.error.message
+    reasons = {"wrong-model": "serves model 'some-other-model'", "never-ready": "not ready after 10s",
+               "empty-completion": "empty content", "refused-by-check": "refused to start",
+               "exits-0": "status 0 before ready is still a failure"}
+    if name in reasons:
+        assert reasons[name] in h["reason"] or reasons[name] in out.error.message
+
+
+@pytest.mark.parametrize("name", ["crash-at-start", "never-ready", "dies-during-smoke"])
+def test_rollback_that_fails_too_exits_11(box: Box, name: str) -> None:
+    box.installed(F, fs.OK, fs.BEHAVIOURS[name])  # F's next start (the rollback's) fails the same way
+    box.world.script(LU, fs.BEHAVIOURS[name])
+    out = box.run("switch", L)
+    assert out.code == ExitCode.ROLLBACK_FAILED, out
+    assert_settled(box)
+    assert box.state()["active_backend"] is None
+    h = box.history()[-1]
+    assert h["outcome"] == "rollback-failed" and h["rollback_error"]
+    assert box.world.enabled() == {FU}  # what served before boots again
+    # the previous backend's failed start is not stopped: one that never became ready is still loading
+    assert box.world.active() == ({FU} if name == "never-ready" else set())
+
+
+@pytest.mark.parametrize("name", ["never-ready", "wrong-model"])
+def test_failing_first_start_leaves_nothing_running(box: Box, name: str) -> None:
+    box.world.script(LU, fs.BEHAVIOURS[name])
+    out = box.run("switch", L)
+    assert out.code == ExitCode.HEALTH, out
+    assert_settled(box)
+    assert box.world.active() == set() and box.world.enabled() == set()
+    assert box.history()[-1]["outcome"] == "failed"
+
+
+@pytest.mark.parametrize(("verdict", "code"), [("check", ExitCode.CHECK_FAILED), ("drift", ExitCode.DRIFT)])
+def test_refused_preflight_changes_nothing(box: Box, verdict: str, code: int) -> None:
+    box.installed(F)
+    pid = box.world.units[FU].proc.pid
+    box.preflight.verdict[L] = verdict
+    n = len(box.world.calls)
+    out = box.run("switch", L)
+    assert out.code == code
+    assert_settled(box)
+    assert box.world.units[FU].proc.pid == pid  # never stopped
+    assert not [c for c in box.world.calls[n:] if c.method in ("stop", "start", "enable", "disable")]
+    assert box.history()[-1]["outcome"] == "refused"
+
+
+def test_port_held_by_a_foreign_process_fails_fast_naming_it(box: Box) -> None:
+    """ftllm stopped by hand and a foreign server on the port: the target's ExecStartPre names the holder, and
+    so does the rollback's: exit 11 at once (no timeout waited out), nothing recorded active."""
+    import socket
+
+    box.installed(F)
+    box.world.systemd().stop(FU)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", box.cfg.serve.port))
+        squatter.listen()
+        t0 = box.world.now
+        out = box.run("switch", L)
+    assert out.code == ExitCode.ROLLBACK_FAILED, out
+    assert f"port {box.cfg.serve.port} is held by pid {os.getpid()}" in out.error.message
+    assert box.world.now - t0 < 1
+    assert box.state()["active_backend"] is None and box.world.active() == set()
+
+
+def test_nothing_running_and_the_port_taken_is_refused_before_the_start(box: Box) -> None:
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", box.cfg.serve.port))
+        squatter.listen()
+        out = box.run("switch", L)
+    assert out.code == ExitCode.HEALTH and "is taken by another process" in out.error.message
+    assert not box.calls("start")
+    assert_settled(box)
+
+
+def test_a_failed_enable_rolls_back(box: Box) -> None:
+    """The boot-time enablement flipped during the gate failed: the switch is not committed half-done."""
+    box.installed(F)
+    box.world.failing[("enable", LU)] = "Failed to enable unit: Unit file llamacpp-tensor.service is masked."
+    out = box.run("switch", L)
+    assert out.code == ExitCode.ROLLED_BACK, out
+    assert "masked" in out.error.message
+    assert_settled(box)
+
+
+def test_units_without_await_port_get_stop_then_start(box: Box) -> None:
+    """Units rendered before --await-port: the stop is waited for, then the port is checked, then the start."""
+    box.world.install_units(await_port=False)
+    box.installed(F, fs.SLOW_STOP)
+    out = box.run("switch", L)
+    assert out.action == "switched"
+    assert_settled(box)
+    assert [c.kwargs.get("no_block") for c in box.calls("stop")] == [False]
+
+
+def test_rollback_command_goes_back_and_needs_a_previous(box: Box) -> None:
+    out = box.run("rollback")
+    assert out.code == ExitCode.STATE
+    box.installed(F)
+    assert box.run("switch", L).action == "switched"
+    out = box.run("rollback")
+    assert out.action == "switched" and box.state()["active_backend"] == F
+    assert box.history()[-1]["event"] == "rollback"
+    assert_settled(box)
+
+
+def test_a_held_lock_refuses_with_exit_12(box: Box) -> None:
+    box.installed(F)
+    with box.store.lock(what="install r2"):
+        out = box.run("switch", L)
+    assert out.code == ExitCode.LOCKED and "install r2" in out.error.message
+    assert_settled(box)
+
+
+# ------------------------------------------------------------------------------------------------ kill points
+
+RECOVERED_TO = {"intent": F, "preflight": F, "stopping-current": F, "starting-target": F, "gate": F,
+                "committing": L}
+
+
+@pytest.mark.parametrize("point", SWITCH_POINTS)
+@pytest.mark.parametrize("then", ["recover", "switch", "status-quo-later"])
+def test_kill_at_each_switch_point(box: Box, point: str, then: str) -> None:
+    """kill -9 at each step: state.json names the step; recover (or the next switch, which finishes it first)
+    ends with exactly one healthy backend, the one enabled for boot."""
+    box.installed(F)
+    out = box.run("switch", L, kill=point)
+    assert out.action == "killed" and box.world.kills == [f"kill:{point}"]
+    op = box.state()["operation"]
+    assert op["step"] == point and op["kind"] == "switch" and (op["from_backend"], op["to_backend"]) == (F, L)
+    if then == "status-quo-later":
+        box.world.advance(600)  # the operator comes back ten minutes later
+    if then == "switch":
+        out = box.run("switch", F)
+        assert out.action in ("noop", "switched"), out
+        assert box.state()["active_backend"] == F
+    else:
+        out = box.run("recover")
+        assert out.action == "recovered", out
+        assert box.state()["active_backend"] == RECOVERED_TO[point]
+    assert_settled(box)
+    rec = [h for h in box.history() if h["event"] == "recover"][-1]
+    assert rec["step"] == point and rec["ok"]
+    assert rec["outcome"] == {"intent": "nothing-changed", "preflight": "nothing-changed",
+                              "committing": "committed"}.get(point, "rolled-back")
+
+
+@pytest.mark.parametrize("name", ["crash-at-start", "never-ready", "dies-during-smoke", "refused-by-check"])
+def test_kill_while_rolling_back(box: Box, name: str) -> None:
+    box.installed(F)
+    box.world.script(LU, fs.BEHAVIOURS[name])
+    out = box.run("switch", L, kill=ROLLBACK_POINT)
+    assert out.action == "killed" and box.state()["operation"]["step"] == ROLLBACK_POINT
+    out = box.run("recover")
+    assert out.action == "recovered" and box.state()["active_backend"] == F
+    assert_settled(box)
+
+
+def test_kill_at_committing_with_a_target_that_died_meanwhile_rolls_back(box: Box) -> None:
+    box.installed(F)
+    box.world.script(LU, fs.Behaviour("dies-later", dies_after=100.0))
+    assert box.run("switch", L, kill="committing").action == "killed"
+    box.world.advance(105)  # it died at 100 s; systemd restarts it RestartSec (10 s) later
+    assert box.world.units[LU].sub_state == "auto-restart"
+    out = box.run("recover")
+    assert out.action == "recovered" and box.state()["active_backend"] == F
+    assert_settled(box)
+
+
+def test_recover_without_an_interrupted_operation_is_a_noop(box: Box) -> None:
+    box.installed(F)
+    assert box.run("recover").action == "noop"
+    assert_settled(box)
+
+
+@pytest.mark.parametrize("point", ["units-written", "daemon-reloaded", "started", "healthy"])
+def test_recover_an_interrupted_first_install(box: Box, point: str) -> None:
+    """An install killed on a fresh box: recover leaves no half-installed unit behind."""
+    if point in ("started", "healthy"):
+        box.world.bring_up(LU)
+    box.store.save(State(operation=Operation(kind="install", op_id="x", started="t", step=point, to_backend=L,
+                                             release="r2")))
+    out = box.run("recover")
+    assert out.action == "recovered"
+    assert box.state()["operation"] is None and box.state()["active_backend"] is None
+    assert box.world.active() == set() and box.world.enabled() == set()
+    assert not list((box.dir / "units").glob("*.service"))
+    assert box.history()[-1]["outcome"] == "undone"
+
+
+@pytest.mark.parametrize("name", ["crash-at-start", "never-ready", "dies-during-smoke", "wrong-model"])
+def test_recover_whose_previous_backend_does_not_come_back_exits_11(box: Box, name: str) -> None:
+    box.installed(F, fs.OK, fs.BEHAVIOURS[name])
+    assert box.run("switch", L, kill="gate").action == "killed"
+    out = box.run("recover")
+    assert out.code == ExitCode.ROLLBACK_FAILED, out
+    assert "did not come back" in out.error.message
+    assert box.state()["operation"] is None and box.state()["active_backend"] is None
+    assert box.world.active() & {LU} == set() and box.world.enabled() == {FU}
+    h = box.history()[-1]
+    assert (h["event"], h["ok"], h["outcome"], h["step"]) == ("recover", False, "rollback-failed", "gate")
+
+
+@pytest.mark.parametrize("point", SWITCH_POINTS)
+def test_kill_during_the_rollback_command(box: Box, point: str) -> None:
+    """`deploytool rollback` is a switch back to the previous backend: killed at each step, recover settles it
+    (on the backend it left, or, killed while committing, on the one it went back to)."""
+    box.installed(F)
+    assert box.run("switch", L).action == "switched"
+    out = box.run("rollback", kill=point)
+    assert out.action == "killed"
+    op = box.state()["operation"]
+    assert (op["kind"], op["step"], op["from_backend"], op["to_backend"]) == ("rollback", point, L, F)
+    out = box.run("recover")
+    assert out.action == "recovered"
+    assert box.state()["active_backend"] == (F if point == "committing" else L)
+    assert_settled(box)
+
+
+def test_the_journal_tail_is_the_failed_invocations(box: Box) -> None:
+    """The rolled-back target's tail in the history holds its failed start's lines, not an earlier start's."""
+    box.installed(F)
+    box.world.script(LU, fs.OK, fs.DIES_LOADING)
+    assert box.run("switch", L).action == "switched"
+    assert box.run("switch", F).action == "switched"
+    box.world.advance(30)
+    out = box.run("switch", L)
+    assert out.code == ExitCode.ROLLED_BACK
+    tail = box.history()[-1]["journal_tail"]
+    assert "out of memory" in tail and tail.count("Starting llamacpp-tensor.service") == 1
+
+
+@pytest.mark.parametrize("back", ["ok", "never-ready"])
+@pytest.mark.parametrize("point", ["units-written", "current-flipped", "pinned", "started", "healthy"])
+def test_recover_an_interrupted_upgrade(box: Box, mp: pytest.MonkeyPatch, point: str, back: str) -> None:
+    """An install of release r2 killed over release r1 (ftllm serving): recover puts r1's units back, points
+    current at r1 and brings ftllm back through the gate (restarted if r2's units had started it), or exits 11
+    naming it if it does not come back."""
+    pins: list[str] = []
+    patch_everywhere(mp, fingerprint.pin, lambda cfg, b, reason, **kw: pins.append(f"{b.name}: {reason}"))
+    releases = Path(box.cfg.paths.releases_dir)
+    for rid in ("r1", "r2"):
+        (releases / rid / "env").mkdir(parents=True)
+        (releases / rid / "units").mkdir()
+        for u in (FU, LU):
+            (releases / rid / "units" / u).write_text((box.dir / "units" / u).read_text() + f"# {rid}\n")
+    Path(box.cfg.paths.current).symlink_to("releases/r2")
+    box.installed(F, fs.OK, fs.BEHAVIOURS[back])
+    box.store.save(State(active_backend=F, release="r1", operation=Operation(
+        kind="install", op_id="x", started="t", step=point, from_backend=F, to_backend=F, release="r2",
+        previous_release="r1")))
+    out = box.run("recover")
+    st_ = box.state()
+    assert st_["operation"] is None and st_["release"] == "r1"
+    assert os.readlink(box.cfg.paths.current) == "releases/r1" and not (releases / "r2").exists()
+    assert (box.dir / "units" / FU).read_text().endswith("# r1\n")
+    assert pins == [f"{F}: recover: back to release r1", f"{L}: recover: back to release r1"]
+    restarted = point in ("started", "healthy")
+    if back == "ok" or not restarted:
+        assert out.action == "recovered" and st_["active_backend"] == F
+        assert box.history()[-1]["outcome"] == "undone"
+        assert_settled(box)
+        assert [c.method for c in box.world.calls if c.method in ("restart", "start")] == \
+            (["restart"] if restarted else [])
+    else:
+        assert out.code == ExitCode.ROLLBACK_FAILED and "did not come back" in out.error.message
+        assert st_["active_backend"] is None and box.history()[-1]["outcome"] == "rollback-failed"
+
+
+# ------------------------------------------------------------------------------------------------ hypothesis
+
+BEHAVIOUR = st.sampled_from(sorted(fs.BEHAVIOURS))
+BACKEND = st.sampled_from([F, L])
+KILL = st.one_of(st.none(), st.sampled_from([*SWITCH_POINTS, ROLLBACK_POINT]))
+
+
+HEALTHY = ("ok", "slow", "slow-stop", "hangs-on-stop")
+
+
+def reached(point: str, target: str) -> bool:
+    """Whether a switch from a serving backend to a target behaving as `target` reaches kill point `point`."""
+    starts = target not in ("refused-by-check", "crash-at-start")
+    return {"gate": starts, "committing": target in HEALTHY, ROLLBACK_POINT: target not in HEALTHY}.get(point, True)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(point=st.sampled_from([*SWITCH_POINTS, ROLLBACK_POINT]), target=BEHAVIOUR,
+       current=st.sampled_from(["ok", "slow-stop", "hangs-on-stop"]),
+       back=BEHAVIOUR, later=st.sampled_from([0.0, 5.0, 600.0]), then=st.sampled_from(["recover", "switch"]))
+def test_kill_point_by_unit_behaviour(tmp_path_factory: pytest.TempPathFactory, point: str, target: str,
+                                      current: str, back: str, later: float, then: str) -> None:
+    """kill point x how the target behaves x how the current backend stops x how it starts again x how long
+    until the operator comes back x recover or the next switch: the outcome is the one the state machine
+    promises, and the box ends settled."""
+    d = tmp_path_factory.mktemp("sm")
+    mp = pytest.MonkeyPatch()
+    box = Box(d, mp)
+    slept = no_real_sleep(mp)
+    try:
+        with box.world.running():
+            box.installed(F, fs.BEHAVIOURS[current], fs.BEHAVIOURS[back])
+            box.world.script(LU, fs.BEHAVIOURS[target])
+            out = box.run("switch", L, kill=point)
+            if not reached(point, target):
+                assert out.action != "killed"
+                want = ("switched" if target in HEALTHY else
+                        ExitCode.ROLLED_BACK if back in HEALTHY else ExitCode.ROLLBACK_FAILED)
+                assert out.action == want or out.code == want, (out, box.log)
+                assert_settled(box)
+                return
+            assert out.action == "killed" and box.state()["operation"]["step"] == point
+            box.world.advance(later)
+            out = box.run(then, *((F,) if then == "switch" else ()))
+            assert_settled(box)
+            st_ = box.state()
+            # a switch killed while committing is finished if the target is healthy; anything else goes back
+            target_up = point == "committing" and LU in box.world.healthy()
+            if target_up or (then == "switch" and point == "committing" and st_["active_backend"] == F):
+                return  # committed (then maybe switched back on purpose)
+            if point in ("intent", "preflight", "stopping-current"):  # F was never stopped: it serves on
+                assert st_["active_backend"] == F and out.code == 0, out
+            elif back in HEALTHY or then == "switch":
+                # rolled back; with `switch F`, F is started through its own gate even if its rollback failed
+                assert st_["active_backend"] == F or out.code in (ExitCode.ROLLBACK_FAILED, ExitCode.HEALTH), out
+            else:
+                assert out.code == ExitCode.ROLLBACK_FAILED and st_["active_backend"] is None, out
+    finally:
+        box.world.close()
+        mp.undo()
+    assert slept == []
+
+
+class Operations(RuleBasedStateMachine):
+    """Any sequence of switches, rollbacks, recovers, kills, scripted unit behaviours and passing time keeps
+    the box consistent: after every command that ran to its end, no operation is pending and the recorded
+    backend serves alone and is the one enabled; a killed command leaves its step in state.json; every error
+    is a DeployError with its exit code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mp = pytest.MonkeyPatch()
+        self.dir = Path(tempfile.mkdtemp(prefix="dt-sm-"))
+        self.box = Box(self.dir, self.mp)
+        self.slept = no_real_sleep(self.mp)
+        self.ctx = self.box.world.running()
+        self.ctx.__enter__()
+        self.box.installed(F)
+        self.pending: str | None = None
+        self.rollback_failed = False
+
+    def teardown(self) -> None:
+        try:
+            self.ctx.__exit__(None, None, None)
+        finally:
+            self.box.world.close()
+            self.mp.undo()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _check(self, out: Outcome, kill: str | None, before: dict[str, Any]) -> None:
+        if out.action == "killed":
+            assert kill and out.killed == f"kill:{kill}"
+            op = self.box.state()["operation"]
+            assert op is not None and op["step"] == kill
+            self.pending = kill
+            return
+        if out.code == ExitCode.STATE and self.pending is not None:
+            # `rollback` with no previous backend refuses before it takes the lock: the interrupted operation is
+            # left for `recover` (exit 13 is also "an interrupted operation needs recover")
+            assert self.box.state()["operation"] == before["operation"]
+            return
+        self.pending = None
+        if out.action == "error":
+            assert out.code in (ExitCode.HEALTH, ExitCode.ROLLED_BACK, ExitCode.ROLLBACK_FAILED, ExitCode.STATE,
+                                ExitCode.CHECK_FAILED, ExitCode.DRIFT), out
+            if out.code == ExitCode.ROLLBACK_FAILED:
+                assert self.box.state()["active_backend"] is None
+                self.rollback_failed = True
+        if self.box.state().get("active_backend"):
+            self.rollback_failed = False
+        assert_settled(self.box, after_rollback_failed=self.rollback_failed)
+
+    @rule(to=BACKEND, behaviour=BEHAVIOUR, kill=KILL)
+    def switch(self, to: str, behaviour: str, kill: str | None) -> None:
+        self.box.world.script(f"{to}.service", fs.BEHAVIOURS[behaviour])
+        before = self.box.state()
+        self._check(self.box.run("switch", to, kill=kill), kill, before)
+
+    @rule(behaviour=BEHAVIOUR, kill=KILL)
+    def rollback(self, behaviour: str, kill: str | None) -> None:
+        for u in (FU, LU):
+            self.box.world.script(u, fs.BEHAVIOURS[behaviour])
+        before = self.box.state()
+        self._check(self.box.run("rollback", kill=kill), kill, before)
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def recover(self) -> None:
+        before = self.box.state()
+        self._check(self.box.run("recover"), None, before)
+
+    @rule(seconds=st.sampled_from([1.0, 15.0, 120.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.box.world.advance(seconds)
+
+    @invariant()
+    def never_slept_for_real(self) -> None:
+        assert self.slept == []
+
+    @invariant()
+    def one_listener_at_most(self) -> None:
+        listening = [u for u in self.box.world.units.values() if u.proc and u.proc.server]
+        assert len(listening) <= 1
+
+
+TestOperations = Operations.TestCase
+TestOperations.settings = settings(max_examples=25, stateful_step_count=6, deadline=None,
+                                   suppress_health_check=list(HealthCheck))
