@@ -3,19 +3,35 @@
 Three hosts come up, each its own systemd as PID 1 of its own namespaces; `ansible -m ping` reaches all of them;
 a tiny playbook starts a unit on every host through that host's systemd and a `uri` gate on the controller sees
 each one answer; a host that is not on the bridge is reported unreachable (exit 4) while the others succeed; and
-after teardown nothing of the fleet is left on the machine.
+after teardown nothing of the fleet is left on the machine, also when the test run that brought it up was killed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import textwrap
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.fleet import BRIDGE, CONTROLLER_IP, Fleet, FleetError, fleet_fixture  # noqa: F401  (`fleet`)
+from tests.support.fleet import (  # noqa: F401  (fleet_fixture: the `fleet` fixture)
+    BRIDGE,
+    CONTROLLER_IP,
+    Fleet,
+    FleetError,
+    fleet_fixture,
+    machine_lock,
+    running_fleet,
+    subreaper,
+    sweep_orphan_fleets,
+)
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.fleet]
 
@@ -30,81 +46,90 @@ def _host_pid(f: Fleet, host: str, ns_pid: int) -> int:
         for top, _, files in os.walk(cg):
             if "cgroup.procs" in files:
                 for x in Path(top, "cgroup.procs").read_text().split():
-                    status = Path(f"/proc/{x}/status").read_text()
+                    try:
+                        status = Path(f"/proc/{x}/status").read_text()
+                    except OSError:
+                        continue  # exited meanwhile
                     nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
                     if int(nspid[-1]) == ns_pid:
                         return int(x)
     raise AssertionError(f"no process {ns_pid} in {host}")
 
 
-def test_three_hosts_each_a_systemd_of_its_own_answer_ansible_ping(fleet):
-    assert fleet.hosts == ["h1", "h2", "h3"]
-    pidns = set()
-    for h in fleet.hosts:
-        pid1 = fleet.pid1(h)
-        assert Path(f"/proc/{pid1}/comm").read_text().strip() == "systemd"
-        pidns.add(os.readlink(f"/proc/{pid1}/ns/pid"))
-        # started from its own sub-cgroup: every hierarchy places it under fleetns-<hash>, never at the root
-        assert all(f"/{fleet.host_cgroup_name(h)}" in line for line in _cgroup_lines(pid1)
-                   if "cpuset" not in line), _cgroup_lines(pid1)
-        r = fleet.exec(h, "systemctl", "is-system-running")
-        assert r.stdout.strip() in ("running", "degraded"), r
-        assert fleet.exec(h, "systemctl", "is-active", "ssh.service").stdout.strip() == "active"
-    assert len(pidns | {os.readlink("/proc/self/ns/pid")}) == 4, "each host has a pid namespace of its own"
+class TestThreeHosts:
+    """One fleet of three hosts for the tests of this class (up once, down and checked when the class is done)."""
 
-    run = fleet.ansible("fleet", "-m", "ansible.builtin.ping")
-    assert run.returncode == 0, run
-    assert {h: r.get("ping") for h, r in run.task_results("ansible.builtin.ping").items()} == \
-        {"h1": "pong", "h2": "pong", "h3": "pong"}, run
+    @pytest.fixture(scope="class")
+    def fleet3(self) -> Iterator[Fleet]:
+        with running_fleet(3) as f:
+            yield f
 
-    # the answers come from three different machines as far as ssh can tell: own hostname, own machine-id
-    run = fleet.ansible("fleet", "-m", "ansible.builtin.command", "-a", "cat /etc/hostname /etc/machine-id")
-    assert run.returncode == 0, run
-    out = {h: r["stdout"].split() for h, r in run.task_results("ansible.builtin.command").items()}
-    assert {h: o[0] for h, o in out.items()} == {"h1": "h1", "h2": "h2", "h3": "h3"}
-    assert len({o[1] for o in out.values()}) == 3
+    def test_each_host_is_a_systemd_of_its_own_and_answers_ansible_ping(self, fleet3):
+        f = fleet3
+        assert f.hosts == ["h1", "h2", "h3"]
+        pidns = set()
+        for h in f.hosts:
+            pid1 = f.pid1(h)
+            assert Path(f"/proc/{pid1}/comm").read_text().strip() == "systemd"
+            pidns.add(os.readlink(f"/proc/{pid1}/ns/pid"))
+            # started from its own sub-cgroup: every hierarchy places it under fleetns-<hash>, never at the root
+            assert all(f"/{f.host_cgroup_name(h)}" in line for line in _cgroup_lines(pid1)
+                       if "cpuset" not in line), _cgroup_lines(pid1)
+            r = f.exec(h, "systemctl", "is-system-running")
+            assert r.stdout.strip() in ("running", "degraded"), r
+            assert f.exec(h, "systemctl", "is-active", "ssh.service").stdout.strip() == "active"
+            assert f.exec(h, "hostname").stdout.strip() == h
+        assert len(pidns | {os.readlink("/proc/self/ns/pid")}) == 4, "each host has a pid namespace of its own"
 
+        run = f.ansible("fleet", "-m", "ansible.builtin.ping")
+        assert run.returncode == 0, run
+        assert {h: r.get("ping") for h, r in run.task_results("ansible.builtin.ping").items()} == \
+            {"h1": "pong", "h2": "pong", "h3": "pong"}, run
+        assert all(s["ok"] == 1 and s["unreachable"] == 0 for s in run.stats.values()), run.stats
 
-def test_playbook_starts_a_unit_through_each_hosts_systemd_and_the_gate_sees_it(fleet):
-    opt_demo_before = os.path.exists("/opt/demo")
-    run = fleet.playbook("demo-web.yml")
-    assert run.returncode == 0, run
-    assert all(s["failures"] == 0 and s["unreachable"] == 0 for s in run.stats.values()), run.stats
-    gate = run.task_results("health gate")
-    assert sorted(gate) == fleet.hosts, run
-    for h in fleet.hosts:
-        # the gate ran on the controller and read the host's own page
-        assert gate[h]["status"] == 200 and gate[h]["content"].strip() == h, gate[h]
-        assert gate[h]["url"] == f"http://{fleet.ip(h)}:8080/host.txt"
-        # the host's own systemd runs the unit: active there, its main process in that host's cgroup namespace
-        assert fleet.exec(h, "systemctl", "is-active", "demo-web.service").stdout.strip() == "active"
-        main = int(fleet.exec(h, "systemctl", "show", "-P", "MainPID", "demo-web.service").stdout)
-        assert main > 1
-        pid = _host_pid(fleet, h, main)
-        assert os.readlink(f"/proc/{pid}/ns/pid") == os.readlink(f"/proc/{fleet.pid1(h)}/ns/pid")
-        assert any(line.endswith(f"/{fleet.host_cgroup_name(h)}/system.slice/demo-web.service")
-                   for line in _cgroup_lines(pid)), _cgroup_lines(pid)
-        assert (fleet.host_dir(h) / "etc-systemd-system" / "demo-web.service").is_file()
-        # and the test process reaches it over the bridge too
-        with urllib.request.urlopen(f"http://{fleet.ip(h)}:8080/host.txt", timeout=5) as resp:
-            assert resp.read().decode().strip() == h
-    # what the hosts wrote stayed in their copy-on-write roots
-    assert os.path.exists("/opt/demo") == opt_demo_before
-    assert not Path("/etc/systemd/system/demo-web.service").exists()
+    def test_playbook_starts_a_unit_through_each_hosts_systemd_and_the_gate_sees_it(self, fleet3):
+        f = fleet3
+        run = f.playbook("demo-web.yml")
+        assert run.returncode == 0, run
+        assert sorted(run.stats) == f.hosts, run.stats
+        assert all(s["failures"] == 0 and s["unreachable"] == 0 for s in run.stats.values()), run.stats
+        gate = run.task_results("health gate")
+        assert sorted(gate) == f.hosts, run
+        for h in f.hosts:
+            # the gate ran on the controller and read each host's own page (its name, written by its unit)
+            assert gate[h]["status"] == 200 and gate[h]["content"].strip() == h, gate[h]
+            assert gate[h]["url"] == f"http://{f.ip(h)}:8080/host.txt"
+            # the host's own systemd runs the unit: active there, its main process in that host's cgroup namespace
+            assert f.exec(h, "systemctl", "is-active", "demo-web.service").stdout.strip() == "active"
+            main = int(f.exec(h, "systemctl", "show", "-P", "MainPID", "demo-web.service").stdout)
+            assert main > 1
+            pid = _host_pid(f, h, main)
+            assert os.readlink(f"/proc/{pid}/ns/pid") == os.readlink(f"/proc/{f.pid1(h)}/ns/pid")
+            assert any(line.endswith(f"/{f.host_cgroup_name(h)}/system.slice/demo-web.service")
+                       for line in _cgroup_lines(pid)), _cgroup_lines(pid)
+            assert (f.host_dir(h) / "etc-systemd-system" / "demo-web.service").is_file()
+            # and the test process reaches it over the bridge too
+            with urllib.request.urlopen(f"http://{f.ip(h)}:8080/host.txt", timeout=5) as resp:
+                assert resp.read().decode().strip() == h
+        assert not Path("/etc/systemd/system/demo-web.service").exists()
 
-
-def test_a_host_off_the_bridge_is_unreachable_and_the_others_succeed(fleet):
-    inv = fleet.inventory_with("ghost", {"ghost": "ansible_host=10.231.0.99"}, after="h1")
-    run = fleet.ansible("fleet", "-m", "ansible.builtin.copy",
-                        "-a", "content={{ inventory_hostname }} dest=/root/mark mode=0600", inventory=inv)
-    assert run.returncode == 4, run  # ansible's exit code for "a host was unreachable"
-    assert run.stats["ghost"]["unreachable"] == 1, run.stats
-    for h in fleet.hosts:
-        assert run.stats[h]["unreachable"] == 0 and run.stats[h]["failures"] == 0, run.stats
-        assert run.stats[h]["changed"] == 1, run.stats
-        assert fleet.exec(h, "cat", "/root/mark").stdout == h
-    res = run.task_results("ansible.builtin.copy")["ghost"]
-    assert res.get("unreachable") is True and "10.231.0.99" in res.get("msg", ""), res
+    def test_a_host_off_the_bridge_is_unreachable_and_the_others_succeed(self, fleet3):
+        f = fleet3
+        mark = Path("/root/fleet-bed-mark")
+        assert not mark.exists()
+        inv = f.inventory_with("ghost", {"ghost": "ansible_host=10.231.0.99"}, after="h1")
+        run = f.ansible("fleet", "-m", "ansible.builtin.copy",
+                        "-a", f"content={{{{ inventory_hostname }}}} dest={mark} mode=0600", inventory=inv)
+        assert run.returncode == 4, run  # ansible's exit code for "a host was unreachable"
+        assert run.stats["ghost"]["unreachable"] == 1, run.stats
+        res = run.task_results("ansible.builtin.copy")
+        assert res["ghost"]["_status"] == "unreachable" and "10.231.0.99" in res["ghost"]["msg"], res["ghost"]
+        for h in f.hosts:
+            assert run.stats[h]["unreachable"] == 0 and run.stats[h]["failures"] == 0, run.stats
+            assert res[h]["_status"] == "changed", res[h]
+            assert f.exec(h, "cat", str(mark)).stdout == h
+        # what the hosts wrote stayed in their copy-on-write roots
+        assert not mark.exists()
 
 
 def test_teardown_leaves_nothing_behind(fleet):
@@ -131,3 +156,41 @@ def test_teardown_leaves_nothing_behind(fleet):
                           text=True).stdout.strip() == ""
     fleet.down()  # idempotent
     assert fleet.leftovers() == []
+
+
+def test_a_fleet_left_by_a_killed_test_run_is_taken_down_by_the_next():
+    owner = textwrap.dedent("""
+        import time
+        from tests.support.fleet import Fleet, new_fleet_dir
+        f = Fleet(new_fleet_dir())
+        f.up(1)
+        print(f.dir, flush=True)
+        time.sleep(600)
+    """)
+    with machine_lock():
+        prev = subreaper(True)  # the killed owner's launcher becomes ours, to be reaped by the sweep
+        p = subprocess.Popen([sys.executable, "-c", owner], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout is not None
+            d = Path(p.stdout.readline().strip())
+            assert d.name.startswith("fleet-") and (d / "fleet-owner.json").is_file(), d
+            pid1 = int((d / "hosts/h1/pid").read_text())
+            launcher = int((d / "hosts/h1/launcher.pid").read_text())
+            cgroups = (d / "hosts/h1/cgroups").read_text().split()
+            assert cgroups and all(os.path.isdir(c) for c in cgroups)
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            assert Path(f"/proc/{pid1}/comm").read_text().strip() == "systemd", "the host outlived its owner"
+
+            assert str(d) in sweep_orphan_fleets()
+            assert not d.exists()
+            assert not Path(f"/proc/{pid1}").exists() and not Path(f"/proc/{launcher}").exists()
+            assert not any(os.path.exists(c) for c in cgroups)
+            assert not Path("/run/netns/fleet-h1").exists()
+            assert subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode != 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            sweep_orphan_fleets()
+            subreaper(prev)

@@ -50,7 +50,7 @@ import pytest
 from tests.support.sandbox import RUN_PARENT
 
 __all__ = ["Fleet", "FleetError", "AnsibleRun", "fleet_fixture", "running_fleet", "sweep_orphan_fleets", "host_ip",
-           "ANSIBLE_BIN", "SCRIPTS", "BRIDGE", "CONTROLLER_IP"]
+           "machine_lock", "new_fleet_dir", "subreaper", "ANSIBLE_BIN", "SCRIPTS", "BRIDGE", "CONTROLLER_IP"]
 
 SCRIPTS = Path(__file__).resolve().with_name("fleet")
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _subreaper(on: bool) -> bool:
+def subreaper(on: bool) -> bool:
     """Make this process a child subreaper (or not); returns the previous setting."""
     libc = _libc()
     prev = ctypes.c_int(0)
@@ -249,7 +249,7 @@ class Fleet:
                              f"take it down with FLEET_DIR=<its directory> {SCRIPTS / 'fleet.sh'} down")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.record = _Record(pid1_cgroup=Path("/proc/1/cgroup").read_text())
-        self._reaper_prev = _subreaper(True)
+        self._reaper_prev = subreaper(True)
         try:
             self._up(n)
         except BaseException as exc:
@@ -283,6 +283,26 @@ class Fleet:
         self.record.pidns.discard("")
         self.note_processes()
 
+    def _adopt(self) -> None:
+        """Take the record of a fleet that another process brought up (a killed test run's) from its directory:
+        the hosts' PIDs, sub-cgroups, netns and veths as fleet-ns.sh wrote them, so that `leftovers` can check
+        each of them after `down`."""
+        before = self.dir / "pid1-cgroup.before"
+        self.record = _Record(pid1_cgroup=before.read_text() if before.is_file() else "")
+        for b in sorted(self.dir.glob("hosts/*/")):
+            with contextlib.suppress(OSError, ValueError):
+                self.record.cgroups.update((b / "cgroups").read_text().split())
+            for name in ("pid", "launcher.pid"):
+                with contextlib.suppress(OSError, ValueError):
+                    p = _proc(int((b / name).read_text()))
+                    if p is not None:
+                        self.record.procs.add(p)
+            for name, dest in (("netns", self.record.netns), ("veth", self.record.veths)):
+                with contextlib.suppress(OSError):
+                    dest.add((b / name).read_text().strip())
+        self.record.netns.discard("")
+        self.record.veths.discard("")
+
     def note_processes(self) -> set[Proc]:
         """Record every process now in the hosts (by their sub-cgroups) and ansible's ssh masters for this fleet;
         `leftovers` checks each of them, by PID and start time, after `down`. Returns what it saw."""
@@ -315,13 +335,15 @@ class Fleet:
         """Power the hosts off (SIGKILL of their PID 1 as fallback), remove their cgroups, veths, netns, the
         bridge and ansible's ssh masters, and reap what became our children. Idempotent."""
         if self.started:
+            if not self.record.cgroups:
+                self._adopt()
             self.note_processes()
             r = self._script("down", timeout=120)
             if r.returncode != 0:
                 raise FleetError(f"fleet.sh down failed (exit {r.returncode}):\n{r.stdout}{r.stderr}")
         self._reap()
         if self._reaper_prev is not None:
-            _subreaper(self._reaper_prev)
+            subreaper(self._reaper_prev)
             self._reaper_prev = None
 
     def _reap(self, timeout: float = 5.0) -> None:
@@ -349,8 +371,10 @@ class Fleet:
         veths, bridge, `fleetns-*` cgroups, processes naming the fleet dir, mounts, /proc/1/cgroup) plus each
         recorded process by PID and start time (zombies too), any process in a host's pid namespace, each
         recorded cgroup, netns and veth, and /proc/1/cgroup against its copy from before `up`."""
+        if not self.started:
+            return []  # `fleet.sh up` never got past its checks here: nothing of this fleet was made
         out: list[str] = []
-        r = self._script("check") if self.started else None
+        r = self._script("check")
         if r is not None and r.returncode != 0:
             out += [f"fleet.sh check: {line}" for line in (r.stdout + r.stderr).splitlines() if line.strip()]
         for p in sorted(self.record.procs, key=lambda p: p.pid):
@@ -388,7 +412,12 @@ class Fleet:
         env.update(ANSIBLE_CONFIG=str(self.ansible_cfg), FLEET_DIR=str(self.dir), LANG="C.UTF-8", LC_ALL="C.UTF-8",
                    PATH=f"{ANSIBLE_BIN}:{env.get('PATH', '/usr/bin:/bin')}", ANSIBLE_NOCOLOR="1")
         if results is not None:
-            env.update(ANSIBLE_CALLBACK_PLUGINS=str(SCRIPTS / "callback_plugins"),
+            # a copy in the fleet dir: ANSIBLE_CALLBACK_PLUGINS is a colon-separated list, the checkout path may
+            # hold a colon
+            plugins = self.dir / "callback_plugins"
+            if not plugins.is_dir():
+                shutil.copytree(SCRIPTS / "callback_plugins", plugins, ignore=shutil.ignore_patterns("__pycache__"))
+            env.update(ANSIBLE_CALLBACK_PLUGINS=str(plugins),
                        ANSIBLE_CALLBACKS_ENABLED="fleet_record", ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
                        FLEET_RESULTS=str(results))
         return env
@@ -451,7 +480,7 @@ def _base() -> Path:
     return base
 
 
-def _new_fleet_dir() -> Path:
+def new_fleet_dir() -> Path:
     d = _base() / f"fleet-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     d.mkdir(mode=0o755)
     (d / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}) + "\n")
@@ -484,7 +513,7 @@ def sweep_orphan_fleets() -> list[str]:
 
 
 @contextlib.contextmanager
-def _machine_lock(timeout: float = 600) -> Iterator[None]:
+def machine_lock(timeout: float = 600) -> Iterator[None]:
     """One fleet per machine: hold an exclusive lock on $DEPLOYTOOL_TEST_ROOT/fleet.lock while a fleet is up."""
     fd = os.open(_base() / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -507,9 +536,9 @@ def _machine_lock(timeout: float = 600) -> Iterator[None]:
 def running_fleet(n: int = 3) -> Iterator[Fleet]:
     """Hosts h1..hN up for the `with` body; always taken down afterwards, then checked: FleetError lists anything
     left (the fleet directory is then kept for a look and for the next run's sweep; it is removed when clean)."""
-    with _machine_lock():
+    with machine_lock():
         sweep_orphan_fleets()
-        f = Fleet(_new_fleet_dir())
+        f = Fleet(new_fleet_dir())
         try:
             f.up(n)  # on failure it has taken down what it started
         except BaseException:
