@@ -342,9 +342,27 @@ class Fleet:
             if r.returncode != 0:
                 raise FleetError(f"fleet.sh down failed (exit {r.returncode}):\n{r.stdout}{r.stderr}")
         self._reap()
+        self._reap_ssh_orphans()
         if self._reaper_prev is not None:
             subreaper(self._reaper_prev)
             self._reaper_prev = None
+
+    @staticmethod
+    def _reap_ssh_orphans() -> None:
+        """waitpid() the exited ssh processes that ansible's runs left to us: a ControlPersist master detaches
+        through an intermediate process whose parent never waits for it; as child subreaper we inherit it. This
+        process starts no ssh itself, so an exited `ssh` child of ours is one of those."""
+        me = os.getpid()
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(entry.path, "stat").read_text()
+                comm = stat[stat.index("(") + 1:stat.rindex(")")]
+                f = stat.rsplit(")", 1)[1].split()
+                if comm == "ssh" and f[0] == "Z" and int(f[1]) == me:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(int(entry.name), os.WNOHANG)
 
     def _reap(self, timeout: float = 5.0) -> None:
         """waitpid() the recorded processes that are our children once they exit (launchers, ssh masters)."""
@@ -381,6 +399,13 @@ class Fleet:
             if _exists(p):
                 f = _stat_fields(p.pid) or ["?"]
                 out.append(f"process {p.pid} (state {f[0]}) still there")
+        me = os.getpid()
+        for entry in os.scandir("/proc"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(entry.path, "stat").read_text() if entry.name.isdigit() else ""
+                f = stat.rsplit(")", 1)[1].split() if stat else []
+                if f and f[0] == "Z" and int(f[1]) == me and "(ssh)" in stat:
+                    out.append(f"process {entry.name} (ssh) exited but was not reaped")
         if self.record.pidns:
             for entry in os.scandir("/proc"):
                 if entry.name.isdigit() and _readlink(f"{entry.path}/ns/pid") in self.record.pidns:
@@ -433,6 +458,7 @@ class Fleet:
         t0 = time.monotonic()
         r = subprocess.run(argv, env=self.ansible_env(results if json_out else None), capture_output=True,
                            text=True, timeout=timeout, cwd=self.dir, stdin=subprocess.DEVNULL)
+        self._reap_ssh_orphans()
         run = AnsibleRun(argv, r.returncode, r.stdout, r.stderr, time.monotonic() - t0)
         if json_out:
             with contextlib.suppress(OSError, ValueError):
