@@ -17,15 +17,16 @@ this machine: ansible-core pinned in a venv of its own (.cache/fleet-ansible, ma
 Every systemctl/journalctl goes into a host (Fleet.exec or ssh), never to the machine itself.
 
 A fleet's directory is $DEPLOYTOOL_TEST_ROOT/fleet-<pid>-<hex> (default /var/lib/deploytool-test, like the test
-boxes), wherever the checkout is: the directory goes into overlayfs mount options and into ssh's and ansible's option
-lists, so it must hold no space, comma or colon (a checkout path may; the scripts are only run from there). It holds
+boxes), wherever the checkout is: that directory goes into overlayfs mount options and into ssh's and ansible's option
+lists, so it must hold no space, comma or colon, while the checkout path may (nothing of the checkout goes into such
+a list: the scripts are run from it, the ansible callback is copied into the fleet directory). It holds
 `fleet-owner.json` (the test process's PID and start time), not `owner.json`: the sandbox sweep leaves it alone, and
 the next fleet run takes down a fleet whose owner was killed (by its recorded PIDs and sub-cgroups, never by name).
 One fleet per machine (fixed bridge, subnet and netns names): a lock file serializes test runs.
 
-While a fleet is up, the test process is a child subreaper: the hosts' launchers (`unshare`) and ansible's ssh
-ControlPersist masters, orphaned when their parents exit, become its children, and `down` reaps them by PID (the
-machine's PID 1 here reaps no orphans; they would stay behind as zombies).
+While a fleet is up, the test process is a child subreaper: the hosts' launchers (`unshare`), ansible's ssh
+ControlPersist masters and the intermediate processes they detach through become its children when their parents
+exit, and are reaped here by PID (left to the machine's PID 1 they would linger as zombies).
 """
 
 from __future__ import annotations
