@@ -18,14 +18,21 @@ machine_sshd() {
 
 # Run "$@" (a package install) with Debian's policy-rc.d answering 101 "action forbidden": the maintainer scripts
 # then start no service on this machine (openssh-server's would be an sshd on port 22 of every interface; the
-# fleet's hosts run their own sshd, the machine needs none). Whatever policy-rc.d was there is put back.
+# fleet's hosts run their own sshd, the machine needs none). Whatever policy-rc.d was there is put back, also when
+# the install fails or is interrupted (a copy left by an interrupted run is the original: it is kept).
+POLICY=/usr/sbin/policy-rc.d
+restore_policy() {
+  if [ -e $POLICY.deploytool-setup ]; then mv -f $POLICY.deploytool-setup $POLICY; else rm -f $POLICY; fi
+}
 no_service_starts() {
-  local p=/usr/sbin/policy-rc.d rc=0
-  if [ -e $p ]; then cp -a $p $p.deploytool-setup; fi
-  printf '#!/bin/sh\n# deploytool set-up: no service starts while it installs packages\nexit 101\n' > $p
-  chmod 755 $p
+  local rc=0
+  if [ -e $POLICY ] && [ ! -e $POLICY.deploytool-setup ]; then cp -a $POLICY $POLICY.deploytool-setup; fi
+  trap restore_policy EXIT
+  printf '#!/bin/sh\n# deploytool set-up: no service starts while it installs packages\nexit 101\n' > $POLICY
+  chmod 755 $POLICY
   "$@" || rc=$?
-  if [ -e $p.deploytool-setup ]; then mv -f $p.deploytool-setup $p; else rm -f $p; fi
+  restore_policy
+  trap - EXIT
   return $rc
 }
 
