@@ -20,7 +20,8 @@ help:
 	@echo "                    (BUNDLE=path CONFIG=path KEYS=dir; default: the newest bundle beside ./deploytool.yaml)"
 	@echo "make clean          remove build leftovers and caches of the checkout"
 
-$(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples/cpu-demo/requirements.in
+$(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples/cpu-demo/requirements.in \
+         tests/support/fleet/requirements.txt
 	bash scripts/setup.sh
 	@touch $(STAMP)
 

