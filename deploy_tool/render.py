@@ -1,4 +1,5 @@
-"""Config -> unit files and env files, through strict Jinja2 templates. Pure: no I/O but reading templates.
+"""Config -> unit files and env files, through strict Jinja2 templates, and the resolved config a bundle
+carries (config.json). Pure: no I/O but reading templates.
 
 The launch lines are built here as argv lists (one option beside its value), then quoted for systemd's
 ExecStart= syntax; environment values are quoted for EnvironmentFile= syntax. Output is deterministic: the
@@ -7,9 +8,12 @@ same config gives the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import posixpath
 import re
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from deploy_tool import __version__
@@ -21,8 +25,8 @@ from deploy_tool.config import (
     Config,
     FtllmBackend,
     LlamacppBackend,
+    expand,
 )
-from deploy_tool.config import expand as config_expand
 from deploy_tool.errors import ConfigError
 from deploy_tool.textsafe import describe, q, unsafe_char
 
@@ -55,9 +59,6 @@ class EnvRef:
 
 
 Arg = str | EnvRef
-
-
-expand = config_expand  # where fingerprint, checks and selfcheck have always found it
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -327,3 +328,21 @@ def render_secrets(cfg: Config, api_key: str) -> RenderedFile:
     key = f"the API key in {q(cfg.serve.api_key_file)} (serve.api_key_file)"
     return RenderedFile(SECRETS_ENV, "env", env_quote(API_KEY_VAR, api_key, key) + "\n"
                         + env_quote("LLAMA_API_KEY", api_key, key) + "\n", 0o600)
+
+
+def _plain(o: Any) -> Any:
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return {f.name: _plain(getattr(o, f.name)) for f in dataclasses.fields(o)}
+    if hasattr(o, "items"):
+        return {str(k): _plain(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_plain(x) for x in o]
+    return o
+
+
+def resolved_config_json(cfg: Config) -> bytes:
+    """The config as loaded (defaults filled in, paths resolved), canonical JSON: the bundle's config.json, and
+    what install compares the box's config with."""
+    d = _plain(cfg)
+    d.pop("source_path", None)
+    return (json.dumps(d, indent=1, sort_keys=True) + "\n").encode()
