@@ -23,7 +23,7 @@ import deploy_tool
 from deploy_tool import archive, bundle, proc, render
 from deploy_tool.binaries import arch_supported, read_fatbin
 from deploy_tool.config import Config
-from deploy_tool.errors import BundleError, CheckFailed, DeployError, InputError
+from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
 from deploy_tool.manifest import hash_file, hash_files, hash_native_libs
 from deploy_tool.render import resolved_config_json

@@ -13,8 +13,8 @@ import json
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from deploy_tool import __version__
 from deploy_tool.config import (
