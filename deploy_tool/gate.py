@@ -3,15 +3,19 @@ completion with the configured model name, and (where it can be read) what the p
 
 from __future__ import annotations
 
+import os
+import select
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from deploy_tool import health
-from deploy_tool.background import Background
+from deploy_tool import fingerprint, health, procfs, runtime
 from deploy_tool.config import Backend, Config
-from deploy_tool.errors import DeployError, HealthError, RuntimeTruthError
+from deploy_tool.errors import DeployError, HealthError, RuntimeTruthError, SandboxError
+from deploy_tool.manifest import Manifest
 from deploy_tool.systemd import Systemd
 
 
@@ -40,8 +44,6 @@ def base_url(cfg: Config) -> str:
 def api_key(cfg: Config) -> str | None:
     if not cfg.serve.api_key_file:
         return None
-    from pathlib import Path
-
     try:
         return Path(cfg.serve.api_key_file).read_text("utf-8").strip() or None
     except OSError:
@@ -104,15 +106,11 @@ class UnitWatch:
 
     def close(self) -> None:
         if self.fd is not None:
-            import os
-
             os.close(self.fd)
             self.fd = None
 
 
 def _readable(fd: int, timeout: float) -> bool:
-    import select
-
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(max(0, int(timeout * 1000))))
@@ -120,8 +118,6 @@ def _readable(fd: int, timeout: float) -> bool:
 
 def _pidfd(pid: int, unit: str) -> int | None:
     """A pidfd for `pid` if it is a process of `unit` (its cgroup says so), else None."""
-    import os
-
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -167,33 +163,36 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     # what the runtime-truth check below needs, gathered while the smoke completion runs (the server is ready,
     # so its startup log is complete): the unit's MainPID, the startup log, the release's pins and the hashes
     # verify cached. The mapped libraries themselves are read after the smoke (a lazily loaded one counts).
-    state = Background(lambda: sd.show(b.unit), name="gate-state")
-    # bounded by the start time, the journal holds only this start's lines: no need to wait for the invocation
-    startup_log = (Background(lambda: sd.journal(b.unit, lines=2000, since=since), name="gate-log")
-                   if since is not None else None)
-    release = Background(lambda: (release_pins(cfg, b.kind), verified_hasher(cfg, b)), name="gate-pins")
-
+    # A failed smoke does not wait for them.
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="gate")
     try:
-        smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key, timeout=cfg.health.smoke_timeout_s,
-                                        max_tokens=cfg.health.smoke_max_tokens)
-    except HealthError as exc:
-        j = journal()
-        snap = snapshot(sd, b.unit)
-        if snap.dead:
-            exc.message += f"\n  unit {b.unit} is {snap.describe()}"
-        if j and "journal tail" not in exc.message:
-            exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
-        raise
-    on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
-    st = state.result() if state.wait() is None else sd.show(b.unit)
-    if not seen and st.invocation_id:
-        seen.append(st.invocation_id)
-    report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
-                        completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
-    pins, hash_file = release.result() if release.wait() is None else (None, None)
-    truth = runtime_truth(cfg, b, st.main_pid, pins=pins, hash_file=hash_file, journal_text=(
-        startup_log.result if startup_log is not None
-        else lambda: sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000)))
+        state = pool.submit(sd.show, b.unit)
+        # bounded by the start time, the journal holds only this start's lines: no need to wait for the invocation
+        startup_log = pool.submit(sd.journal, b.unit, lines=2000, since=since) if since is not None else None
+        release = pool.submit(lambda: (release_pins(cfg, b.kind), verified_hasher(cfg, b)))
+        try:
+            smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key,
+                                            timeout=cfg.health.smoke_timeout_s, max_tokens=cfg.health.smoke_max_tokens)
+        except HealthError as exc:
+            j = journal()
+            snap = snapshot(sd, b.unit)
+            if snap.dead:
+                exc.message += f"\n  unit {b.unit} is {snap.describe()}"
+            if j and "journal tail" not in exc.message:
+                exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
+            raise
+        on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
+        st = state.result() if state.exception() is None else sd.show(b.unit)
+        if not seen and st.invocation_id:
+            seen.append(st.invocation_id)
+        report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
+                            completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
+        pins, hash_file = release.result() if release.exception() is None else (None, None)
+        truth = runtime_truth(cfg, b, st.main_pid, pins=pins, hash_file=hash_file, journal_text=(
+            startup_log.result if startup_log is not None
+            else lambda: sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000)))
+    finally:
+        pool.shutdown(wait=False)
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:
@@ -211,8 +210,6 @@ def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:
     """SHA-256 of a mapped library: the value `deploytool verify` cached for the same file (same dev, inode,
     size, mtime_ns and ctime_ns: the ExecStartPre of this very start hashed the release's libraries) or, for a
     file it never saw, computed."""
-    from deploy_tool import fingerprint
-
     return fingerprint.cached_hasher(cfg, b.name)
 
 
@@ -227,12 +224,6 @@ KIND_FAMILIES = {
 def release_pins(cfg: Config, kind: str | None = None) -> dict[str, Any]:
     """runtime.Pin per native library the release knows (venv libraries from the MANIFEST, the bundled NCCL);
     with `kind`, only the families a backend of that kind loads."""
-    import os
-    from pathlib import Path
-
-    from deploy_tool import runtime
-    from deploy_tool.manifest import Manifest
-
     cur = Path(cfg.paths.current)
     try:
         man = Manifest.from_bytes((cur / "MANIFEST").read_bytes())
@@ -254,9 +245,10 @@ def host_pid(cfg: Config, pid: int) -> int:
     """The host PID of a unit's MainPID (they differ when systemd runs in the sandbox's PID namespace)."""
     if not pid or not cfg.systemd.sandbox:
         return pid
-    from deploy_tool.sandbox import Sandbox
-
-    return Sandbox(cfg.systemd.sandbox).host_pid(pid)
+    found = procfs.host_pid(pid, procfs.sandbox_cgroup(cfg.systemd.sandbox))
+    if found is None:
+        raise SandboxError(f"no process with PID {pid} runs inside sandbox {cfg.systemd.sandbox}")
+    return found
 
 
 def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Callable[[], str],
@@ -265,8 +257,6 @@ def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Calla
     """What the running process actually loaded and what its log says fits; never raises.
 
     `pins` and `hash_file` default to release_pins(cfg, b.kind) and verified_hasher(cfg, b)."""
-    from deploy_tool import runtime
-
     try:
         pid = host_pid(cfg, main_pid)
         ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
