@@ -1,5 +1,6 @@
 """The health gate a backend must pass after every start: unit watched throughout, readiness, a real chat
-completion with the configured model name, and (where it can be read) what the process actually loaded."""
+completion with the configured model name, and (where it can be read) what the process actually loaded.
+After health, a switch may ask for the performance step (perf_gate): a short bench against a stored baseline."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import fingerprint, health, procfs, runtime
+from deploy_tool import fingerprint, health, perf, procfs, runtime
 from deploy_tool.config import Backend, Config
-from deploy_tool.errors import DeployError, HealthError, RuntimeTruthError, SandboxError
+from deploy_tool.errors import DeployError, HealthError, InputError, RuntimeTruthError, SandboxError
 from deploy_tool.manifest import Manifest
 from deploy_tool.systemd import Systemd
 
@@ -270,3 +271,59 @@ def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Calla
     out["failures"] = [f"{f.check} {f.subject}: {f.message}" for f in rep.failures()]
     out["warnings"] = [f"{f.check} {f.subject}: {f.message}" for f in rep.findings if f.status == runtime.WARN]
     return out
+
+
+def endpoint_for(cfg: Config, *, timeout: float = perf.DEFAULT_TIMEOUT,
+                 max_request_s: float | None = None) -> perf.Endpoint:
+    """The live service of `cfg` (serve.host/port/model_name, the API key from serve.api_key_file)."""
+    return perf.Endpoint(base_url=base_url(cfg), model=cfg.serve.model_name, api_key=api_key(cfg),
+                    timeout=timeout, max_request_s=max_request_s)
+
+
+def perf_gate(cfg: Config, backend_name: str, release: str, *, fraction: float, max_tokens: int = 128,
+              runs: int = 1, warmup: int = 1, timeout: float = 60.0, on_event: Callable[[str], None] = lambda s: None,
+              endpoint: perf.Endpoint | None = None) -> tuple[bool, dict[str, Any], str]:
+    """The performance step of the gate (after health, when health.perf_gate_fraction is set): a short bench
+    (`runs` per kind, `max_tokens`) compared with the stored baseline of (release, backend).
+
+    Not ok when any kind's median decode tokens/s falls below `fraction` of the baseline's, or a request failed
+    or stalled. No baseline -> ok, with a message saying the gate was skipped. Returns (ok, figures, message);
+    figures hold per kind the current and baseline tokens/s and their ratio.
+    """
+    if not 0 < fraction <= 10:
+        raise InputError(f"performance gate fraction {fraction!r} must be a number above 0 (e.g. 0.8)")
+    state_dir = cfg.paths.state_dir
+    base = perf.load_baseline(state_dir, release, backend_name)
+    if base is None:
+        return True, {}, (f"performance gate skipped: no baseline for {backend_name} in release {release} "
+                          "(save one with `deploytool bench --save-baseline`)")
+    kinds = [k for k in base["figures"] if k in perf.PROMPTS] or list(perf.DEFAULT_KINDS)
+    budget = perf.request_budget(base["figures"], fraction=fraction, max_tokens=max_tokens)
+    if budget is not None:
+        timeout = min(timeout, budget)
+        on_event(f"performance gate: each request must finish within {budget:.1f}s (twice what {fraction:.2f} "
+                 "of the baseline pace needs)")
+    ep = endpoint or endpoint_for(cfg, timeout=timeout, max_request_s=budget)
+    res = perf.measure(ep, perf.PROMPTS, kinds, runs=runs, max_tokens=max_tokens, warmup=warmup, on_event=on_event)
+    cmp = perf.compare(res.figures(), base["figures"])
+    low = {k: c for k, c in cmp.items() if c["ratio"] is not None and c["ratio"] < fraction}
+    failed = [r for r in res.requests if not r.ok]
+    parts = []
+    for k, c in cmp.items():
+        est = "~" if c["estimated"] else ""
+        e2e = " e2e" if c["metric"] == "e2e" else ""
+        parts.append(f"{k} {est}{perf.fmt_num(c['tokens_per_s'])}{e2e} tok/s vs baseline "
+                     f"{perf.fmt_num(c['baseline_tokens_per_s'])} ({perf.fmt_num(c['ratio'], 2)})")
+    figures = {"fraction": fraction, "release": release, "backend": backend_name, "kinds": cmp,
+               "failed": [f"{r.kind}: {r.error}" for r in failed], "baseline_started": base.get("started")}
+    ok = not low and not failed
+    if ok:
+        msg = f"performance gate passed (>= {fraction:.2f} of baseline): " + "; ".join(parts)
+    else:
+        why = []
+        if low:
+            why.append("below " + f"{fraction:.2f} of baseline: " + ", ".join(sorted(low)))
+        if failed:
+            why.append(f"{len(failed)} request(s) failed: {failed[0].kind}: {failed[0].error}")
+        msg = "performance gate failed (" + "; ".join(why) + "): " + "; ".join(parts)
+    return ok, figures, msg
