@@ -93,10 +93,6 @@ def hash_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True,
                          hint="check that the file exists and is readable") from exc
 
 
-def hash_bytes(data: bytes) -> str:
-    return sha256_bytes(data)
-
-
 K = TypeVar("K")
 
 

@@ -602,11 +602,3 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
-
-
-def sandbox_dirs_under(parent: Path) -> Iterator[Path]:
-    """Sandbox directories directly inside `parent` (for sweeping up after killed test runs)."""
-    if parent.is_dir():
-        for d in sorted(parent.iterdir()):
-            if (d / MARKER).is_file():
-                yield d
