@@ -26,6 +26,7 @@ PID (1), anything else by membership in this sandbox's own sub-cgroup.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -576,8 +577,6 @@ class Sandbox:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Serialize up/down of one sandbox directory between processes (flock on DIR/.deploytool-sandbox.lock)."""
-        import fcntl
-
         fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + self.lock_timeout

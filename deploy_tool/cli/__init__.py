@@ -2,6 +2,8 @@
 
 Errors are mapped at this one edge: a DeployError becomes one red line plus a hint and its own exit code;
 anything else is a bug (exit 70), shown with its traceback only under --debug.
+
+The config loader (~30 ms to import) is imported when a command loads the config, not at every start.
 """
 
 from __future__ import annotations

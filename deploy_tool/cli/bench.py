@@ -12,6 +12,7 @@ import click
 
 from deploy_tool.cli import Ctx, pass_ctx
 from deploy_tool.errors import ExitCode, InputError
+from deploy_tool.progress import progress_for
 
 
 def _csv(value: str | None) -> list[str]:
@@ -74,7 +75,6 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
     from deploy_tool import perf
     from deploy_tool.gate import endpoint_for
     from deploy_tool.pngchart import write_bar_chart
-    from deploy_tool.progress import progress_for
     from deploy_tool.state import Store
 
     cfg = ctx.load_config()
