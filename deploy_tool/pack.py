@@ -1,7 +1,7 @@
 """What goes into a bundle, from the config: the lock, its wheels, a venv built from them offline, the patched
 chat template, the NCCL library, the rendered units and env files, and the resolved config.
 
-pip runs through `venv.run_tool` (the `sh` library: a build machine does not mind its start time), always with
+pip runs through `proc.run_tool` (the `sh` library: a build machine does not mind its start time), always with
 the machine's pip configuration switched off (venv.pip_env).
 """
 
@@ -26,6 +26,7 @@ from deploy_tool.config import Config
 from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
 from deploy_tool.manifest import hash_file, hash_files, hash_native_libs
+from deploy_tool.proc import run_tool
 from deploy_tool.render import resolved_config_json
 from deploy_tool.venv import (
     VENV_PLACEHOLDER,
@@ -34,7 +35,6 @@ from deploy_tool.venv import (
     finish_venv,
     pip_env,
     relocate_venv,
-    run_tool,
 )
 
 WHEEL_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl$")

@@ -16,7 +16,8 @@ from typing import Any
 from deploy_tool import bundle
 from deploy_tool.config import Config
 from deploy_tool.manifest import hash_native_libs
-from deploy_tool.venv import build_venv, run_tool
+from deploy_tool.proc import run_tool
+from deploy_tool.venv import build_venv
 
 
 def rebuild(cfg: Config, bundle_path: str, *, keys_dir: str | None = None, python: str | None = None,

@@ -4,9 +4,8 @@ bytecode, its interpreter links re-created on the box, and its prefix rewritten 
 pip always runs with the machine's pip configuration switched off (PIP_CONFIG_FILE=/dev/null): an extra index
 or find-links of the packaging machine must never leak into a lock or an offline build.
 
-External programs run through `proc.run` (subprocess: install on the box waits for them) unless the caller
-passes `run_tool`, the build side's runner through `sh`. `sh` is imported inside `run_tool` only: it costs
-~75 ms to import, which install, a box command, does not pay.
+External programs run through `proc.run` (subprocess: install on the box waits for them); the build side
+passes `run=proc.run_tool` (through `sh`) to build_venv.
 """
 
 from __future__ import annotations
@@ -15,21 +14,18 @@ import base64
 import csv
 import hashlib
 import io
-import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from deploy_tool import proc
-from deploy_tool.errors import DeployError, MissingTool
+from deploy_tool.errors import DeployError
 from deploy_tool.fsutil import atomic_write
 
 # Shebangs and pyvenv.cfg of the archived venv point at this prefix; install rewrites it to the real path.
 VENV_PLACEHOLDER = "/__deploytool_venv_prefix__"
 
-Runner = Callable[..., object]  # proc.run or run_tool: (argv, *, env=..., timeout=...)
-
-log = logging.getLogger("deploytool.proc")
+Runner = Callable[..., object]  # proc.run or proc.run_tool: (argv, *, env=..., timeout=...)
 
 
 def pip_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -42,47 +38,6 @@ def pip_env(extra: dict[str, str] | None = None) -> dict[str, str]:
                 "PIP_NO_INPUT": "1"})
     env.update(extra or {})
     return env
-
-
-def tool_name(argv: Sequence[str]) -> str:
-    """How a failure names the program: `pip download` for `python -m pip download ...`, else the program."""
-    args = [str(a) for a in argv]
-    if len(args) >= 3 and args[1] == "-m":
-        return " ".join(args[2:4]) if args[2] == "pip" and len(args) > 3 else args[2]
-    return os.path.basename(args[0]) if args else "?"
-
-
-def run_tool(argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: float | None = None,
-             cwd: str | os.PathLike[str] | None = None) -> None:
-    """Run a build-side program (pip, `python -m venv`) through `sh`, its output kept for the error only.
-
-    A failure is one line naming the program and the tail of its error output (proc.CommandFailed, exit 17);
-    a missing program is MissingTool (16); running past `timeout` a DeployError that says so."""
-    import sh  # lazy: see the module's docstring
-
-    args = [str(a) for a in argv]
-    log.debug("+ %s", " ".join(args))
-    try:
-        cmd = sh.Command(args[0])
-    except sh.CommandNotFound as exc:
-        raise MissingTool(f"program not found: {args[0]}",
-                               hint="install it, or set its path in the config (bundle.python)") from exc
-    try:
-        cmd(*args[1:], _env=env, _timeout=timeout, _cwd=str(cwd) if cwd is not None else None, _tty_out=False,
-            _decode_errors="replace")
-    except sh.TimeoutException as exc:
-        raise DeployError(f"{tool_name(args)} timed out after {timeout:g}s: {' '.join(args)}") from exc
-    except (sh.ErrorReturnCode, sh.SignalException) as exc:
-        out, err = _text(exc.stdout), _text(exc.stderr)
-        code = exc.exit_code if exc.exit_code >= 0 else 128 - exc.exit_code
-        failed = proc.CommandFailed(proc.Result(tuple(args), code, out, err))
-        tail = next((ln.strip() for ln in reversed((err or out).splitlines()) if ln.strip()), "no output")
-        failed.message = f"{tool_name(args)} failed (exit {code}): {tail[:300]}"
-        raise failed from None
-
-
-def _text(b: bytes | str | None) -> str:
-    return b.decode("utf-8", "replace") if isinstance(b, bytes) else (b or "")
 
 
 def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path, *, run: Runner = proc.run) -> None:
