@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import deploy_tool.templates as tpl_pkg
 from deploy_tool import __version__
-from deploy_tool import templates as tpl_pkg
 from deploy_tool.config import (
     BACKEND_NAME_RE,
     ENV_NAME_RE,
