@@ -3,6 +3,9 @@ the venv helpers' pip environment."""
 
 from __future__ import annotations
 
+import base64
+import csv
+import hashlib
 import sys
 import time
 
@@ -53,3 +56,30 @@ def test_pip_env_drops_the_machines_pip_settings(monkeypatch):
     env = venv.pip_env({"SOURCE_DATE_EPOCH": "1"})
     assert "PIP_INDEX_URL" not in env and "PYTHONPATH" not in env
     assert env["PIP_CONFIG_FILE"] == "/dev/null" and env["SOURCE_DATE_EPOCH"] == "1"
+
+
+def test_relocate_venv_rewrites_prefix_and_keeps_record_true(tmp_path):
+    """The old prefix goes from pyvenv.cfg and bin/ text files; binaries and symlinks stay; RECORD's hash and
+    size of a rewritten file match its new bytes."""
+    old, new = "/build/tmp/venv", "/opt/box/releases/r1/venv"
+    v = tmp_path / "venv"
+    (v / "bin").mkdir(parents=True)
+    (v / "pyvenv.cfg").write_text(f"home = /usr/bin\ncommand = /usr/bin/python3 -m venv {old}\n")
+    script = v / "bin" / "tool"
+    script.write_text(f"#!{old}/bin/python\nimport sys\n")
+    script.chmod(0o755)
+    (v / "bin" / "blob").write_bytes(b"\0ELF" + old.encode())
+    (v / "bin" / "python").symlink_to("/usr/bin/python3")
+    dist = v / "lib" / "python3.11" / "site-packages" / "tool-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "RECORD").write_text("../../../bin/tool,sha256=stale,10\ntool-1.0.dist-info/RECORD,,\n")
+
+    assert venv.relocate_venv(v, old, new) == 2
+    assert script.read_text().startswith(f"#!{new}/bin/python") and script.stat().st_mode & 0o777 == 0o755
+    assert old not in (v / "pyvenv.cfg").read_text()
+    assert (v / "bin" / "blob").read_bytes() == b"\0ELF" + old.encode()
+    rows = list(csv.reader((dist / "RECORD").read_text().splitlines()))
+    data = script.read_bytes()
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    assert rows[0] == ["../../../bin/tool", f"sha256={digest}", str(len(data))]
+    assert rows[1] == ["tool-1.0.dist-info/RECORD", "", ""]
