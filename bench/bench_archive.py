@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from deploy_tool import archive  # noqa: E402
+from deploy_tool.progress import ByteCounter  # noqa: E402
 
 
 def absolute_links(tree: Path) -> set[str]:
@@ -48,8 +49,6 @@ def absolute_links(tree: Path) -> set[str]:
 
 def ours_through_zstd_cli(tree: Path, skip: set[str], out: Path) -> None:
     """The same reproducible tar stream, compressed by `zstd -T0 -3` through a pipe instead of the library."""
-    from deploy_tool.progress import ByteCounter
-
     members = archive.members_from_tree(tree, exclude=lambda n: n in skip)
     sizes = {m.name: os.stat(m.source).st_size for m in members if m.kind == "file"}  # type: ignore[arg-type]
     with open(out, "wb") as f:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from deploy_tool.pack import pip_env  # noqa: E402
+from deploy_tool.venv import pip_env  # noqa: E402
 from tests.support.demo_box import Box, bundle_in, dt, make_demo  # noqa: E402
 
 

@@ -21,13 +21,16 @@ Usage: python bench/bench_switch.py [--runs 3] [--crash-ms 300] [--json] [--keep
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import pstats
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,10 +120,6 @@ def trace(cfg: Path, *args: str) -> list[tuple[float, str]]:
 
 def profile(cfg: Path, *args: str, top: int = 30) -> list[tuple[float, str]]:
     """One CLI run under cProfile: the deploytool functions with the most cumulative (wall) time."""
-    import io
-    import pstats
-    import tempfile
-
     with tempfile.NamedTemporaryFile(suffix=".prof") as f:
         e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
         python = Box(cfg).current / "tool" / "venv" / "bin" / "python"  # the installed tool's interpreter

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from deploy_tool import config, fingerprint  # noqa: E402
+from tests.support.demo_box import bundle_in, dt, make_demo  # noqa: E402
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 DEFAULT_NCCL = REPO / ".cache/native/nccl-2.32.3/libnccl.so.2"
@@ -80,8 +81,6 @@ def read_pass(files: list[str]) -> float:
 
 def install_release(d: Path) -> Path:
     """A packed and installed (--no-start) cpu-demo box under d; returns its config."""
-    from tests.support.demo_box import bundle_in, dt, make_demo
-
     say("packing the cpu-demo bundle ...")
     cfgp = make_demo(d, sandbox_dir=None, unit_dir=d / "box-units", port=18098)
     data = yaml.safe_load(cfgp.read_text())

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from deploy_tool.errors import InputError, MissingTool, OSFailure
+import zstandard
+
+from deploy_tool.errors import InputError, OSFailure
 from deploy_tool.hashing import CHUNK, read_buffer, sha256_chunks, write_all
 from deploy_tool.manifest import check_relpath, reject, source_date_epoch
 from deploy_tool.progress import ByteCounter, ProgressFn
@@ -52,15 +54,6 @@ WRITE_AHEAD = 64 << 20  # ... with at most this many bytes read but not yet writ
 WRITERS = 4
 SINK_BATCH = 4 << 20
 SINK_DIRECT = 256 << 10
-
-
-def _zstandard():
-    try:
-        import zstandard
-    except ImportError as exc:  # pragma: no cover - a declared dependency
-        raise MissingTool("the Python package `zstandard` is not installed",
-                          hint="pip install zstandard (a deploytool dependency)") from exc
-    return zstandard
 
 
 def normal_mode(st_mode: int) -> int:
@@ -179,7 +172,6 @@ class _Sink:
         self._buf = bytearray()
         self._zw = None
         if compression == "zstd":
-            zstandard = _zstandard()
             # threads >= 1 always: zstd's multithreaded format is the same for any worker count, but differs
             # from its single-threaded one, so a fixed mode keeps archives identical across machines.
             cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=max(1, threads), write_checksum=True)
@@ -212,7 +204,7 @@ class _Sink:
     def close(self) -> None:
         self._drain()
         if self._zw is not None:
-            self._zw.flush(_zstandard().FLUSH_FRAME)
+            self._zw.flush(zstandard.FLUSH_FRAME)
             self._zw.close()
 
 
@@ -391,7 +383,6 @@ def open_tar_stream(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         if head[:4] == ZSTD_MAGIC:
             check_zstd_frames(f)
             f.seek(0)
-            zstandard = _zstandard()
             reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK, read_across_frames=True,
                                                               closefd=False)
             pre = _Prefetch(_ZstdErrors(reader, zstandard.ZstdError))
@@ -819,14 +810,3 @@ def extract_archive(archive: str | os.PathLike[str], dest: str | os.PathLike[str
         raise
     finally:
         pool.shutdown(wait=True)
-
-
-def list_archive(archive: str | os.PathLike[str]) -> list[TarEntry]:
-    """Entries of an archive (strictly parsed, data skipped)."""
-    with open_tar_stream(archive) as stream:
-        return list(TarReader(stream, what=str(archive)))
-
-
-def archive_members(names: Sequence[tuple[str, Path | bytes, int]]) -> list[Member]:
-    """Members for (name, source, mode) triples of regular files."""
-    return [Member(n, "file", src, mode) for n, src, mode in names]

@@ -144,14 +144,6 @@ class FatbinInfo:
         return tuple(e for e in self.entries
                      if e.section == RUNTIME_SECTION and (kind is None or e.kind == kind))
 
-    def arch_counts(self, kind: str, section: str = RUNTIME_SECTION) -> dict[str, int]:
-        """How many entries of `kind` each architecture has in `section` (cuobjdump lists one line each)."""
-        out: dict[str, int] = {}
-        for e in self.entries:
-            if e.kind == kind and e.section == section:
-                out[e.arch] = out.get(e.arch, 0) + 1
-        return out
-
 
 def _arch_key(arch: str) -> tuple[int, str]:
     m = re.fullmatch(r"sm_(\d+)([a-z]*)", arch)

@@ -3,7 +3,9 @@
 Each check reads a Config (and, with `inspect_files`, the files it names: the NCCL library's fatbin, the
 llama-server binary's strings, the chat template, the model's config.json) and returns Findings. The
 evidence in the messages is what the field write-ups measured; `source` says which pitfall it comes from.
-Checks never run external programs and never import heavy modules until a check needs them.
+Checks never run external programs. One import stays inside the checks that use it: binaries (the ELF and
+fatbin reader, ~45 ms to import), which only the checks that inspect a library need (`check` and a switch's
+preflight of a config without libraries to read do not pay for it).
 
 Files the config names that do not exist: on the machine a backend runs on (a `cpu` backend, or a `cuda`
 backend on a machine with an NVIDIA driver) a missing file is an error. On a machine without an NVIDIA GPU a
@@ -22,7 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend
+from deploy_tool import gguf_header, portwait
+from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend, expand
+from deploy_tool.errors import DeployError, InputError
+from deploy_tool.gguf_header import GgufHeader
+from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE, backend_env, launch_argv, render_backend
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -263,8 +269,7 @@ def check_nccl(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
         return
     if not ctx.inspect_files or not os.path.exists(lib):
         return  # the file checks report a missing library
-    from deploy_tool import binaries  # lazy: only when a library is inspected
-    from deploy_tool.errors import DeployError
+    from deploy_tool import binaries  # lazy: see the module's docstring
 
     bundled = how.startswith(("bundle", "the installed"))
     policy = cfg.bundle.nccl.arch_policy if (cfg.bundle.nccl is not None and bundled) else "exact"
@@ -517,14 +522,11 @@ def check_capacity(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
 def check_split_row(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
     if not isinstance(b, LlamacppBackend) or (b.split_mode != "row" and not _sm_row_in_args(b)):
         return
-    from deploy_tool.render import expand
-
     binary = expand(ctx.cfg, b.binary)
     count: int | None = None
     where = binary
     if ctx.inspect_files and os.path.isfile(binary):
         from deploy_tool import binaries
-        from deploy_tool.errors import DeployError
 
         try:
             counts = {f: binaries.count_strings(f, b"split_buffer") for f in llama_files(binary)}
@@ -614,9 +616,6 @@ def _gguf(ctx: _Ctx, b: Backend) -> tuple[object | None, Finding | None]:
     if not ctx.inspect_files or not b.model.endswith(".gguf") or not os.path.isfile(b.model):
         return None, None
     if b.name not in ctx.headers:
-        from deploy_tool import gguf_header
-        from deploy_tool.errors import DeployError
-
         try:
             ctx.headers[b.name] = gguf_header.read_header(b.model), None
         except DeployError as exc:
@@ -632,8 +631,6 @@ def check_gguf(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
         yield problem
     if header is None or not isinstance(b, FtllmBackend):
         return
-    from deploy_tool.gguf_header import GgufHeader
-
     assert isinstance(header, GgufHeader)
     f32 = header.f32_matrices()
     if f32:
@@ -757,8 +754,6 @@ DOWNLOAD_DANGER = ("ftllm treats a -p path that does not exist as a model NAME: 
 
 def _named_files(cfg: Config, b: Backend) -> list[tuple[str, str, str]]:
     """(what, path, kind) for the files a backend needs; kind 'dir', 'file' or 'any'."""
-    from deploy_tool.render import expand
-
     out: list[tuple[str, str, str]] = []
     if isinstance(b, FtllmBackend):
         out.append((f"backends.{b.name}.model", b.model, "any"))
@@ -789,8 +784,6 @@ def _bundle_files(cfg: Config) -> list[tuple[str, str, list[Backend]]]:
 
 def _installed_copy(cfg: Config, what: str) -> str | None:
     """The installed release's copy of a bundle input, if this machine has one (the box after `install`)."""
-    from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE
-
     rel = {"bundle.chat_template.source": BUNDLED_TEMPLATE, "bundle.nccl.library": BUNDLED_NCCL}[what]
     p = os.path.join(cfg.paths.current, rel)
     return p if os.path.isfile(p) else None
@@ -917,8 +910,6 @@ def _last_flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
 
 
 def _launch(cfg: Config, b: Backend) -> list[str]:
-    from deploy_tool.render import launch_argv  # lazy: checks import no templates until they need them
-
     # an argument systemd fills from the environment (the API key) is no flag and no value a check compares
     return [a if isinstance(a, str) else "${" + a.name + "}" for a in launch_argv(cfg, b)]
 
@@ -1104,8 +1095,6 @@ def check_port_in_use(ctx: _Ctx) -> Iterator[Finding]:
     cfg = ctx.cfg
     if not ctx.inspect_files or not ctx.on_box:
         return
-    from deploy_tool import portwait
-
     held = portwait.holders(portwait.listening_inodes(cfg.serve.port))
     units = tuple(f"/{b.unit}" for b in cfg.backends.values())
     foreign = [h for h in held if not h.cgroup.endswith(units)]
@@ -1154,8 +1143,6 @@ _HIDDEN_BY = (  # directive, the values that hide, the trees hidden, what the se
 def _unit_settings(cfg: Config, b: Backend) -> dict[str, str]:
     """The [Service] settings of the backend's rendered unit (the last value of each), DynamicUser's implications
     added: DynamicUser=yes implies PrivateTmp=yes, ProtectSystem=strict and ProtectHome=read-only."""
-    from deploy_tool.render import render_backend
-
     unit = next(f.content for f in render_backend(cfg, b) if f.kind == "unit")
     out: dict[str, str] = {}
     section = ""
@@ -1177,8 +1164,6 @@ def _server_paths(cfg: Config, b: Backend) -> list[tuple[str, str, bool]]:
     """(what, path, executable) for everything the server process itself opens: model files, the binary, the
     install root (venv, bundled chat template and NCCL under current/), preloaded libraries. Not the env files,
     config, state or units: systemd and the ExecStartPre (run as root, outside the sandboxing) read those."""
-    from deploy_tool.render import backend_env
-
     out = [(what, path, kind == "file" and what.endswith((".executable", ".binary")))
            for what, path, kind in _named_files(cfg, b) if not what.endswith(".model_config")]
     out.append(("paths.root", cfg.paths.root, False))
@@ -1262,8 +1247,6 @@ def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
     if not ctx.inspect_files:
         return
     from deploy_tool import binaries
-    from deploy_tool.errors import InputError
-    from deploy_tool.render import BUNDLED_NCCL, expand
 
     cfg = ctx.cfg
     venv = os.path.join(cfg.paths.current, "venv")

@@ -1,17 +1,22 @@
 """The health gate a backend must pass after every start: unit watched throughout, readiness, a real chat
-completion with the configured model name, and (where it can be read) what the process actually loaded."""
+completion with the configured model name, and (where it can be read) what the process actually loaded.
+After health, a switch may ask for the performance step (perf_gate): a short bench against a stored baseline."""
 
 from __future__ import annotations
 
+import os
+import select
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from deploy_tool import health
-from deploy_tool.background import Background
+from deploy_tool import fingerprint, health, perf, procfs, runtime
 from deploy_tool.config import Backend, Config
-from deploy_tool.errors import DeployError, HealthError, RuntimeTruthError
+from deploy_tool.errors import DeployError, HealthError, InputError, RuntimeTruthError, SandboxError
+from deploy_tool.manifest import Manifest
 from deploy_tool.systemd import Systemd
 
 
@@ -40,8 +45,6 @@ def base_url(cfg: Config) -> str:
 def api_key(cfg: Config) -> str | None:
     if not cfg.serve.api_key_file:
         return None
-    from pathlib import Path
-
     try:
         return Path(cfg.serve.api_key_file).read_text("utf-8").strip() or None
     except OSError:
@@ -104,15 +107,11 @@ class UnitWatch:
 
     def close(self) -> None:
         if self.fd is not None:
-            import os
-
             os.close(self.fd)
             self.fd = None
 
 
 def _readable(fd: int, timeout: float) -> bool:
-    import select
-
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(max(0, int(timeout * 1000))))
@@ -120,8 +119,6 @@ def _readable(fd: int, timeout: float) -> bool:
 
 def _pidfd(pid: int, unit: str) -> int | None:
     """A pidfd for `pid` if it is a process of `unit` (its cgroup says so), else None."""
-    import os
-
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -167,33 +164,36 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     # what the runtime-truth check below needs, gathered while the smoke completion runs (the server is ready,
     # so its startup log is complete): the unit's MainPID, the startup log, the release's pins and the hashes
     # verify cached. The mapped libraries themselves are read after the smoke (a lazily loaded one counts).
-    state = Background(lambda: sd.show(b.unit), name="gate-state")
-    # bounded by the start time, the journal holds only this start's lines: no need to wait for the invocation
-    startup_log = (Background(lambda: sd.journal(b.unit, lines=2000, since=since), name="gate-log")
-                   if since is not None else None)
-    release = Background(lambda: (release_pins(cfg, b.kind), verified_hasher(cfg, b)), name="gate-pins")
-
+    # A failed smoke does not wait for them.
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="gate")
     try:
-        smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key, timeout=cfg.health.smoke_timeout_s,
-                                        max_tokens=cfg.health.smoke_max_tokens)
-    except HealthError as exc:
-        j = journal()
-        snap = snapshot(sd, b.unit)
-        if snap.dead:
-            exc.message += f"\n  unit {b.unit} is {snap.describe()}"
-        if j and "journal tail" not in exc.message:
-            exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
-        raise
-    on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
-    st = state.result() if state.wait() is None else sd.show(b.unit)
-    if not seen and st.invocation_id:
-        seen.append(st.invocation_id)
-    report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
-                        completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
-    pins, hash_file = release.result() if release.wait() is None else (None, None)
-    truth = runtime_truth(cfg, b, st.main_pid, pins=pins, hash_file=hash_file, journal_text=(
-        startup_log.result if startup_log is not None
-        else lambda: sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000)))
+        state = pool.submit(sd.show, b.unit)
+        # bounded by the start time, the journal holds only this start's lines: no need to wait for the invocation
+        startup_log = pool.submit(sd.journal, b.unit, lines=2000, since=since) if since is not None else None
+        release = pool.submit(lambda: (release_pins(cfg, b.kind), verified_hasher(cfg, b)))
+        try:
+            smoke = health.smoke_completion(url, cfg.serve.model_name, api_key=key,
+                                            timeout=cfg.health.smoke_timeout_s, max_tokens=cfg.health.smoke_max_tokens)
+        except HealthError as exc:
+            j = journal()
+            snap = snapshot(sd, b.unit)
+            if snap.dead:
+                exc.message += f"\n  unit {b.unit} is {snap.describe()}"
+            if j and "journal tail" not in exc.message:
+                exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
+            raise
+        on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
+        st = state.result() if state.exception() is None else sd.show(b.unit)
+        if not seen and st.invocation_id:
+            seen.append(st.invocation_id)
+        report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
+                            completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
+        pins, hash_file = release.result() if release.exception() is None else (None, None)
+        truth = runtime_truth(cfg, b, st.main_pid, pins=pins, hash_file=hash_file, journal_text=(
+            startup_log.result if startup_log is not None
+            else lambda: sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000)))
+    finally:
+        pool.shutdown(wait=False)
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:
@@ -211,8 +211,6 @@ def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:
     """SHA-256 of a mapped library: the value `deploytool verify` cached for the same file (same dev, inode,
     size, mtime_ns and ctime_ns: the ExecStartPre of this very start hashed the release's libraries) or, for a
     file it never saw, computed."""
-    from deploy_tool import fingerprint
-
     return fingerprint.cached_hasher(cfg, b.name)
 
 
@@ -227,12 +225,6 @@ KIND_FAMILIES = {
 def release_pins(cfg: Config, kind: str | None = None) -> dict[str, Any]:
     """runtime.Pin per native library the release knows (venv libraries from the MANIFEST, the bundled NCCL);
     with `kind`, only the families a backend of that kind loads."""
-    import os
-    from pathlib import Path
-
-    from deploy_tool import runtime
-    from deploy_tool.manifest import Manifest
-
     cur = Path(cfg.paths.current)
     try:
         man = Manifest.from_bytes((cur / "MANIFEST").read_bytes())
@@ -254,9 +246,10 @@ def host_pid(cfg: Config, pid: int) -> int:
     """The host PID of a unit's MainPID (they differ when systemd runs in the sandbox's PID namespace)."""
     if not pid or not cfg.systemd.sandbox:
         return pid
-    from deploy_tool.sandbox import Sandbox
-
-    return Sandbox(cfg.systemd.sandbox).host_pid(pid)
+    found = procfs.host_pid(pid, procfs.sandbox_cgroup(cfg.systemd.sandbox))
+    if found is None:
+        raise SandboxError(f"no process with PID {pid} runs inside sandbox {cfg.systemd.sandbox}")
+    return found
 
 
 def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Callable[[], str],
@@ -265,8 +258,6 @@ def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Calla
     """What the running process actually loaded and what its log says fits; never raises.
 
     `pins` and `hash_file` default to release_pins(cfg, b.kind) and verified_hasher(cfg, b)."""
-    from deploy_tool import runtime
-
     try:
         pid = host_pid(cfg, main_pid)
         ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
@@ -280,3 +271,59 @@ def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Calla
     out["failures"] = [f"{f.check} {f.subject}: {f.message}" for f in rep.failures()]
     out["warnings"] = [f"{f.check} {f.subject}: {f.message}" for f in rep.findings if f.status == runtime.WARN]
     return out
+
+
+def endpoint_for(cfg: Config, *, timeout: float = perf.DEFAULT_TIMEOUT,
+                 max_request_s: float | None = None) -> perf.Endpoint:
+    """The live service of `cfg` (serve.host/port/model_name, the API key from serve.api_key_file)."""
+    return perf.Endpoint(base_url=base_url(cfg), model=cfg.serve.model_name, api_key=api_key(cfg),
+                    timeout=timeout, max_request_s=max_request_s)
+
+
+def perf_gate(cfg: Config, backend_name: str, release: str, *, fraction: float, max_tokens: int = 128,
+              runs: int = 1, warmup: int = 1, timeout: float = 60.0, on_event: Callable[[str], None] = lambda s: None,
+              endpoint: perf.Endpoint | None = None) -> tuple[bool, dict[str, Any], str]:
+    """The performance step of the gate (after health, when health.perf_gate_fraction is set): a short bench
+    (`runs` per kind, `max_tokens`) compared with the stored baseline of (release, backend).
+
+    Not ok when any kind's median decode tokens/s falls below `fraction` of the baseline's, or a request failed
+    or stalled. No baseline -> ok, with a message saying the gate was skipped. Returns (ok, figures, message);
+    figures hold per kind the current and baseline tokens/s and their ratio.
+    """
+    if not 0 < fraction <= 10:
+        raise InputError(f"performance gate fraction {fraction!r} must be a number above 0 (e.g. 0.8)")
+    state_dir = cfg.paths.state_dir
+    base = perf.load_baseline(state_dir, release, backend_name)
+    if base is None:
+        return True, {}, (f"performance gate skipped: no baseline for {backend_name} in release {release} "
+                          "(save one with `deploytool bench --save-baseline`)")
+    kinds = [k for k in base["figures"] if k in perf.PROMPTS] or list(perf.DEFAULT_KINDS)
+    budget = perf.request_budget(base["figures"], fraction=fraction, max_tokens=max_tokens)
+    if budget is not None:
+        timeout = min(timeout, budget)
+        on_event(f"performance gate: each request must finish within {budget:.1f}s (twice what {fraction:.2f} "
+                 "of the baseline pace needs)")
+    ep = endpoint or endpoint_for(cfg, timeout=timeout, max_request_s=budget)
+    res = perf.measure(ep, perf.PROMPTS, kinds, runs=runs, max_tokens=max_tokens, warmup=warmup, on_event=on_event)
+    cmp = perf.compare(res.figures(), base["figures"])
+    low = {k: c for k, c in cmp.items() if c["ratio"] is not None and c["ratio"] < fraction}
+    failed = [r for r in res.requests if not r.ok]
+    parts = []
+    for k, c in cmp.items():
+        est = "~" if c["estimated"] else ""
+        e2e = " e2e" if c["metric"] == "e2e" else ""
+        parts.append(f"{k} {est}{perf.fmt_num(c['tokens_per_s'])}{e2e} tok/s vs baseline "
+                     f"{perf.fmt_num(c['baseline_tokens_per_s'])} ({perf.fmt_num(c['ratio'], 2)})")
+    figures = {"fraction": fraction, "release": release, "backend": backend_name, "kinds": cmp,
+               "failed": [f"{r.kind}: {r.error}" for r in failed], "baseline_started": base.get("started")}
+    ok = not low and not failed
+    if ok:
+        msg = f"performance gate passed (>= {fraction:.2f} of baseline): " + "; ".join(parts)
+    else:
+        why = []
+        if low:
+            why.append("below " + f"{fraction:.2f} of baseline: " + ", ".join(sorted(low)))
+        if failed:
+            why.append(f"{len(failed)} request(s) failed: {failed[0].kind}: {failed[0].error}")
+        msg = "performance gate failed (" + "; ".join(why) + "): " + "; ".join(parts)
+    return ok, figures, msg

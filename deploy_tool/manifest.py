@@ -29,6 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
 from deploy_tool.errors import BundleError, InputError, OSFailure
 from deploy_tool.hashing import NotAFile, parallel, sha256_bytes, sha256_file
 from deploy_tool.progress import ByteCounter, ProgressFn
@@ -91,10 +95,6 @@ def hash_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True,
     except OSError as exc:
         raise InputError(f"cannot read {q(path)}: {exc.strerror}",
                          hint="check that the file exists and is readable") from exc
-
-
-def hash_bytes(data: bytes) -> str:
-    return sha256_bytes(data)
 
 
 K = TypeVar("K")
@@ -401,17 +401,8 @@ def _check_native_libs(libs: Mapping[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------- signatures
 
-def _crypto():
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
-    return ed25519, serialization, InvalidSignature
-
-
 def key_id_of(public_key: Any) -> str:
     """First 16 hex digits of SHA-256 over the raw 32-byte Ed25519 public key."""
-    _, serialization, _ = _crypto()
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return sha256_bytes(raw)[:KEY_ID_LEN]
 
@@ -446,7 +437,6 @@ def _write_atomic(path: Path, data: bytes, mode: int, *, force: bool) -> None:
 def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os.PathLike[str], *,
                      force: bool = False) -> str:
     """Write a new Ed25519 key pair (private PEM 0600, public PEM 0644), atomically; return the key id."""
-    ed25519, serialization, _ = _crypto()
     priv_p, pub_p = Path(private_path), Path(public_path)
     if not force:
         for p in (priv_p, pub_p):
@@ -466,7 +456,6 @@ def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os
 
 
 def _load_private(path: Path) -> Any:
-    ed25519, serialization, _ = _crypto()
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -521,7 +510,6 @@ def parse_signature(sig_bytes: bytes) -> tuple[str, bytes]:
 
 def load_trusted_keys(keys_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """{key_id: public key} for every *.pub PEM file in keys_dir."""
-    ed25519, serialization, _ = _crypto()
     d = Path(keys_dir)
     if not d.is_dir():
         raise reject("no-trusted-keys", f"trusted keys directory {q(d)} does not exist",
@@ -545,7 +533,6 @@ def load_trusted_keys(keys_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def verify_signature(manifest_bytes: bytes, sig_bytes: bytes, keys_dir: str | os.PathLike[str]) -> str:
     """Check MANIFEST.sig over exactly these MANIFEST bytes against the trusted keys; return the key id."""
-    _, _, InvalidSignature = _crypto()
     kid, raw = parse_signature(sig_bytes)
     keys = load_trusted_keys(keys_dir)
     key = keys.get(kid)

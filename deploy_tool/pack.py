@@ -1,45 +1,44 @@
 """What goes into a bundle, from the config: the lock, its wheels, a venv built from them offline, the patched
 chat template, the NCCL library, the rendered units and env files, and the resolved config.
 
-pip always runs with the machine's pip configuration switched off (PIP_CONFIG_FILE=/dev/null): an extra index
-or find-links of the packaging machine must never leak into a lock or an offline build.
+pip runs through `proc.run_tool` (the `sh` library: a build machine does not mind its start time), always with
+the machine's pip configuration switched off (venv.pip_env).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import proc
+import deploy_tool
+from deploy_tool import archive, bundle, proc, render
+from deploy_tool.binaries import arch_supported, read_fatbin
 from deploy_tool.config import Config
-from deploy_tool.errors import BundleError, CheckFailed, DeployError, InputError
+from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
+from deploy_tool.manifest import hash_file, hash_files, hash_native_libs
+from deploy_tool.proc import run_tool
+from deploy_tool.render import resolved_config_json
+from deploy_tool.venv import (
+    VENV_PLACEHOLDER,
+    build_venv,
+    compile_venv,
+    finish_venv,
+    pip_env,
+    relocate_venv,
+)
 
-# Shebangs and pyvenv.cfg of the archived venv point at this prefix; install rewrites it to the real path.
-VENV_PLACEHOLDER = "/__deploytool_venv_prefix__"
 WHEEL_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl$")
 LOCK_LINE_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>\S+)\s+--hash=sha256:(?P<sha>[0-9a-f]{64})\s*$")
-
-
-def pip_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    # PYTHONPATH & co. would let pip see packages outside the venv being built (for example a source checkout of
-    # deploytool) and skip installing them: the venv must come from the wheels alone.
-    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP", "VIRTUAL_ENV", "PYTHONNOUSERSITE")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in drop}
-    env["PYTHONNOUSERSITE"] = "1"
-    env.update({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1",
-                "PIP_NO_INPUT": "1"})
-    env.update(extra or {})
-    return env
 
 
 def normalize_name(name: str) -> str:
@@ -106,7 +105,7 @@ def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntr
         argv = [python or b.python, "-m", "pip", "download", "--only-binary=:all:", "-d", tmp, "-r", str(req)]
         if b.lock_mode == "exact":
             argv.append("--no-deps")
-        proc.run(argv, env=pip_env(), timeout=3600)
+        run_tool(argv, env=pip_env(), timeout=3600)
         entries = []
         for fn in sorted(os.listdir(tmp)):
             name, version = parse_wheel_name(fn)
@@ -125,8 +124,6 @@ def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntr
 
 def lock_tool(cfg: Config, *, python: str | None = None) -> list[Path]:
     """deploytool's own wheel (built reproducibly from this source tree) and its dependencies' wheels."""
-    import deploy_tool
-
     src = Path(deploy_tool.__file__).resolve().parents[1]
     if not (src / "setup.cfg").is_file():
         raise InputError("deploytool is not running from its source tree, so its wheel cannot be built here",
@@ -139,12 +136,12 @@ def lock_tool(cfg: Config, *, python: str | None = None) -> list[Path]:
         # wheel would leave those behind, and a build/ left from an earlier run carries modules deleted since
         # into the next wheel. A clean copy of what the wheel is made of is built instead.
         copy = _wheel_sources(src, Path(tmp) / "src")
-        proc.run([py, "-m", "pip", "wheel", "--no-deps", "-w", str(Path(tmp) / "out"),
+        run_tool([py, "-m", "pip", "wheel", "--no-deps", "-w", str(Path(tmp) / "out"),
                   str(copy)], env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
         whl = next((Path(tmp) / "out").glob("deploytool-*.whl"))
         for old in out.glob("deploytool-*.whl"):
             old.unlink()
-        proc.run([py, "-m", "pip", "download", "--only-binary=:all:", "-d", str(out), str(whl)], env=pip_env(),
+        run_tool([py, "-m", "pip", "download", "--only-binary=:all:", "-d", str(out), str(whl)], env=pip_env(),
                  timeout=1200)
     return sorted(out.glob("*.whl"))
 
@@ -168,15 +165,11 @@ def _wheel_sources(src: Path, dest: Path) -> Path:
 
 
 def _sha(p: Path) -> str:
-    from deploy_tool.manifest import hash_file
-
     return hash_file(p)
 
 
 def select_wheels(cfg: Config, entries: list[LockEntry], *, progress=None) -> dict[str, Path]:
     """Map every lock entry to exactly one wheel in wheels_dir whose SHA-256 matches the lock."""
-    from deploy_tool.manifest import hash_files
-
     wd = Path(cfg.bundle.wheels_dir)
     if not wd.is_dir():
         raise InputError(f"wheel directory not found: {wd}", hint="run `deploytool lock` first")
@@ -201,97 +194,10 @@ def select_wheels(cfg: Config, entries: list[LockEntry], *, progress=None) -> di
     return out
 
 
-def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path) -> None:
-    """A venv at `dest` from local wheels only: --no-index --require-hashes --no-deps (the lock is the closure)."""
-    proc.run([python, "-m", "venv", str(dest)], env=pip_env(), timeout=600)
-    proc.run([str(dest / "bin" / "python"), "-m", "pip", "install", "--no-index", "--find-links", str(wheels_dir),
-              "--require-hashes", "--no-deps", "--no-compile", "-r", str(lock_path)], env=pip_env(), timeout=3600)
-
-
 def venv_archive_excludes(venv: Path, rel: str) -> bool:
     """The interpreter links (bin/python* -> /usr/bin/python3) stay out of the archive: install re-creates them
     with `python -m venv` on the box, against the box's own interpreter."""
     return rel.startswith("bin/python") and (venv / rel).is_symlink()
-
-
-def compile_venv(venv: Path, current: str, log: Callable[[str], None] = lambda s: None) -> bool:
-    """Byte-compile the venv's Python (lib/) into checked-hash .pyc files, recording the paths the sources have
-    on the box through `current` (`<current>/venv/lib/...`), so the bytes are the same wherever the venv is
-    built: pack puts them in the venv archive and they are signed and pinned like every other file.
-
-    A backend runs with DynamicUser= and ProtectSystem=strict: it cannot write bytecode, so without these every
-    start of ftllm would compile its Python again. checked-hash .pyc files are validated against their source's
-    hash, not its mtime, so an edited source is never run from a stale .pyc (and an unpacked archive's mtimes do
-    not matter). `-f`: the timestamp-based .pyc that ensurepip left for pip itself (with the build path in them)
-    are rewritten too. A file that does not compile only costs its own speed: a warning, not a failure."""
-    python = venv / "bin" / "python"
-    try:
-        res = proc.run([str(python), "-m", "compileall", "-q", "-f", "-j", "0", "--invalidation-mode", "checked-hash",
-                        "-s", str(venv), "-p", f"{current}/venv", str(venv / "lib")], ok=(0, 1), timeout=1800,
-                       env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONHASHSEED": "0"})
-    except DeployError as exc:
-        log(f"warning: byte-compiling the venv failed, backends will compile at each start: {exc.message}")
-        return False
-    if res.returncode != 0:
-        first = next((ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()), "")
-        log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
-        return False
-    return True
-
-
-def finish_venv(python: str, venv: Path) -> None:
-    """Re-create the interpreter links and pyvenv.cfg of an unpacked venv (site-packages untouched)."""
-    proc.run([python, "-m", "venv", "--without-pip", str(venv)], env=pip_env(), timeout=600)
-
-
-def relocate_venv(venv: Path, old: str | tuple[str, ...], new: str) -> int:
-    """Rewrite the venv prefix (`old`, or each of several) in bin/ text files and pyvenv.cfg (shebangs, activate
-    scripts), and the RECORD lines of the rewritten files, so RECORD stays true and two builds at different
-    places give the same bytes."""
-    olds = [o.encode() for o in ((old,) if isinstance(old, str) else old)]
-    changed: dict[Path, bytes] = {}
-    targets = [venv / "pyvenv.cfg"] + sorted((venv / "bin").iterdir())
-    for p in targets:
-        if p.is_symlink() or not p.is_file():
-            continue
-        data = p.read_bytes()
-        if b"\0" in data[:4096] or not any(o in data for o in olds):
-            continue
-        st = p.stat()
-        for o in olds:
-            data = data.replace(o, new.encode())
-        atomic_write(p, data, st.st_mode & 0o7777)
-        changed[p.resolve()] = data
-    if changed:
-        _fix_records(venv, changed)
-    return len(changed)
-
-
-def _record_hash(data: bytes) -> str:
-    import base64
-
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
-def _fix_records(venv: Path, changed: dict[Path, bytes]) -> None:
-    import csv
-    import io
-
-    for record in sorted(venv.glob("lib/python*/site-packages/*.dist-info/RECORD")):
-        site = record.parent.parent
-        rows = list(csv.reader(io.StringIO(record.read_text("utf-8"))))
-        dirty = False
-        for row in rows:
-            if len(row) != 3:
-                continue
-            target = (site / row[0]).resolve()
-            if target in changed:
-                row[1], row[2] = _record_hash(changed[target]), str(len(changed[target]))
-                dirty = True
-        if dirty:
-            out = io.StringIO()
-            csv.writer(out, lineterminator="\n").writerows(rows)
-            atomic_write(record, out.getvalue().encode(), record.stat().st_mode & 0o7777)
 
 
 def patch_template(cfg: Config) -> tuple[bytes, bytes, dict[str, Any]] | None:
@@ -326,8 +232,6 @@ def inspect_nccl(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
     n = cfg.bundle.nccl
     if n is None:
         return None
-    from deploy_tool.binaries import arch_supported, read_fatbin
-
     lib = Path(n.library)
     info = read_fatbin(lib)
     ok, why = arch_supported(info, cfg.host.compute_capability, n.arch_policy)
@@ -338,31 +242,8 @@ def inspect_nccl(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
                  "policy": n.arch_policy, "arch_ok": ok, "forced": (not ok) and n.force, "explanation": why}
 
 
-def _plain(o: Any) -> Any:
-    if dataclasses.is_dataclass(o) and not isinstance(o, type):
-        return {f.name: _plain(getattr(o, f.name)) for f in dataclasses.fields(o)}
-    if hasattr(o, "items"):
-        return {str(k): _plain(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_plain(x) for x in o]
-    return o
-
-
-def resolved_config_json(cfg: Config) -> bytes:
-    """The config as loaded (defaults filled in, paths resolved), canonical JSON."""
-    d = _plain(cfg)
-    d.pop("source_path", None)
-    return (json.dumps(d, indent=1, sort_keys=True) + "\n").encode()
-
-
-Progress = Callable[[str, int, int], None] | None
-
-
 def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Callable[[str], None] = lambda s: None):
     """Build the signed bundle (directory + one archive) from the config; returns bundle.BundleInfo."""
-    from deploy_tool import archive, bundle, render
-    from deploy_tool.manifest import hash_file, hash_native_libs
-
     lock_path = Path(cfg.bundle.lock)
     entries = read_lock(lock_path)
     log(f"lock: {len(entries)} packages in {lock_path}")
@@ -379,7 +260,7 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         for p in wheels.values():
             os.link(p, wheel_dir / p.name) if _same_fs(p, wheel_dir) else shutil.copy2(p, wheel_dir / p.name)
         try:
-            build_venv(cfg.bundle.python, lock_path, wheel_dir, venv)
+            build_venv(cfg.bundle.python, lock_path, wheel_dir, venv, run=run_tool)
         except proc.CommandFailed as exc:
             raise BundleError(f"building the venv from the locked wheels failed: {exc.message}",
                               hint="is the lock complete (every dependency pinned)? is bundle.python right?") from None
@@ -426,8 +307,6 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
 
 def bootstrap_script() -> bytes:
     """The bundle's `bootstrap` entry point: deploy_tool/bootstrap.py as shipped in deploytool's own wheel."""
-    from importlib.resources import files
-
     return files("deploy_tool").joinpath("bootstrap.py").read_bytes()
 
 
@@ -448,5 +327,6 @@ def _same_fs(a: Path, d: Path) -> bool:
         return False
 
 
-__all__ = ["DeployError", "LockEntry", "VENV_PLACEHOLDER", "build_venv", "lock", "pack", "patch_template",
-           "read_lock", "relocate_venv", "select_wheels"]
+# The venv helpers and resolved_config_json are found here by install until it imports them from venv and render.
+__all__ = ["LockEntry", "VENV_PLACEHOLDER", "build_venv", "compile_venv", "finish_venv", "lock", "pack",
+           "patch_template", "pip_env", "read_lock", "relocate_venv", "resolved_config_json", "select_wheels"]

@@ -1,5 +1,7 @@
 """The only module that runs external programs (and the only importer of `sh`).
 
+`run` is the box's runner (subprocess wherever a timeout is given: install, verify and switch wait on it);
+`run_tool` runs the build side's programs (pip, `python -m venv` for lock, pack and rebuild) through `sh`.
 Commands are argv lists, never shell strings. Expected non-zero exits are declared by the caller
 (`ok=(0, 3)` for `systemctl is-active`). A missing program gets its own error. With verbose logging on,
 every command is logged as `+ argv...`.
@@ -94,6 +96,42 @@ def run(
     if res.returncode not in ok:
         raise CommandFailed(res)
     return res
+
+
+def tool_name(argv: Sequence[str]) -> str:
+    """How a failure names the program: `pip download` for `python -m pip download ...`, else the program."""
+    args = [str(a) for a in argv]
+    if len(args) >= 3 and args[1] == "-m":
+        return " ".join(args[2:4]) if args[2] == "pip" and len(args) > 3 else args[2]
+    return os.path.basename(args[0]) if args else "?"
+
+
+def run_tool(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
+             cwd: str | os.PathLike[str] | None = None) -> None:
+    """Run a build-side program (pip, `python -m venv`) through `sh`, where its start time does not matter
+    (`sh` watches the timeout with a thread, ~0.1 s a call); its output is kept for the error only.
+
+    A failure is one line naming the program and the tail of its error output (CommandFailed, exit 17); a
+    missing program is MissingTool (16); running past `timeout` a DeployError that says so."""
+    sh = _sh()
+    args = [str(a) for a in argv]
+    log.debug("+ %s", shlex.join(args))
+    try:
+        cmd = sh.Command(args[0])
+    except sh.CommandNotFound as exc:
+        raise _not_found(args[0]) from exc
+    try:
+        cmd(*args[1:], _env=dict(env) if env is not None else None, _timeout=timeout,
+            _cwd=str(cwd) if cwd is not None else None, _tty_out=False, _decode_errors="replace")
+    except sh.TimeoutException as exc:
+        raise DeployError(f"{tool_name(args)} timed out after {timeout:g}s: {shlex.join(args)}") from exc
+    except (sh.ErrorReturnCode, sh.SignalException) as exc:
+        out, err = _dec(exc.stdout), _dec(exc.stderr)
+        code = exc.exit_code if exc.exit_code >= 0 else 128 - exc.exit_code
+        failed = CommandFailed(Result(tuple(args), code, out, err))
+        tail = next((ln.strip() for ln in reversed((err or out).splitlines()) if ln.strip()), "no output")
+        failed.message = f"{tool_name(args)} failed (exit {code}): {tail[:300]}"
+        raise failed from None
 
 
 def _not_found(prog: str) -> MissingTool:

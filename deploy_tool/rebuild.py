@@ -13,21 +13,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy_tool import bundle
 from deploy_tool.config import Config
+from deploy_tool.manifest import hash_native_libs
+from deploy_tool.proc import run_tool
+from deploy_tool.venv import build_venv
 
 
 def rebuild(cfg: Config, bundle_path: str, *, keys_dir: str | None = None, python: str | None = None,
             log=lambda s: None) -> dict[str, Any]:
-    from deploy_tool import bundle, pack
-    from deploy_tool.manifest import hash_native_libs
-
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="deploytool-rebuild-") as tmp:
         t = Path(tmp)
         vb = bundle.verify_bundle(bundle_path, keys_dir or cfg.paths.keys_dir, staging=t / "b")
         log(f"bundle {vb.manifest.bundle_id} verified; rebuilding the venv from its wheels, offline")
         venv = t / "venv"
-        pack.build_venv(python or cfg.bundle.python, vb.root / "requirements.lock", vb.root / "wheels", venv)
+        build_venv(python or cfg.bundle.python, vb.root / "requirements.lock", vb.root / "wheels", venv, run=run_tool)
         got = hash_native_libs(venv)
         want = dict(vb.manifest.native_libs)
         rows = []

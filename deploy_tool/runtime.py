@@ -98,7 +98,7 @@ class Pin:
 
 
 @dataclass(frozen=True)
-class Finding:
+class RuntimeFinding:
     """One problem (or one thing that could not be determined) about the running backend."""
 
     check: str  # "library" | "cpu-fallback" | "capacity" | "inspect"
@@ -134,7 +134,7 @@ class LibStatus:
 @dataclass(frozen=True)
 class LibraryReport:
     rows: tuple[LibStatus, ...]
-    findings: tuple[Finding, ...]
+    findings: tuple[RuntimeFinding, ...]
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,10 @@ class CapacityReport:
         out["per_card"] = [c.to_json() for c in self.per_card]
         return out
 
-    def to_finding(self, kind: str) -> Finding | None:
+    def to_finding(self, kind: str) -> RuntimeFinding | None:
         if self.status == OK:
             return None
-        return Finding("capacity", self.status, kind, self.message)
+        return RuntimeFinding("capacity", self.status, kind, self.message)
 
 
 def worst(statuses: Iterable[str]) -> str:
@@ -458,7 +458,7 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
     running process). A hash is taken of the bytes the process maps (via /proc/<pid>/map_files when readable).
     """
     rows: list[LibStatus] = []
-    findings: list[Finding] = []
+    findings: list[RuntimeFinding] = []
     used_pins: set[str] = set()
     names = {key: _pin_names(key, pin) for key, pin in pins.items()}  # one realpath per pin, not per library
     fams = {key: _pin_family(key, n) for key, n in names.items()}
@@ -479,7 +479,7 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
             elif same_family:
                 # a family with several pinned files (ggml: base, cpu, cuda...) and this one is none of them
                 pinned = ", ".join(pins[k].path for k in sorted(same_family))
-                findings.append(Finding(
+                findings.append(RuntimeFinding(
                     "library", FAIL, lib.name,
                     f"{lib.name}: process {lib.pid} maps {lib.path}, which is none of the pinned {family} "
                     f"libraries ({pinned})", loaded_path=lib.path, pid=lib.pid,
@@ -500,7 +500,7 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
             findings.append(_deleted_finding(lib, pin.path))
             status = FAIL
         if not _same_file(lib.path, pin.path, lib):
-            findings.append(Finding(
+            findings.append(RuntimeFinding(
                 "library", FAIL, lib.name,
                 f"{lib.name}: process {lib.pid} loaded {lib.path}, but the pinned library is {pin.path}",
                 loaded_path=lib.path, pinned_path=pin.path, pid=lib.pid,
@@ -509,12 +509,12 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
             status = FAIL
         sha, why = _hash_loaded(lib, hash_file)
         if sha is None:
-            findings.append(Finding("library", UNKNOWN, lib.name,
+            findings.append(RuntimeFinding("library", UNKNOWN, lib.name,
                                     f"{lib.name}: could not determine the hash of the loaded library: {why}",
                                     loaded_path=lib.path, pinned_path=pin.path, pid=lib.pid))
             status = worst([status, UNKNOWN])
         elif sha.lower() != pin.sha256.lower():
-            findings.append(Finding(
+            findings.append(RuntimeFinding(
                 "library", FAIL, lib.name,
                 f"{lib.name}: the loaded {lib.path} has SHA-256 {sha[:16]}..., the pin for {pin.path} "
                 f"is {pin.sha256[:16]}...", loaded_path=lib.path, pinned_path=pin.path, pid=lib.pid,
@@ -532,24 +532,18 @@ def assess_libraries(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
         if fams[key] in used_single:
             continue  # the other variant of a one-file family (libfastllm_tools.so when -cpu.so is the one loaded)
         rows.append(LibStatus(os.path.basename(pin.path), None, None, True, pin.path, WARN))
-        findings.append(Finding("library", WARN, os.path.basename(pin.path),
+        findings.append(RuntimeFinding("library", WARN, os.path.basename(pin.path),
                                 f"pinned {pin.path} is not mapped by the process (not loaded yet, or not used)",
                                 pinned_path=pin.path))
     return LibraryReport(tuple(rows), tuple(findings))
 
 
-def _deleted_finding(lib: LoadedLib, pinned: str | None) -> Finding:
-    return Finding("library", FAIL, lib.name,
+def _deleted_finding(lib: LoadedLib, pinned: str | None) -> RuntimeFinding:
+    return RuntimeFinding("library", FAIL, lib.name,
                    f"{lib.name}: process {lib.pid} maps {lib.path} (deleted): the file was replaced or removed "
                    f"on disk while the process runs, so disk fingerprints no longer describe it",
                    loaded_path=lib.path, pinned_path=pinned, pid=lib.pid,
                    hint="restart the backend so it runs the installed file")
-
-
-def check_loaded(libs: Iterable[LoadedLib], pins: Mapping[str, Pin], *,
-                 hash_file: Callable[[str], str] = sha256_cached) -> list[Finding]:
-    """Findings (fail / warn / unknown) for the known native libraries in libs against pins; [] means all match."""
-    return list(assess_libraries(libs, pins, hash_file=hash_file).findings)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -572,7 +566,7 @@ def _gpu_devices(names: Iterable[str], profile: str) -> set[str]:
     return out
 
 
-def detect_cpu_fallback(kind: str, log_text: str, device_profile: str) -> Finding | None:
+def detect_cpu_fallback(kind: str, log_text: str, device_profile: str) -> RuntimeFinding | None:
     """A `fail` finding when a GPU-profile backend runs on the CPU; `unknown` when the log cannot tell; else None.
 
     ftllm: `Load libfastllm_tools-cpu.so` (its loader fell back after the CUDA library failed to load) fails;
@@ -588,26 +582,26 @@ def detect_cpu_fallback(kind: str, log_text: str, device_profile: str) -> Findin
     if kind == "ftllm":
         loads = _FT_LOAD_RE.findall(text)
         if not loads:
-            return Finding("cpu-fallback", UNKNOWN, kind,
+            return RuntimeFinding("cpu-fallback", UNKNOWN, kind,
                            f"could not determine which FastLLM library loaded: no 'Load libfastllm_tools*.so' "
                            f"line in the log (device profile {profile})",
                            hint="read the log from the start of this run (journalctl -u UNIT --since START)")
         last = loads[-1]
         if last == "libfastllm_tools-cpu.so":
-            return Finding("cpu-fallback", FAIL, kind,
+            return RuntimeFinding("cpu-fallback", FAIL, kind,
                            f"the {profile} backend fell back to the CPU: its log says 'Load {last}' "
                            f"(the CUDA library failed to load)",
                            hint="see 'FastLLM load errors' in the log; check the CUDA runtime and NCCL paths")
         return None
     if kind == "llamacpp":
         if _LL_NO_GPU_RE.search(text):
-            return Finding("cpu-fallback", FAIL, kind,
+            return RuntimeFinding("cpu-fallback", FAIL, kind,
                            f"the {profile} backend runs on the CPU: llama-server says 'no usable GPU found'",
                            hint="the GPU backend library did not load; check the build and the driver")
         offloaded = _LL_OFFLOADED_RE.findall(text)
         if offloaded and int(offloaded[-1][0]) == 0:
             n, total = offloaded[-1]
-            return Finding("cpu-fallback", FAIL, kind,
+            return RuntimeFinding("cpu-fallback", FAIL, kind,
                            f"the {profile} backend offloads nothing: llama-server says 'offloaded {n}/{total} "
                            f"layers to GPU'", hint="set -ngl (n_gpu_layers) and check the GPU is visible")
         buffers = set(_LL_BUFFER_RE.findall(text))
@@ -615,18 +609,18 @@ def detect_cpu_fallback(kind: str, log_text: str, device_profile: str) -> Findin
         if gpu:
             return None
         if buffers:
-            return Finding("cpu-fallback", FAIL, kind,
+            return RuntimeFinding("cpu-fallback", FAIL, kind,
                            f"the {profile} backend keeps its model and KV buffers in host memory only "
                            f"({', '.join(sorted(buffers))}): no GPU device is used")
         devices = set(_LL_DEVICE_INFO_RE.findall(text))
         if devices and not _gpu_devices(devices, profile):
-            return Finding("cpu-fallback", FAIL, kind,
+            return RuntimeFinding("cpu-fallback", FAIL, kind,
                            f"llama-server sees no {profile.upper()} device (devices: {', '.join(sorted(devices))})")
-        return Finding("cpu-fallback", UNKNOWN, kind,
+        return RuntimeFinding("cpu-fallback", UNKNOWN, kind,
                        "could not determine whether llama-server uses the GPU: the log has no buffer or "
                        "offload lines", hint="run llama-server with -lv 4 (LLAMA_ARG_LOG_VERBOSITY=4) so its "
                                              "load lines are logged")
-    return Finding("cpu-fallback", UNKNOWN, kind, f"unknown backend kind {kind!r}: cannot check for CPU fallback")
+    return RuntimeFinding("cpu-fallback", UNKNOWN, kind, f"unknown backend kind {kind!r}: cannot check for CPU fallback")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -798,7 +792,7 @@ class RuntimeReport:
     pid: int
     kind: str
     libraries: tuple[LibStatus, ...]
-    findings: tuple[Finding, ...]
+    findings: tuple[RuntimeFinding, ...]
     capacity: CapacityReport | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -806,7 +800,7 @@ class RuntimeReport:
     def status(self) -> str:
         return worst([f.status for f in self.findings])
 
-    def failures(self) -> list[Finding]:
+    def failures(self) -> list[RuntimeFinding]:
         return [f for f in self.findings if f.status == FAIL]
 
     def to_rows(self) -> list[dict[str, str]]:
@@ -844,12 +838,12 @@ def inspect_runtime(pid: int, *, kind: str, pins: Mapping[str, Pin],
     """Inspect a running backend; never raises for a vanished process, unreadable /proc or an unknown log.
 
     `log_text` may be a function, called once the libraries are assessed (a log read in the background)."""
-    findings: list[Finding] = []
+    findings: list[RuntimeFinding] = []
     rows: tuple[LibStatus, ...] = ()
     try:
         libs = loaded_libraries(pid, include_children=include_children, proc=proc)
     except InspectError as exc:
-        findings.append(Finding("inspect", UNKNOWN, f"pid {pid}", f"could not determine the loaded libraries: "
+        findings.append(RuntimeFinding("inspect", UNKNOWN, f"pid {pid}", f"could not determine the loaded libraries: "
                                 f"{exc.message}", pid=pid, hint=exc.hint))
     else:
         report = assess_libraries(libs, pins, hash_file=hash_file)

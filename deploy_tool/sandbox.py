@@ -26,7 +26,7 @@ PID (1), anything else by membership in this sandbox's own sub-cgroup.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import fcntl
 import json
 import os
 import shutil
@@ -38,7 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import proc
+from deploy_tool import proc, procfs
 from deploy_tool.errors import DeployError, MissingTool, SandboxError
 
 MARKER = ".deploytool-sandbox"
@@ -95,34 +95,8 @@ class _Proc:
     start: int  # clock ticks since boot, field 22 of /proc/PID/stat; guards against PID reuse
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return None
-
-
-def _start_time(pid: int) -> int | None:
-    stat = _read(Path(f"/proc/{pid}/stat"))
-    if stat is None:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    # fields[0] is field 3 (state); the start time is field 22; a zombie is as good as gone
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def _ns_pid(pid: int) -> list[int]:
-    status = _read(Path(f"/proc/{pid}/status")) or ""
-    for line in status.splitlines():
-        if line.startswith("NSpid:"):
-            return [int(x) for x in line.split()[1:]]
-    return []
-
-
 def _alive(p: _Proc) -> bool:
-    return _start_time(p.pid) == p.start
+    return procfs.start_time(p.pid) == p.start
 
 
 def _children(pid: int) -> list[int]:
@@ -130,7 +104,7 @@ def _children(pid: int) -> list[int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        stat = _read(Path(entry.path, "stat"))
+        stat = procfs.read(Path(entry.path, "stat"))
         if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             out.append(int(entry.name))
     return out
@@ -184,7 +158,7 @@ class Sandbox:
         self.up_timeout = up_timeout
         self.down_timeout = down_timeout
         self.lock_timeout = lock_timeout
-        self.cgroup_name = "deploytool-sandbox-" + hashlib.sha256(str(self.dir).encode()).hexdigest()[:12]
+        self.cgroup_name = procfs.sandbox_cgroup(self.dir)
         self._launcher: object | None = None  # Popen of the launcher when this object started it (to reap it)
 
     # ----------------------------------------------------------------- paths
@@ -241,7 +215,7 @@ class Sandbox:
     # ----------------------------------------------------------------- state
 
     def _load_state(self) -> dict[str, int] | None:
-        text = _read(self._state_file)
+        text = procfs.read(self._state_file)
         if text is None:
             return None
         try:
@@ -251,7 +225,7 @@ class Sandbox:
             return None  # damaged: treated like a lost state file (the cgroup scan still finds our processes)
 
     def _recorded_cgroups(self) -> list[Path]:
-        text = _read(self._cgroups_file) or ""
+        text = procfs.read(self._cgroups_file) or ""
         return [Path(line) for line in text.splitlines() if line.strip()]
 
     def _our_cgroups(self) -> list[Path]:
@@ -275,24 +249,23 @@ class Sandbox:
         for cg in self._our_cgroups() if cgroups is None else cgroups:
             for top, _, files in os.walk(cg):
                 if "cgroup.procs" in files:
-                    text = _read(Path(top, "cgroup.procs")) or ""
+                    text = procfs.read(Path(top, "cgroup.procs")) or ""
                     pids.update(int(x) for x in text.split())
         return pids
 
     def _in_our_cgroup(self, pid: int) -> bool:
-        text = _read(Path(f"/proc/{pid}/cgroup")) or ""
-        return any(f"/{self.cgroup_name}" in line for line in text.splitlines())
+        return procfs.in_cgroup(pid, self.cgroup_name)
 
     def _pid1(self) -> _Proc | None:
         """Our running PID 1 if there is one: from state.json (checked against PID reuse), else by cgroup scan."""
         st = self._load_state()
         if st is not None:
             p = _Proc(st["pid"], st["pid_start"])
-            if _alive(p) and _ns_pid(p.pid)[-1:] == [1]:
+            if _alive(p) and procfs.ns_pids(p.pid)[-1:] == [1]:
                 return p
         for pid in self._cgroup_pids():
-            start = _start_time(pid)
-            if start is not None and len(_ns_pid(pid)) > 1 and _ns_pid(pid)[-1] == 1 and self._in_our_cgroup(pid):
+            start = procfs.start_time(pid)
+            if start is not None and len(procfs.ns_pids(pid)) > 1 and procfs.ns_pids(pid)[-1] == 1 and self._in_our_cgroup(pid):
                 return _Proc(pid, start)
         return None
 
@@ -349,10 +322,9 @@ class Sandbox:
     def host_pid(self, ns_pid: int) -> int:
         """Host PID of the process that has PID `ns_pid` inside the sandbox (for example a unit's MainPID)."""
         self._require_up()
-        for pid in self._cgroup_pids():
-            nspids = _ns_pid(pid)
-            if len(nspids) > 1 and nspids[-1] == ns_pid and self._in_our_cgroup(pid):
-                return pid
+        pid = procfs.host_pid(ns_pid, self.cgroup_name)
+        if pid is not None:
+            return pid
         raise SandboxError(f"no process with PID {ns_pid} runs inside sandbox {self.dir}")
 
     @property
@@ -452,7 +424,7 @@ class Sandbox:
             if popen.poll() is not None:
                 raise SandboxError(f"the sandbox launcher exited with code {popen.returncode} before systemd started",
                                    hint=f"see {self.dir / 'launcher.log'}")
-            if (_read(Path(f"/proc/{launcher}/comm")) or "").strip() == "unshare":
+            if (procfs.read(Path(f"/proc/{launcher}/comm")) or "").strip() == "unshare":
                 kids = _children(launcher)
                 if kids:
                     pid1 = kids[0]
@@ -460,8 +432,8 @@ class Sandbox:
             time.sleep(0.005)
         if pid1 is None:
             raise SandboxError("systemd did not start in the sandbox within 10 s", hint=f"see {self.dir / 'launcher.log'}")
-        l_start = _start_time(launcher)
-        p_start = _start_time(pid1)
+        l_start = procfs.start_time(launcher)
+        p_start = procfs.start_time(pid1)
         if l_start is None or p_start is None:
             raise SandboxError("the sandbox's PID 1 exited right after it started", hint=f"see {self.dir / 'console.log'}")
         _write_atomic(self._state_file, json.dumps({"pid": pid1, "pid_start": p_start, "launcher": launcher,
@@ -490,7 +462,7 @@ class Sandbox:
     def _log_tail(self, lines: int = 20) -> str:
         out = []
         for name in ("launcher.log", "console.log"):
-            text = _read(self.dir / name)
+            text = procfs.read(self.dir / name)
             if text and text.strip():
                 out.append(f"--- {name}\n" + "\n".join(text.strip().splitlines()[-lines:]))
         return "\n".join(out)
@@ -558,8 +530,8 @@ class Sandbox:
         killed: list[int] = []
         for _ in range(3):
             procs = []
-            for pid in sorted(self._cgroup_pids(), key=lambda x: _ns_pid(x)[-1:] != [1]):
-                start = _start_time(pid)
+            for pid in sorted(self._cgroup_pids(), key=lambda x: procfs.ns_pids(x)[-1:] != [1]):
+                start = procfs.start_time(pid)
                 if start is None or not self._in_our_cgroup(pid):
                     continue
                 with contextlib.suppress(ProcessLookupError):
@@ -605,8 +577,6 @@ class Sandbox:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Serialize up/down of one sandbox directory between processes (flock on DIR/.deploytool-sandbox.lock)."""
-        import fcntl
-
         fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + self.lock_timeout
@@ -631,11 +601,3 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
-
-
-def sandbox_dirs_under(parent: Path) -> Iterator[Path]:
-    """Sandbox directories directly inside `parent` (for sweeping up after killed test runs)."""
-    if parent.is_dir():
-        for d in sorted(parent.iterdir()):
-            if (d / MARKER).is_file():
-                yield d

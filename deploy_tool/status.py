@@ -6,15 +6,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+import click
+
+from deploy_tool import fingerprint, health
+from deploy_tool import systemd as systemd_mod
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError
+from deploy_tool.gate import api_key, base_url, runtime_truth
+from deploy_tool.state import Store
 
 
 def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
-    from deploy_tool import systemd as systemd_mod
-    from deploy_tool.gate import base_url
-    from deploy_tool.state import Store
-
     store = Store(cfg.paths.state_dir)
     st = store.load()
     cur = Path(cfg.paths.current)
@@ -40,17 +42,12 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
     except DeployError as exc:
         rep["systemd_error"] = exc.message
     rep["health"] = _health(cfg, st.active_backend)
-    try:
-        from deploy_tool import fingerprint
-
-        for name in sorted(cfg.backends):
-            try:
-                v = fingerprint.verify(cfg, cfg.backends[name])
-                rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
-            except DeployError as exc:
-                rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
-    except ImportError:
-        pass
+    for name in sorted(cfg.backends):
+        try:
+            v = fingerprint.verify(cfg, cfg.backends[name])
+            rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
+        except DeployError as exc:
+            rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
     return rep
@@ -75,9 +72,6 @@ def boot_enablement(sd: Any, unit: str) -> str:
 def _health(cfg: Config, active: str | None) -> dict[str, Any]:
     if not active or active not in cfg.backends:
         return {"ok": False, "detail": "no active backend"}
-    from deploy_tool import health
-    from deploy_tool.gate import api_key, base_url
-
     b = cfg.backends[active]
     try:
         r = health.wait_ready(b.kind, base_url(cfg), cfg.serve.model_name, api_key=api_key(cfg),
@@ -90,14 +84,11 @@ def _health(cfg: Config, active: str | None) -> dict[str, Any]:
 def _runtime(cfg: Config, name: str, pid: int) -> dict[str, Any]:
     if not pid:
         return {"status": "unknown", "rows": [], "detail": "no main process"}
-    from deploy_tool.gate import runtime_truth
-    from deploy_tool.systemd import for_config
-
     b = cfg.backends[name]
 
     def journal() -> str:
         try:
-            return for_config(cfg).journal(b.unit, lines=2000)
+            return systemd_mod.for_config(cfg).journal(b.unit, lines=2000)
         except DeployError:
             return ""
 
@@ -105,8 +96,6 @@ def _runtime(cfg: Config, name: str, pid: int) -> dict[str, Any]:
 
 
 def format_status(rep: dict[str, Any]) -> str:
-    import click
-
     def ok(flag: bool) -> str:
         return click.style("ok", fg="green") if flag else click.style("FAIL", fg="red", bold=True)
 

@@ -152,9 +152,9 @@ class Switcher:
         frac = self.cfg.health.perf_gate_fraction
         if frac is None or not release:
             return
-        from deploy_tool import bench
+        from deploy_tool.gate import perf_gate
 
-        ok, figures, message = bench.perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
+        ok, figures, message = perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
         self.log(f"{target.name}: performance gate: {message}")
         if not ok:
             raise PerformanceError(f"{target.name} is below {frac:.0%} of its baseline: {message}",

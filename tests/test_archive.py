@@ -266,11 +266,12 @@ def test_extracted_modes_are_normalized(tmp_path: Path) -> None:
     assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
 
 
-def test_list_archive(tmp_path: Path) -> None:
-    """list_archive returns the strictly parsed entries with kinds and symlink targets."""
+def test_reader_lists_entries_with_kinds_and_targets(tmp_path: Path) -> None:
+    """The strict reader yields every entry with its kind, mode and symlink target (long names too)."""
     venv = make_venv_tree(tmp_path / "venv")
     a = archive.archive_tree(venv, tmp_path / "v.tar.zst")
-    entries = {e.name: e for e in archive.list_archive(a)}
+    with archive.open_tar_stream(a) as stream:
+        entries = {e.name: e for e in archive.TarReader(stream)}
     assert entries["bin/python"].kind == "symlink" and entries["bin/python"].target == "python3"
     assert entries["bin/python3"].mode == 0o755
     assert any(len(n) > 100 for n in entries)

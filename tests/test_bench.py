@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy_tool import bench, pngchart
+from deploy_tool import bench, gate, perf, pngchart
 from deploy_tool.errors import ExitCode, InputError
 from deploy_tool.health import wait_ready
 from tests.support import backends
@@ -71,37 +71,37 @@ def show(title: str, rows: list[str]) -> None:
 
 def test_median_rate_and_ttft_math() -> None:
     """median ignores None and averages the middle pair; rates need positive time; TTFT is first-piece minus send."""
-    assert bench.median([3.0, None, 1.0, 2.0]) == 2.0
-    assert bench.median([4.0, 1.0, 3.0, 2.0]) == 2.5
-    assert bench.median([None, None]) is None
-    assert bench.tokens_per_second(512, 2.0) == 256.0
-    assert bench.tokens_per_second(512, 0.0) is None
-    assert bench.tokens_per_second(None, 1.0) is None
-    assert bench.decode_rate(101, 10.0, 10.5) == pytest.approx(200.0)  # 100 tokens after the first
-    assert bench.decode_rate(32, 0.0, 0.016, pieces=5) == pytest.approx(1600.0)  # packed: 4/5 after the first
-    assert bench.decode_rate(100, 1.0, 1.001, pieces=3) is None  # one burst: no measurable span
-    assert bench.decode_rate(50, 1.0, 2.0, pieces=1) is None
-    assert bench.decode_rate(1, 10.0, 10.0) is None
-    assert bench.ttft(100.0, 100.25) == pytest.approx(0.25)
-    assert bench.ttft(100.0, None) is None
-    assert bench.ratio(80.0, 100.0) == pytest.approx(0.8)
-    assert bench.ratio(80.0, 0.0) is None
-    assert bench.acceptance(372, 1) == pytest.approx(1 / 372)
-    assert bench.acceptance(0, 0) is None
+    assert perf.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert perf.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert perf.median([None, None]) is None
+    assert perf.tokens_per_second(512, 2.0) == 256.0
+    assert perf.tokens_per_second(512, 0.0) is None
+    assert perf.tokens_per_second(None, 1.0) is None
+    assert perf.decode_rate(101, 10.0, 10.5) == pytest.approx(200.0)  # 100 tokens after the first
+    assert perf.decode_rate(32, 0.0, 0.016, pieces=5) == pytest.approx(1600.0)  # packed: 4/5 after the first
+    assert perf.decode_rate(100, 1.0, 1.001, pieces=3) is None  # one burst: no measurable span
+    assert perf.decode_rate(50, 1.0, 2.0, pieces=1) is None
+    assert perf.decode_rate(1, 10.0, 10.0) is None
+    assert perf.ttft(100.0, 100.25) == pytest.approx(0.25)
+    assert perf.ttft(100.0, None) is None
+    assert perf.ratio(80.0, 100.0) == pytest.approx(0.8)
+    assert perf.ratio(80.0, 0.0) is None
+    assert perf.acceptance(372, 1) == pytest.approx(1 / 372)
+    assert perf.acceptance(0, 0) is None
 
 
 def test_summary_takes_medians_of_successful_requests_and_marks_partial() -> None:
     """A kind's median leaves a stalled request out, but the summary is marked partial and counts it."""
-    rs = [bench.RequestResult("code", 0, ok=True, tokens_per_s=100.0, ttft_s=0.1, completion_tokens=64),
-          bench.RequestResult("code", 1, ok=False, partial=True, tokens_per_s=5.0, ttft_s=9.0, completion_tokens=3),
-          bench.RequestResult("code", 2, ok=True, tokens_per_s=120.0, ttft_s=0.3, completion_tokens=64,
+    rs = [perf.RequestResult("code", 0, ok=True, tokens_per_s=100.0, ttft_s=0.1, completion_tokens=64),
+          perf.RequestResult("code", 1, ok=False, partial=True, tokens_per_s=5.0, ttft_s=9.0, completion_tokens=3),
+          perf.RequestResult("code", 2, ok=True, tokens_per_s=120.0, ttft_s=0.3, completion_tokens=64,
                               draft_n=10, draft_accepted=7)]
-    s = bench.summarize("code", rs)
+    s = perf.summarize("code", rs)
     assert (s.requests, s.ok, s.partial) == (3, 2, True)
     assert s.tokens_per_s == pytest.approx(110.0)
     assert s.ttft_s == pytest.approx(0.2)
     assert s.acceptance == pytest.approx(0.7)
-    only_bad = bench.summarize("code", rs[1:2])
+    only_bad = perf.summarize("code", rs[1:2])
     assert only_bad.tokens_per_s == 5.0 and only_bad.partial
 
 
@@ -153,7 +153,7 @@ def test_llamacpp_client_figures_agree_with_server_timings(llama: backends.Serve
     """Against real llama-server: usage tokens = timings.predicted_n = max_tokens; the client's total time and
     (median) decode rate agree with the server's own timings within a few percent, each request's within 10%
     (the first piece's delivery jitters when the 2 cores are busy), and TTFT comes after the server's prefill."""
-    ep = bench.Endpoint(llama.base_url, NAME, timeout=60)
+    ep = perf.Endpoint(llama.base_url, NAME, timeout=60)
     res = bench.run_bench(ep, backend="llamacpp", release="test", runs=3, max_tokens=256)
     rows, rate_ratios, total_ratios = [], [], []
     for r in res.requests:
@@ -172,10 +172,10 @@ def test_llamacpp_client_figures_agree_with_server_timings(llama: backends.Serve
         assert r.ttft_s * 1000 >= t["prompt_ms"] * 0.95  # the first token comes after the prefill
     show("llama-server 24M F16, 256 tokens (client vs server timings):", rows)
     print(bench.format_table(res))
-    assert bench.median(rate_ratios) == pytest.approx(1.0, abs=0.05), rows
+    assert perf.median(rate_ratios) == pytest.approx(1.0, abs=0.05), rows
     assert all(abs(x - 1) < 0.10 for x in rate_ratios), rows
     assert all(1.0 <= x < 1.08 for x in total_ratios), rows  # the client also waits for the network
-    assert bench.median(total_ratios) < 1.03, rows
+    assert perf.median(total_ratios) < 1.03, rows
     assert set(res.kinds) == {"code", "math", "prose"} and not res.partial and not res.estimated
 
 
@@ -185,7 +185,7 @@ def test_ftllm_tokens_come_from_usage(models: dict[str, Path], tmp_path: Path) -
     """Against real ftllm (no timings in its answers): token counts come from usage, not from pieces, and the
     client's rates are consistent with them."""
     with live("ftllm", models["24m"], tmp_path) as srv:
-        ep = bench.Endpoint(srv.base_url, NAME, timeout=120)
+        ep = perf.Endpoint(srv.base_url, NAME, timeout=120)
         res = bench.run_bench(ep, backend="ftllm", release="test", runs=1, max_tokens=32)
     rows = []
     for r in res.requests:
@@ -203,7 +203,7 @@ def test_ftllm_tokens_come_from_usage(models: dict[str, Path], tmp_path: Path) -
 def test_prefix_cache_rounds_on_llamacpp(llama: backends.Server) -> None:
     """A ~1000-token shared prefix: warm rounds reuse the cache (cached tokens from usage = timings.cache_n)
     and answer faster than the cold first round."""
-    ep = bench.Endpoint(llama.base_url, NAME, timeout=60)
+    ep = perf.Endpoint(llama.base_url, NAME, timeout=60)
     p = bench.run_prefix(ep, rounds=4, prefix_tokens=1000, max_tokens=8)
     rows = [f"round {i + 1}: ttft {r.ttft_s:.3f}s, prompt {r.prompt_tokens}, cached {r.cached_tokens} "
             f"(cache_n {r.server_timings['cache_n']})" for i, r in enumerate(p.rounds)]
@@ -221,7 +221,7 @@ def test_prefix_cache_rounds_on_llamacpp(llama: backends.Server) -> None:
 def test_needle_lengths_on_llamacpp_and_recall_logic(llama: backends.Server) -> None:
     """Needle prompts land near the asked lengths on a real server (a random model does not recall); a server
     that answers with the code counts as recalled."""
-    ep = bench.Endpoint(llama.base_url, NAME, timeout=60)
+    ep = perf.Endpoint(llama.base_url, NAME, timeout=60)
     out = bench.run_needle(ep, [300, 1500], max_tokens=8)
     show("needle, llama-server:", [f"{n.target_tokens}: {n.prompt_tokens} prompt tokens, prefill "
                                    f"{n.prefill_tokens_per_s:.0f} tok/s, recalled {n.recalled}" for n in out])
@@ -230,7 +230,7 @@ def test_needle_lengths_on_llamacpp_and_recall_logic(llama: backends.Server) -> 
         assert abs(n.prompt_tokens - n.target_tokens) / n.target_tokens < 0.15
         assert not n.recalled  # random weights
     with stub_server() as s:
-        got = bench.run_needle(bench.Endpoint(s.base_url, STUB_MODEL, timeout=10), [200], max_tokens=4)
+        got = bench.run_needle(perf.Endpoint(s.base_url, STUB_MODEL, timeout=10), [200], max_tokens=4)
     assert got[0].recalled and "MAPLE-4416" in got[0].answer
 
 
@@ -241,7 +241,7 @@ def test_draft_acceptance_from_llamacpp_timings(models: dict[str, Path], tmp_pat
     and the /metrics counters over the run agree exactly with the per-request timings."""
     with live("llamacpp", models["24m"], tmp_path,
               extra=("-md", str(models["24m"]), "--spec-type", "draft-simple", "--metrics")) as srv:
-        res = bench.run_bench(bench.Endpoint(srv.base_url, NAME, timeout=60), backend="llamacpp", release="t",
+        res = bench.run_bench(perf.Endpoint(srv.base_url, NAME, timeout=60), backend="llamacpp", release="t",
                               kinds=["code"], runs=1, max_tokens=64)
     r = res.requests[0]
     show("self-drafting llama-server:", [f"draft_n {r.draft_n}, accepted {r.draft_accepted}, "
@@ -259,7 +259,7 @@ def test_stall_mid_stream_times_out_and_the_run_goes_on() -> None:
     """A server stuck mid-stream: that request ends after the timeout with its pieces kept and marked partial;
     the following requests run normally."""
     with stub_server(stall_requests={1}, stall_after=3) as s:
-        ep = bench.Endpoint(s.base_url, STUB_MODEL, timeout=1.0)
+        ep = perf.Endpoint(s.base_url, STUB_MODEL, timeout=1.0)
         res = bench.run_bench(ep, backend="stub", release="t", kinds=["code", "math"], runs=2, max_tokens=20)
         assert s.cfg.requests == 4
     first = res.requests[0]
@@ -277,8 +277,8 @@ def test_stall_mid_stream_times_out_and_the_run_goes_on() -> None:
 def test_whole_request_limit_cuts_a_trickling_server() -> None:
     """A server that keeps sending, but too slowly for the whole-request limit, is cut off and marked partial."""
     with stub_server(token_delay=0.25) as s:
-        ep = bench.Endpoint(s.base_url, STUB_MODEL, timeout=5, max_request_s=1.0)
-        r = bench.stream_chat(ep, [{"role": "user", "content": "hi"}], max_tokens=40)
+        ep = perf.Endpoint(s.base_url, STUB_MODEL, timeout=5, max_request_s=1.0)
+        r = perf.stream_chat(ep, [{"role": "user", "content": "hi"}], max_tokens=40)
     assert not r.ok and r.partial and r.error.startswith("exceeded 1s for the request after ")
     assert 2 <= r.pieces <= 5 and r.total_s is not None and r.total_s < 2
 
@@ -286,7 +286,7 @@ def test_whole_request_limit_cuts_a_trickling_server() -> None:
 def test_no_usage_marks_token_counts_estimated() -> None:
     """A server sending no usage: tokens are counted from the stream's pieces and every figure says estimated."""
     with stub_server(usage=False) as s:
-        res = bench.run_bench(bench.Endpoint(s.base_url, STUB_MODEL, timeout=10), backend="stub", release="t",
+        res = bench.run_bench(perf.Endpoint(s.base_url, STUB_MODEL, timeout=10), backend="stub", release="t",
                               kinds=["prose"], runs=2, max_tokens=24)
     for r in res.requests:
         assert r.ok and r.tokens_estimated and r.completion_tokens == r.pieces == 24
@@ -302,10 +302,10 @@ def test_unreachable_service_and_wrong_model_stop_the_run() -> None:
 
     port = backends.free_port()
     with pytest.raises(HealthError, match="cannot reach the service"):
-        bench.run_bench(bench.Endpoint(f"http://127.0.0.1:{port}", "x", timeout=2), backend="b", release="r",
+        bench.run_bench(perf.Endpoint(f"http://127.0.0.1:{port}", "x", timeout=2), backend="b", release="r",
                         runs=1)
     with stub_server() as s, pytest.raises(HealthError, match="404 for model 'other'"):
-        bench.run_bench(bench.Endpoint(s.base_url, "other", timeout=2), backend="b", release="r", runs=1)
+        bench.run_bench(perf.Endpoint(s.base_url, "other", timeout=2), backend="b", release="r", runs=1)
 
 
 # --------------------------------------------------------------------------------------------- baselines, gate
@@ -315,7 +315,7 @@ def test_baseline_save_load_compare(tmp_path: Path) -> None:
     from deploy_tool.errors import PerformanceError
 
     with stub_server(token_delay=0.002) as s:
-        ep = bench.Endpoint(s.base_url, STUB_MODEL, timeout=1)
+        ep = perf.Endpoint(s.base_url, STUB_MODEL, timeout=1)
         fast = bench.run_bench(ep, backend="llamacpp-tensor", release="r1", kinds=["code"], runs=2, max_tokens=30)
         path = bench.save_baseline(tmp_path, fast)
         assert path == tmp_path / "bench" / "r1" / "llamacpp-tensor.json"
@@ -325,25 +325,25 @@ def test_baseline_save_load_compare(tmp_path: Path) -> None:
         s.cfg.stall_requests = {s.cfg.requests + 1}
         stalled = bench.run_bench(ep, backend="llamacpp-tensor", release="r1", kinds=["code"], runs=1,
                                   max_tokens=30)
-    base = bench.load_baseline(tmp_path, "r1", "llamacpp-tensor")
+    base = perf.load_baseline(tmp_path, "r1", "llamacpp-tensor")
     assert base is not None and base["figures"]["code"]["tokens_per_s"] == pytest.approx(fast.kinds["code"].tokens_per_s)
-    cmp = bench.compare(slow.figures(), base["figures"])
+    cmp = perf.compare(slow.figures(), base["figures"])
     assert cmp["code"]["ratio"] < 0.6 and cmp["code"]["metric"] == "decode", cmp
     burst = {"code": {"tokens_per_s": None, "e2e_tokens_per_s": 50.0}}
-    assert bench.compare(burst, {"code": {"tokens_per_s": 90.0, "e2e_tokens_per_s": 100.0}})["code"]["ratio"] == 0.5
+    assert perf.compare(burst, {"code": {"tokens_per_s": 90.0, "e2e_tokens_per_s": 100.0}})["code"]["ratio"] == 0.5
     assert "change" in bench.format_table(slow, cmp)
-    assert bench.load_baseline(tmp_path, "r2", "llamacpp-tensor") is None
+    assert perf.load_baseline(tmp_path, "r2", "llamacpp-tensor") is None
     with pytest.raises(PerformanceError, match="baseline not saved: 1 of 1 requests failed or stalled"):
         bench.save_baseline(tmp_path, stalled)
     assert json.loads(path.read_text())["figures"] == base["figures"]  # the good baseline is untouched
     with pytest.raises(InputError, match="cannot name a baseline file"):
-        bench.baseline_path(tmp_path, "../etc", "x")
+        perf.baseline_path(tmp_path, "../etc", "x")
 
 
 def test_perf_gate_without_baseline_is_ok_and_says_so(tmp_path: Path) -> None:
     """No stored baseline: the gate passes without sending a request and says it was skipped."""
     cfg = cfg_at(tmp_path, backends.free_port())
-    ok, figures, msg = bench.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.8)
+    ok, figures, msg = gate.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.8)
     assert ok and figures == {} and "skipped: no baseline for llamacpp-tensor in release r1" in msg
 
 
@@ -352,10 +352,10 @@ def test_request_budget_math() -> None:
     figs = {"code": {"tokens_per_s": 50.0, "ttft_s": 0.2}, "math": {"tokens_per_s": 100.0, "ttft_s": 0.1},
             "prose": {"tokens_per_s": None, "e2e_tokens_per_s": None}}
     # code: (0.2 + 100/50) / 0.5 = 4.4 s -> 2 * 4.4 + 1
-    assert bench.request_budget(figs, fraction=0.5, max_tokens=100) == pytest.approx(9.8)
-    assert bench.request_budget({"code": {"tokens_per_s": None, "e2e_tokens_per_s": 20.0, "ttft_s": None}},
+    assert perf.request_budget(figs, fraction=0.5, max_tokens=100) == pytest.approx(9.8)
+    assert perf.request_budget({"code": {"tokens_per_s": None, "e2e_tokens_per_s": 20.0, "ttft_s": None}},
                                 fraction=1.0, max_tokens=40) == pytest.approx(5.0)
-    assert bench.request_budget({"code": {"tokens_per_s": None}}, fraction=0.5, max_tokens=10) is None
+    assert perf.request_budget({"code": {"tokens_per_s": None}}, fraction=0.5, max_tokens=10) is None
 
 
 def test_perf_gate_fails_a_crawling_backend_within_its_budget(tmp_path: Path) -> None:
@@ -365,14 +365,14 @@ def test_perf_gate_fails_a_crawling_backend_within_its_budget(tmp_path: Path) ->
     with stub_server(token_delay=0.005) as s:
         cfg = load_example(tmp_path / "c", "cpu-demo", **{"serve.port": s.port, "serve.model_name": STUB_MODEL,
                                                            "paths.state_dir": str(state)})
-        base = bench.run_bench(bench.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", kinds=["code"],
+        base = bench.run_bench(gate.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", kinds=["code"],
                                runs=2, max_tokens=40)
         bench.save_baseline(state, base)
         s.cfg.token_delay = 0.2  # 40 tokens would take 8 s
-        budget = bench.request_budget(base.figures(), fraction=0.5, max_tokens=40)
+        budget = perf.request_budget(base.figures(), fraction=0.5, max_tokens=40)
         assert budget is not None and budget < 3
         t = time.monotonic()
-        ok, figures, msg = bench.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.5, max_tokens=40, warmup=0)
+        ok, figures, msg = gate.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.5, max_tokens=40, warmup=0)
         took = time.monotonic() - t
     assert not ok and "request(s) failed" in msg and "exceeded" in msg, msg
     assert took < budget + 1.5, (took, budget)
@@ -389,15 +389,15 @@ def test_perf_gate_catches_a_real_speculation_regression(models: dict[str, Path]
     state = tmp_path / "state"
     with live("llamacpp", models["24m"], tmp_path / "plain") as srv:
         cfg = cfg_at(tmp_path / "c1", srv.port, state)
-        base = bench.run_bench(bench.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", runs=3,
+        base = bench.run_bench(gate.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", runs=3,
                                max_tokens=96, warmup=1)
         bench.save_baseline(state, base)
-        ok, figures, msg = bench.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.4, runs=3, max_tokens=96)
+        ok, figures, msg = gate.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.4, runs=3, max_tokens=96)
         assert ok, msg
     with live("llamacpp", models["24m"], tmp_path / "draft",
               extra=("-md", str(models["tiny"]), "--spec-type", "draft-simple")) as srv:
         cfg = cfg_at(tmp_path / "c2", srv.port, state)
-        bad_ok, bad, bad_msg = bench.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.8, runs=3, max_tokens=96)
+        bad_ok, bad, bad_msg = gate.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.8, runs=3, max_tokens=96)
     show("perf gate:", [msg, bad_msg])
     assert not bad_ok
     assert bad_msg.startswith("performance gate failed (below 0.80 of baseline: ")
@@ -513,7 +513,7 @@ def test_bench_the_installed_service_with_backend_and_release_from_state(request
     assert all(k["ok"] == 1 and (k["tokens_per_s"] or k["e2e_tokens_per_s"]) for k in data["kinds"].values())
     # fraction 0.01: the tiny model through ftllm runs at thousands of tokens/s, so single requests vary by
     # more than 10x on these busy 2 cores; telling a regression apart is test_perf_gate_catches_... 's job
-    ok, figures, msg = bench.perf_gate(cfg, st["active_backend"], st["release"], fraction=0.01, max_tokens=256)
+    ok, figures, msg = gate.perf_gate(cfg, st["active_backend"], st["release"], fraction=0.01, max_tokens=256)
     show("installed service:", [f"{k}: decode {v['tokens_per_s']} tok/s, e2e {v['e2e_tokens_per_s']:.1f} tok/s"
                                 for k, v in data["figures"].items()] + [msg])
     assert ok, msg

@@ -95,7 +95,12 @@ def _cuobjdump_archs(tool: Path, lib: Path) -> dict[str, Counter[str]]:
 
 
 def _parser_archs(info: FatbinInfo) -> dict[str, Counter[str]]:
-    return {kind: Counter(info.arch_counts(kind)) for kind in ("cubin", "ptx")}
+    return {kind: _arch_counts(info, kind) for kind in ("cubin", "ptx")}
+
+
+def _arch_counts(info: FatbinInfo, kind: str, section: str = ".nv_fatbin") -> Counter[str]:
+    """How many entries of `kind` each architecture has in `section` (cuobjdump lists one line each)."""
+    return Counter(e.arch for e in info.entries if e.kind == kind and e.section == section)
 
 
 # ------------------------------------------------------------------------------------------------ NCCL
@@ -178,7 +183,7 @@ def test_ftllm_has_sm75(ftllm_lib: Path) -> None:
     """ftllm 0.1.8.2's CUDA library ships an sm_75 cubin, so the exact policy accepts it."""
     info = read_fatbin(ftllm_lib)
     assert "sm_75" in info.cubin_archs
-    assert info.arch_counts("cubin")["sm_75"] == 53
+    assert _arch_counts(info, "cubin")["sm_75"] == 53
     ok, why = arch_supported(info, "7.5", "exact")
     assert ok and "exact sm_75 cubin" in why
 
@@ -224,7 +229,7 @@ def test_rdc_library_reads_both_sections(built: dict[str, Path]) -> None:
     """A -rdc=true build has __nv_relfatbin beside .nv_fatbin; archs come from the loadable .nv_fatbin."""
     info = read_fatbin(built["rdc75"])
     assert set(info.sections) == {".nv_fatbin", "__nv_relfatbin"}
-    assert info.arch_counts("cubin", "__nv_relfatbin") == {"sm_75": 1}
+    assert _arch_counts(info, "cubin", "__nv_relfatbin") == {"sm_75": 1}
     assert info.cubin_archs == ("sm_75",)
 
 

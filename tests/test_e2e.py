@@ -96,9 +96,10 @@ def test_install_byte_compiles_the_release_venv(installed):
     assert int.from_bytes(data[4:8], "little") == 0b11  # PEP 552: hash-based, checked
     assert data[8:16] == importlib.util.source_hash(server.read_bytes())
     assert marshal.loads(data[16:]).co_filename == str(current / server.relative_to(current)), "recorded path"
-    from deploy_tool.archive import list_archive
+    from deploy_tool.archive import TarReader, open_tar_stream
 
-    names = {e.name for e in list_archive(current / "venv.tar.zst")}
+    with open_tar_stream(current / "venv.tar.zst") as stream:
+        names = {e.name for e in TarReader(stream)}
     assert str(pycs[0].relative_to(venv)) in names, "the .pyc comes from the signed venv archive"
 
 

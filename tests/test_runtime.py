@@ -31,7 +31,6 @@ from deploy_tool.runtime import (
     LoadedLib,
     Pin,
     capacity_truth,
-    check_loaded,
     descendants,
     detect_cpu_fallback,
     inspect_runtime,
@@ -41,6 +40,11 @@ from deploy_tool.runtime import (
 from tests.support.lib_holder import copy_library, holding
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _findings(libs, pins, **kw):
+    """The findings (fail / warn / unknown) for the known native libraries in libs against pins."""
+    return list(runtime.assess_libraries(libs, pins, **kw).findings)
 
 
 def sha256(path: Path) -> str:
@@ -222,13 +226,13 @@ def test_unreadable_maps_is_could_not_determine(tmp_path):
 # ---- library pins ----------------------------------------------------------------------------------------------
 
 
-def test_check_loaded_passes_with_correct_pin(tmp_path):
+def test_correct_pin_gives_no_findings(tmp_path):
     """The bundle's NCCL, loaded from the pinned path with the pinned hash, gives no findings and a pinned 'ok' row."""
     lib = copy_library(tmp_path / "bundle" / "lib" / "libnccl.so.2")
     pins = {"nccl": Pin(str(lib), sha256(lib))}
     with holding([lib]) as (pid, _):
         libs = loaded_libraries(pid)
-        assert check_loaded(libs, pins, hash_file=HashCache()) == []
+        assert _findings(libs, pins, hash_file=HashCache()) == []
         report = runtime.assess_libraries(libs, pins, hash_file=HashCache())
     row = [r for r in report.rows if r.path == str(lib)][0]
     assert row.pinned and row.status == OK and row.sha256 == sha256(lib)
@@ -240,7 +244,7 @@ def test_system_nccl_instead_of_bundle_fails_naming_both_paths(tmp_path):
     system = copy_library(tmp_path / "usr" / "lib" / "libnccl.so.2.22.3")
     pins = {"libnccl.so.2": Pin(str(bundle), sha256(bundle))}
     with holding([system]) as (pid, _):
-        findings = check_loaded(loaded_libraries(pid), pins, hash_file=HashCache())
+        findings = _findings(loaded_libraries(pid), pins, hash_file=HashCache())
     fails = [f for f in findings if f.status == FAIL]
     assert len(fails) == 1
     assert str(system) in fails[0].message and str(bundle) in fails[0].message
@@ -252,7 +256,7 @@ def test_wrong_hash_fails(tmp_path):
     lib = copy_library(tmp_path / "bundle" / "libfastllm_tools.so")
     pins = {"fastllm_tools": Pin(str(lib), "ab" * 32)}
     with holding([lib]) as (pid, _):
-        findings = check_loaded(loaded_libraries(pid), pins, hash_file=HashCache())
+        findings = _findings(loaded_libraries(pid), pins, hash_file=HashCache())
     assert [f.status for f in findings] == [FAIL]
     assert "SHA-256" in findings[0].message and str(lib) in findings[0].message
 
@@ -313,7 +317,7 @@ def test_system_copy_of_multi_file_member_fails(tmp_path):
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"same")
     libs = [LoadedLib(str(other), 7, inode=other.stat().st_ino)]
-    findings = check_loaded(libs, {"libggml-base.so": Pin(str(pinned), sha256(pinned))}, hash_file=HashCache())
+    findings = _findings(libs, {"libggml-base.so": Pin(str(pinned), sha256(pinned))}, hash_file=HashCache())
     assert [f.status for f in findings] == [FAIL]
     assert str(other) in findings[0].message and str(pinned) in findings[0].message
 

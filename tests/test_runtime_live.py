@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy_tool import runtime
 from deploy_tool.health import Kind, wait_ready
 from deploy_tool.runtime import (
     FAIL,
@@ -26,7 +27,6 @@ from deploy_tool.runtime import (
     Pin,
     assess_libraries,
     capacity_truth,
-    check_loaded,
     detect_cpu_fallback,
     inspect_runtime,
     library_family,
@@ -38,6 +38,11 @@ from tests.support.tiny_model import write_model
 pytestmark = pytest.mark.backends
 
 CTX = 1024
+
+
+def _findings(libs, pins, **kw):
+    """The findings (fail / warn / unknown) for the known native libraries in libs against pins."""
+    return list(runtime.assess_libraries(libs, pins, **kw).findings)
 
 
 def sha256(path: str | Path) -> str:
@@ -103,7 +108,7 @@ def test_ftllm_pin_elsewhere_fails_naming_both(ftllm: backends.Server, tmp_path:
     elsewhere = tmp_path / "bundle" / "libfastllm_tools-cpu.so"
     elsewhere.parent.mkdir()
     shutil.copyfile(path, elsewhere)
-    findings = check_loaded(loaded_libraries(ftllm.pid), {"fastllm_tools": Pin(str(elsewhere), sha256(elsewhere))},
+    findings = _findings(loaded_libraries(ftllm.pid), {"fastllm_tools": Pin(str(elsewhere), sha256(elsewhere))},
                             hash_file=HashCache())
     fails = [f for f in findings if f.status == FAIL]
     assert len(fails) == 1 and path in fails[0].message and str(elsewhere) in fails[0].message
@@ -113,7 +118,7 @@ def test_ftllm_cuda_pin_fails_when_cpu_library_runs(ftllm: backends.Server, tmp_
     """Pinned CUDA libfastllm_tools.so but the CPU one is mapped: a family substitute, failed with both paths."""
     path = _fastllm_lib(ftllm)
     cuda = os.path.join(os.path.dirname(path), "libfastllm_tools.so")
-    findings = check_loaded(loaded_libraries(ftllm.pid), {"libfastllm_tools.so": Pin(cuda, "0" * 64)},
+    findings = _findings(loaded_libraries(ftllm.pid), {"libfastllm_tools.so": Pin(cuda, "0" * 64)},
                             hash_file=HashCache())
     assert any(f.status == FAIL and path in f.message and cuda in f.message for f in findings)
 
@@ -121,7 +126,7 @@ def test_ftllm_cuda_pin_fails_when_cpu_library_runs(ftllm: backends.Server, tmp_
 def test_ftllm_wrong_hash_fails(ftllm: backends.Server) -> None:
     """The right path with a wrong SHA-256 fails on the hash of the bytes the process maps."""
     path = _fastllm_lib(ftllm)
-    findings = check_loaded(loaded_libraries(ftllm.pid), {"fastllm_tools": Pin(path, "0" * 64)},
+    findings = _findings(loaded_libraries(ftllm.pid), {"fastllm_tools": Pin(path, "0" * 64)},
                             hash_file=HashCache())
     assert [f.status for f in findings] == [FAIL] and "SHA-256" in findings[0].message
 
@@ -186,7 +191,7 @@ def test_llama_system_copy_fails(llama: backends.Server, tmp_path: Path) -> None
     base = [lib for lib in libs if lib.name.startswith("libggml-base")][0]
     other = tmp_path / base.name
     shutil.copyfile(base.path, other)
-    findings = check_loaded(libs, {base.name: Pin(str(other), sha256(other))}, hash_file=HashCache())
+    findings = _findings(libs, {base.name: Pin(str(other), sha256(other))}, hash_file=HashCache())
     assert any(f.status == FAIL and base.path in f.message and str(other) in f.message for f in findings)
 
 

@@ -2,6 +2,8 @@
 
 Errors are mapped at this one edge: a DeployError becomes one red line plus a hint and its own exit code;
 anything else is a bug (exit 70), shown with its traceback only under --debug.
+
+The config loader (~30 ms to import) is imported when a command loads the config, not at every start.
 """
 
 from __future__ import annotations
@@ -166,19 +168,12 @@ def share_global_options(cmd: click.Command) -> None:
 
 
 def _register() -> None:
-    from deploy_tool.cli import basic, ops
+    # the command modules import Ctx and pass_ctx from this package: they are imported once those exist
+    from deploy_tool.cli import basic, bench, bundle, keys, ops, sandbox, verify
 
-    for cmd in basic.COMMANDS + ops.COMMANDS:
+    for cmd in (*basic.COMMANDS, *ops.COMMANDS, sandbox.sandbox, keys.keygen, bundle.bundle, verify.verify,
+                verify.pin, bench.bench):
         main.add_command(cmd)
-    import importlib
-
-    for mod, attr in (("sandbox", "sandbox"), ("keys", "keygen"), ("bundle", "bundle"), ("verify", "verify"),
-                      ("verify", "pin"), ("bench", "bench")):
-        try:
-            m = importlib.import_module(f"deploy_tool.cli.{mod}")
-        except ImportError:
-            continue
-        main.add_command(getattr(m, attr))
     for cmd in main.commands.values():
         share_global_options(cmd)
 

@@ -1,4 +1,7 @@
-"""bench: the write-up's measurement method against the live service, baselines, comparison, chart."""
+"""bench: the write-up's measurement method against the live service, baselines, comparison, chart.
+
+The command's library modules are imported when it runs, not when the CLI starts (`deploytool --help` stays
+fast: they pull in the HTTP client, the gate and the config loader)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli import Ctx, pass_ctx
+from deploy_tool.errors import ExitCode, InputError
+from deploy_tool.progress import progress_for
 
 
 def _csv(value: str | None) -> list[str]:
@@ -15,8 +20,6 @@ def _csv(value: str | None) -> list[str]:
 
 
 def _lengths(value: str | None) -> list[int]:
-    from deploy_tool.errors import InputError
-
     out = []
     for v in _csv(value):
         t = v.lower().replace("_", "")
@@ -69,8 +72,9 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
     (release, backend) in the state dir.
     """
     from deploy_tool import bench as b
-    from deploy_tool.errors import ExitCode, InputError
-    from deploy_tool.progress import progress_for
+    from deploy_tool import perf
+    from deploy_tool.gate import endpoint_for
+    from deploy_tool.pngchart import write_bar_chart
     from deploy_tool.state import Store
 
     cfg = ctx.load_config()
@@ -86,11 +90,11 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
         raise InputError("no active backend is recorded in the state dir",
                          hint="name the backend the service runs: `deploytool bench BACKEND`")
     rel = release or st.release or "unreleased"
-    b.baseline_path(cfg.paths.state_dir, rel, name)  # names checked before any request
-    prompts = b.load_prompts(prompts_file) if prompts_file else b.PROMPTS
+    perf.baseline_path(cfg.paths.state_dir, rel, name)  # names checked before any request
+    prompts = b.load_prompts(prompts_file) if prompts_file else perf.PROMPTS
     kind_list = b.select_kinds(prompts, _csv(kinds))
     lengths = _lengths(needle)
-    ep = b.endpoint_for(cfg, timeout=timeout, max_request_s=request_limit)
+    ep = endpoint_for(cfg, timeout=timeout, max_request_s=request_limit)
     if ctx.dry_run:
         ctx.emit({"would_bench": name, "release": rel, "url": ep.base_url, "kinds": kind_list, "runs": runs},
                  f"would bench {name} (release {rel}) at {ep.base_url}: {', '.join(kind_list)} x {runs}, "
@@ -110,12 +114,12 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
     comparison = None
     notes: list[str] = []
     if compare:
-        base = b.load_baseline(cfg.paths.state_dir, rel, name)
+        base = perf.load_baseline(cfg.paths.state_dir, rel, name)
         if base is None:
             notes.append(f"no baseline stored for {name} in release {rel}: nothing to compare "
                          "(store one with --save-baseline)")
         else:
-            comparison = b.compare(result.figures(), base["figures"])
+            comparison = perf.compare(result.figures(), base["figures"])
             notes.append(f"compared with the baseline of {base.get('started')}")
         data["compare"] = comparison
     saved = None
@@ -132,8 +136,6 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
                            {k: v.get("tokens_per_s") for k, v in bl["figures"].items()}))
         groups.append((f"{name} @ {rel}" + ("" if saved else " (now)"),
                        {k: v["tokens_per_s"] for k, v in result.figures().items()}))
-        from deploy_tool.pngchart import write_bar_chart
-
         write_bar_chart(chart_path, groups, title="Decode tokens/s (median)", unit="tok/s")
         data["chart"] = str(chart_path)
         notes.append(f"chart written: {chart_path} ({len(groups)} groups)")

@@ -1,4 +1,8 @@
-"""`deploytool keygen`: an Ed25519 key pair for signing bundles."""
+"""`deploytool keygen`: an Ed25519 key pair for signing bundles.
+
+The key code (manifest, cryptography: ~35 ms) is imported when the command runs, not at every start of the
+CLI.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli import Ctx, pass_ctx
+from deploy_tool.errors import InputError
 
 
 @click.command()
@@ -22,7 +27,6 @@ def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool) -> None:
     Keep NAME.key private (it signs bundles); copy NAME.pub into the trusted keys directory
     (/etc/deploytool/keys by default) of every box that installs them.
     """
-    from deploy_tool.errors import InputError
     from deploy_tool.manifest import generate_keypair
 
     if not name or "/" in name or name.startswith("."):

@@ -11,6 +11,8 @@ import sys
 import click
 
 from deploy_tool.cli import Ctx, pass_ctx
+from deploy_tool.errors import DeployError, ExitCode
+from deploy_tool.textsafe import safe
 
 
 def _json(data: object) -> None:
@@ -38,7 +40,6 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
     Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins), 9 port held (--await-port).
     """
     from deploy_tool import fingerprint
-    from deploy_tool.errors import ExitCode
 
     cfg = ctx.load_config()
     b = cfg.backend(backend)
@@ -78,7 +79,6 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
     With --dry-run, show what would change and write nothing.
     """
     from deploy_tool import fingerprint
-    from deploy_tool.errors import DeployError
     from deploy_tool.state import Store
 
     cfg = ctx.load_config()
@@ -105,7 +105,6 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
 
 def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) -> str:
     from deploy_tool.fingerprint import short
-    from deploy_tool.textsafe import safe
 
     verb = "would pin" if dry else "pinned"
     if not had_pins:

@@ -30,7 +30,7 @@ import pytest
 
 from deploy_tool import proc
 from deploy_tool.errors import DeployError
-from deploy_tool.sandbox import Sandbox, sandbox_dirs_under
+from deploy_tool.sandbox import MARKER, Sandbox
 from deploy_tool.systemd import Systemd
 
 __all__ = ["systemd_sandbox", "sandbox_env", "own_sandbox", "visible_dir", "pytest_sessionstart",
@@ -89,7 +89,7 @@ def sweep_orphans() -> list[str]:
             continue
         if _start_time(int(owner["pid"])) == owner.get("start"):
             continue  # its test run is still going
-        for d in sandbox_dirs_under(root):
+        for d in sorted(d for d in root.iterdir() if (d / MARKER).is_file()):
             with contextlib.suppress(DeployError):
                 Sandbox(d).down()
         shutil.rmtree(root, ignore_errors=True)

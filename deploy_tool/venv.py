@@ -1,0 +1,122 @@
+"""Python venvs and pip, for the packager and the box alike: the venv built offline from locked wheels, its
+bytecode, its interpreter links re-created on the box, and its prefix rewritten to where it is installed.
+
+pip always runs with the machine's pip configuration switched off (PIP_CONFIG_FILE=/dev/null): an extra index
+or find-links of the packaging machine must never leak into a lock or an offline build.
+
+External programs run through `proc.run` (subprocess: install on the box waits for them); the build side
+passes `run=proc.run_tool` (through `sh`) to build_venv.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from deploy_tool import proc
+from deploy_tool.errors import DeployError
+from deploy_tool.fsutil import atomic_write
+
+# Shebangs and pyvenv.cfg of the archived venv point at this prefix; install rewrites it to the real path.
+VENV_PLACEHOLDER = "/__deploytool_venv_prefix__"
+
+Runner = Callable[..., object]  # proc.run or proc.run_tool: (argv, *, env=..., timeout=...)
+
+
+def pip_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    # PYTHONPATH & co. would let pip see packages outside the venv being built (for example a source checkout of
+    # deploytool) and skip installing them: the venv must come from the wheels alone.
+    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP", "VIRTUAL_ENV", "PYTHONNOUSERSITE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in drop}
+    env["PYTHONNOUSERSITE"] = "1"
+    env.update({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                "PIP_NO_INPUT": "1"})
+    env.update(extra or {})
+    return env
+
+
+def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path, *, run: Runner = proc.run) -> None:
+    """A venv at `dest` from local wheels only: --no-index --require-hashes --no-deps (the lock is the closure)."""
+    run([python, "-m", "venv", str(dest)], env=pip_env(), timeout=600)
+    run([str(dest / "bin" / "python"), "-m", "pip", "install", "--no-index", "--find-links", str(wheels_dir),
+         "--require-hashes", "--no-deps", "--no-compile", "-r", str(lock_path)], env=pip_env(), timeout=3600)
+
+
+def compile_venv(venv: Path, current: str, log: Callable[[str], None] = lambda s: None) -> bool:
+    """Byte-compile the venv's Python (lib/) into checked-hash .pyc files, recording the paths the sources have
+    on the box through `current` (`<current>/venv/lib/...`), so the bytes are the same wherever the venv is
+    built: pack puts them in the venv archive and they are signed and pinned like every other file.
+
+    A backend runs with DynamicUser= and ProtectSystem=strict: it cannot write bytecode, so without these every
+    start of ftllm would compile its Python again. checked-hash .pyc files are validated against their source's
+    hash, not its mtime, so an edited source is never run from a stale .pyc (and an unpacked archive's mtimes do
+    not matter). `-f`: the timestamp-based .pyc that ensurepip left for pip itself (with the build path in them)
+    are rewritten too. A file that does not compile only costs its own speed: a warning, not a failure."""
+    python = venv / "bin" / "python"
+    try:
+        res = proc.run([str(python), "-m", "compileall", "-q", "-f", "-j", "0", "--invalidation-mode", "checked-hash",
+                        "-s", str(venv), "-p", f"{current}/venv", str(venv / "lib")], ok=(0, 1), timeout=1800,
+                       env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONHASHSEED": "0"})
+    except DeployError as exc:
+        log(f"warning: byte-compiling the venv failed, backends will compile at each start: {exc.message}")
+        return False
+    if res.returncode != 0:
+        first = next((ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()), "")
+        log(f"warning: some files of the venv did not byte-compile (they compile at each start): {first[:200]}")
+        return False
+    return True
+
+
+def finish_venv(python: str, venv: Path) -> None:
+    """Re-create the interpreter links and pyvenv.cfg of an unpacked venv (site-packages untouched)."""
+    proc.run([python, "-m", "venv", "--without-pip", str(venv)], env=pip_env(), timeout=600)
+
+
+def relocate_venv(venv: Path, old: str | tuple[str, ...], new: str) -> int:
+    """Rewrite the venv prefix (`old`, or each of several) in bin/ text files and pyvenv.cfg (shebangs, activate
+    scripts), and the RECORD lines of the rewritten files, so RECORD stays true and two builds at different
+    places give the same bytes."""
+    olds = [o.encode() for o in ((old,) if isinstance(old, str) else old)]
+    changed: dict[Path, bytes] = {}
+    targets = [venv / "pyvenv.cfg"] + sorted((venv / "bin").iterdir())
+    for p in targets:
+        if p.is_symlink() or not p.is_file():
+            continue
+        data = p.read_bytes()
+        if b"\0" in data[:4096] or not any(o in data for o in olds):
+            continue
+        st = p.stat()
+        for o in olds:
+            data = data.replace(o, new.encode())
+        atomic_write(p, data, st.st_mode & 0o7777)
+        changed[p.resolve()] = data
+    if changed:
+        _fix_records(venv, changed)
+    return len(changed)
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _fix_records(venv: Path, changed: dict[Path, bytes]) -> None:
+    for record in sorted(venv.glob("lib/python*/site-packages/*.dist-info/RECORD")):
+        site = record.parent.parent
+        rows = list(csv.reader(io.StringIO(record.read_text("utf-8"))))
+        dirty = False
+        for row in rows:
+            if len(row) != 3:
+                continue
+            target = (site / row[0]).resolve()
+            if target in changed:
+                row[1], row[2] = _record_hash(changed[target]), str(len(changed[target]))
+                dirty = True
+        if dirty:
+            out = io.StringIO()
+            csv.writer(out, lineterminator="\n").writerows(rows)
+            atomic_write(record, out.getvalue().encode(), record.stat().st_mode & 0o7777)
