@@ -40,10 +40,9 @@ from typing import Any
 
 from deploy_tool import proc, procfs
 from deploy_tool.errors import DeployError, MissingTool, SandboxError
+from deploy_tool.sandbox_handle import FORMAT, MARKER, NSENTER_FLAGS, Proc, SandboxHandle, alive
 
-MARKER = ".deploytool-sandbox"
 LOCK = ".deploytool-sandbox.lock"
-FORMAT = 1
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 STOCK_UNITS = Path("/usr/lib/systemd/system")
 # Stock units copied into the sandbox besides every *.target and *.slice: journald, dbus, shutdown services.
@@ -52,7 +51,6 @@ _VENDOR_SERVICES = (
     "systemd-poweroff.service", "systemd-halt.service", "systemd-reboot.service", "systemd-exit.service",
     "dbus.service", "dbus.socket",
 )
-_NSENTER_FLAGS = ("-m", "-p", "-u", "-i", "-C")
 _REQUIRED_TOOLS = ("unshare", "nsenter", "bash", "mount", "mknod", "env")
 
 
@@ -87,16 +85,6 @@ class DownReport:
     killed_pids: tuple[int, ...] = ()  # other leftover processes of this sandbox, killed by PID
     removed_cgroups: tuple[str, ...] = field(default=())
     seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Proc:
-    pid: int
-    start: int  # clock ticks since boot, field 22 of /proc/PID/stat; guards against PID reuse
-
-
-def _alive(p: _Proc) -> bool:
-    return procfs.start_time(p.pid) == p.start
 
 
 def _children(pid: int) -> list[int]:
@@ -149,35 +137,17 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class Sandbox:
-    """A systemd sandbox living in directory `dir` (created by `up` if missing or empty)."""
+class Sandbox(SandboxHandle):
+    """A systemd sandbox living in directory `dir` (created by `up` if missing or empty); what reaches a running
+    one (its systemctl, journalctl, PIDs) is SandboxHandle's, which the box side's systemd driver uses."""
 
     def __init__(self, dir: str | os.PathLike[str], *, up_timeout: float = 20.0, down_timeout: float = 10.0,
                  lock_timeout: float = 30.0) -> None:
-        self.dir = Path(os.path.realpath(os.fspath(dir)))
+        super().__init__(dir)
         self.up_timeout = up_timeout
         self.down_timeout = down_timeout
         self.lock_timeout = lock_timeout
-        self.cgroup_name = procfs.sandbox_cgroup(self.dir)
         self._launcher: object | None = None  # Popen of the launcher when this object started it (to reap it)
-
-    # ----------------------------------------------------------------- paths
-
-    @property
-    def unit_dir(self) -> Path:
-        """Host path of the directory that is /etc/systemd/system inside the sandbox."""
-        return self.dir / "etc-systemd-system"
-
-    @property
-    def _state_file(self) -> Path:
-        return self.dir / "state.json"
-
-    @property
-    def _cgroups_file(self) -> Path:
-        return self.dir / "cgroups"
-
-    def __repr__(self) -> str:
-        return f"Sandbox({str(self.dir)!r})"
 
     # ----------------------------------------------------------------- checks
 
@@ -193,36 +163,7 @@ class Sandbox:
             raise MissingTool("systemd is not installed (/usr/lib/systemd/systemd missing)",
                               hint="apt-get install systemd (it need not be PID 1)")
 
-    def _check_is_sandbox(self) -> None:
-        if not self.dir.exists():
-            raise SandboxError(f"no sandbox at {self.dir}: the directory does not exist",
-                               hint=f"create one with: deploytool sandbox up {self.dir}")
-        if not self.dir.is_dir():
-            raise SandboxError(f"{self.dir} is not a directory, so not a sandbox")
-        marker = self.dir / MARKER
-        if not marker.is_file():
-            raise SandboxError(f"{self.dir} is not a deploytool sandbox (no {MARKER} in it)",
-                               hint="give a new or empty directory to: deploytool sandbox up DIR")
-        try:
-            meta = json.loads(marker.read_text())
-            fmt = meta["format"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SandboxError(f"{marker} is damaged; {self.dir} cannot be used as a sandbox",
-                               hint="tear down whatever runs from it, then remove the directory") from exc
-        if fmt != FORMAT:
-            raise SandboxError(f"{self.dir} is a sandbox of format {fmt}; this deploytool knows format {FORMAT}")
-
     # ----------------------------------------------------------------- state
-
-    def _load_state(self) -> dict[str, int] | None:
-        text = procfs.read(self._state_file)
-        if text is None:
-            return None
-        try:
-            st = json.loads(text)
-            return {k: int(st[k]) for k in ("pid", "pid_start", "launcher", "launcher_start")}
-        except (ValueError, KeyError, TypeError):
-            return None  # damaged: treated like a lost state file (the cgroup scan still finds our processes)
 
     def _recorded_cgroups(self) -> list[Path]:
         text = procfs.read(self._cgroups_file) or ""
@@ -256,17 +197,17 @@ class Sandbox:
     def _in_our_cgroup(self, pid: int) -> bool:
         return procfs.in_cgroup(pid, self.cgroup_name)
 
-    def _pid1(self) -> _Proc | None:
+    def _pid1(self) -> Proc | None:
         """Our running PID 1 if there is one: from state.json (checked against PID reuse), else by cgroup scan."""
         st = self._load_state()
         if st is not None:
-            p = _Proc(st["pid"], st["pid_start"])
-            if _alive(p) and procfs.ns_pids(p.pid)[-1:] == [1]:
+            p = Proc(st["pid"], st["pid_start"])
+            if alive(p) and procfs.ns_pids(p.pid)[-1:] == [1]:
                 return p
         for pid in self._cgroup_pids():
             start = procfs.start_time(pid)
             if start is not None and len(procfs.ns_pids(pid)) > 1 and procfs.ns_pids(pid)[-1] == 1 and self._in_our_cgroup(pid):
-                return _Proc(pid, start)
+                return Proc(pid, start)
         return None
 
     # ----------------------------------------------------------------- public API
@@ -295,42 +236,6 @@ class Sandbox:
             return SandboxStatus(state="stale", leftover_cgroups=cgroups, leftover_pids=pids,
                                  detail="half torn down: sub-cgroups or processes are left", **common)
         return SandboxStatus(state="down", **common)
-
-    def _require_up(self) -> _Proc:
-        self._check_is_sandbox()
-        st = self._load_state()
-        if st is not None:
-            p = _Proc(st["pid"], st["pid_start"])
-            if _alive(p):
-                return p
-            raise SandboxError(f"sandbox {self.dir} is stale: its systemd (pid {p.pid}) is gone",
-                               hint=f"clean it up and start again: deploytool sandbox down {self.dir} && "
-                                    f"deploytool sandbox up {self.dir}")
-        raise SandboxError(f"sandbox {self.dir} is not up", hint=f"start it: deploytool sandbox up {self.dir}")
-
-    def exec_argv(self, *cmd: str) -> list[str]:
-        """The argv that runs `cmd` inside the sandbox (nsenter into all its namespaces but the network one)."""
-        p = self._require_up()
-        return ["nsenter", "-t", str(p.pid), *_NSENTER_FLAGS, "--", *cmd]
-
-    def systemctl_prefix(self) -> list[str]:
-        return self.exec_argv("systemctl")
-
-    def journalctl_prefix(self) -> list[str]:
-        return self.exec_argv("journalctl")
-
-    def host_pid(self, ns_pid: int) -> int:
-        """Host PID of the process that has PID `ns_pid` inside the sandbox (for example a unit's MainPID)."""
-        self._require_up()
-        pid = procfs.host_pid(ns_pid, self.cgroup_name)
-        if pid is not None:
-            return pid
-        raise SandboxError(f"no process with PID {ns_pid} runs inside sandbox {self.dir}")
-
-    @property
-    def pid(self) -> int:
-        """Host PID of the sandbox's systemd (raises SandboxError when not up)."""
-        return self._require_up().pid
 
     def up(self) -> SandboxStatus:
         """Start the sandbox; returns its status. Already up: nothing to do (status says so in `detail`)."""
@@ -446,10 +351,10 @@ class Sandbox:
 
     def _wait_running(self, started: float) -> None:
         p = self._require_up()
-        argv = ["nsenter", "-t", str(p.pid), *_NSENTER_FLAGS, "--", "systemctl", "is-system-running"]
+        argv = ["nsenter", "-t", str(p.pid), *NSENTER_FLAGS, "--", "systemctl", "is-system-running"]
         state = ""
         while time.monotonic() - started < self.up_timeout:
-            if not _alive(p):
+            if not alive(p):
                 raise SandboxError("the sandbox's systemd exited while starting",
                                    hint=f"see {self.dir / 'console.log'}")
             state = proc.run(argv, ok=range(256)).stdout.strip()  # no timeout: it costs 0.1 s a call
@@ -491,38 +396,38 @@ class Sandbox:
                           forced=forced, killed_pids=tuple(killed), removed_cgroups=tuple(removed),
                           seconds=time.monotonic() - t0)
 
-    def _poweroff(self, p: _Proc) -> bool:
+    def _poweroff(self, p: Proc) -> bool:
         """Power the sandbox's systemd off; SIGKILL it if that takes too long. True when it went gracefully.
 
         A systemd still booting may not answer systemctl yet nor handle signals, so the request is repeated.
         """
-        argv = ["nsenter", "-t", str(p.pid), *_NSENTER_FLAGS, "--", "systemctl", "poweroff", "--no-block"]
+        argv = ["nsenter", "-t", str(p.pid), *NSENTER_FLAGS, "--", "systemctl", "poweroff", "--no-block"]
         deadline = time.monotonic() + self.down_timeout
         asked = False
         next_try = 0.0
         while time.monotonic() < deadline:
-            if not _alive(p):
+            if not alive(p):
                 return True
             if not asked and time.monotonic() >= next_try:
                 try:
                     asked = proc.run(argv, ok=range(256), timeout=5).returncode == 0
                 except DeployError:
                     asked = False
-                if not asked and _alive(p):
+                if not asked and alive(p):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGRTMIN + 4)  # systemd's "poweroff" signal
                 next_try = time.monotonic() + 0.2
             time.sleep(0.02)
-        if _alive(p):  # still the same process (start time checked): ours to kill
+        if alive(p):  # still the same process (start time checked): ours to kill
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
             self._wait_gone([p], 5)
         return False
 
     @staticmethod
-    def _wait_gone(procs: list[_Proc], timeout: float) -> None:
+    def _wait_gone(procs: list[Proc], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(_alive(p) for p in procs):
+        while time.monotonic() < deadline and any(alive(p) for p in procs):
             time.sleep(0.01)
 
     def _kill_leftovers(self) -> list[int]:
@@ -537,7 +442,7 @@ class Sandbox:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
-                    procs.append(_Proc(pid, start))
+                    procs.append(Proc(pid, start))
             if not procs:
                 break
             self._wait_gone(procs, 5)

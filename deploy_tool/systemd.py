@@ -439,9 +439,9 @@ def for_config(cfg: object) -> Systemd:
     scfg = cfg.systemd  # type: ignore[attr-defined]
     unit_dir = cfg.paths.unit_dir  # type: ignore[attr-defined]
     if scfg.sandbox:
-        from deploy_tool.sandbox import Sandbox
+        from deploy_tool.sandbox_handle import SandboxHandle
 
-        sb = Sandbox(scfg.sandbox)
+        sb = SandboxHandle(scfg.sandbox)
         return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)
     return Systemd(scfg.systemctl, scfg.journalctl, unit_dir)
 
