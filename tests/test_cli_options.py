@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from deploy_tool import cli
-from deploy_tool.cli import Ctx, main
+from deploy_tool.cli import main
+from deploy_tool.cli.context import Ctx
 from tests.support.configs import example_dict, set_key
 
 

@@ -12,44 +12,17 @@ import json
 import logging
 import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from deploy_tool import __version__
+from deploy_tool.cli.context import Ctx
 from deploy_tool.errors import DeployError, ExitCode
 
 ENV_CONFIG = "DEPLOYTOOL_CONFIG"
 
 
-@dataclass
-class Ctx:
-    config_path: Path | None
-    json: bool
-    dry_run: bool
-    verbose: bool
-    debug: bool
-
-    def load_config(self):
-        """The config: --config, else ./deploytool.yaml, else /etc/deploytool/deploytool.yaml."""
-        from deploy_tool import config
-
-        path = self.config_path
-        if path is None:
-            local = Path("deploytool.yaml")
-            path = local if local.exists() else config.DEFAULT_CONFIG_PATH
-        return config.load(path)
-
-    def emit(self, data: object, human: str | None = None) -> None:
-        """Print `data` as JSON with --json, else the human text."""
-        if self.json:
-            click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-        elif human is not None:
-            click.echo(human.rstrip("\n"))
-
-
-pass_ctx = click.make_pass_decorator(Ctx)
 
 
 class Group(click.Group):

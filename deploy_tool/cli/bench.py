@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from deploy_tool.cli import Ctx, pass_ctx
+from deploy_tool.cli.context import Ctx, pass_ctx
 from deploy_tool.errors import ExitCode, InputError
 from deploy_tool.progress import progress_for
 

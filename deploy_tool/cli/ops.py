@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from deploy_tool.cli import Ctx, pass_ctx
+from deploy_tool.cli.context import Ctx, pass_ctx
 
 
 def _log(ctx: Ctx):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from deploy_tool.cli import Ctx, pass_ctx
+from deploy_tool.cli.context import Ctx, pass_ctx
 
 
 @click.group()

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from deploy_tool.cli import Ctx, pass_ctx
+from deploy_tool.cli.context import Ctx, pass_ctx
 from deploy_tool.errors import DeployError, ExitCode
 from deploy_tool.textsafe import safe
 

@@ -1,0 +1,39 @@
+"""What every command gets: the global options (--config, --json, --dry-run, -v, --debug) and the config they
+name, and how a result is printed (JSON with --json, else text)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+
+@dataclass
+class Ctx:
+    config_path: Path | None
+    json: bool
+    dry_run: bool
+    verbose: bool
+    debug: bool
+
+    def load_config(self):
+        """The config: --config, else ./deploytool.yaml, else /etc/deploytool/deploytool.yaml."""
+        from deploy_tool import config
+
+        path = self.config_path
+        if path is None:
+            local = Path("deploytool.yaml")
+            path = local if local.exists() else config.DEFAULT_CONFIG_PATH
+        return config.load(path)
+
+    def emit(self, data: object, human: str | None = None) -> None:
+        """Print `data` as JSON with --json, else the human text."""
+        if self.json:
+            click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        elif human is not None:
+            click.echo(human.rstrip("\n"))
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
