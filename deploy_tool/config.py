@@ -154,6 +154,8 @@ def _unit_text(v: str) -> str | None:
 
 @dataclass(frozen=True)
 class Host:
+    """host: the machine's GPUs and memory."""
+
     gpus: tuple[int, ...] = _doc("GPU ids given to the services (CUDA_VISIBLE_DEVICES)", rng=GPU_ID, default=(0,))
     compute_capability: str = _doc("compute capability of the GPUs, e.g. '7.5' for Turing (sm_75)",
                                    _cc, default="7.5")
@@ -163,6 +165,8 @@ class Host:
 
 @dataclass(frozen=True)
 class Serve:
+    """serve: the one address, port and model name both backends serve."""
+
     host: str = _doc("address both backends bind (one port, one model name, whichever backend runs)",
                      _host, default="127.0.0.1")
     port: int = _doc("TCP port both backends bind", rng=PORT, default=8082)
@@ -176,6 +180,8 @@ class Serve:
 
 @dataclass(frozen=True)
 class Paths:
+    """paths: where the config, releases, env files, state, keys and units live on the box."""
+
     config: str = _doc("where the config lives on the box (ExecStartPre passes it to `deploytool verify`)",
                        _abs_or_placeholder, default="/etc/deploytool/deploytool.yaml")
     root: str = _doc("install root: releases/<id>/ and the `current` symlink live here", _abs_or_placeholder,
@@ -199,6 +205,8 @@ class Paths:
 
 @dataclass(frozen=True)
 class SystemdCfg:
+    """systemd: how deploytool reaches systemd (the box's own, or a sandbox's)."""
+
     sandbox: str | None = _doc("a `deploytool sandbox` directory: systemctl, journalctl and the unit dir "
                                "then target that sandboxed systemd instead of the host", default=None)
     systemctl: tuple[str, ...] = _doc("the systemctl command (argv prefix)", default=("systemctl",))
@@ -207,6 +215,8 @@ class SystemdCfg:
 
 @dataclass(frozen=True)
 class HealthCfg:
+    """health: the gate every start and switch passes."""
+
     start_timeout_s: float = _doc("how long a backend may take to become ready (a 29 GB load takes minutes)",
                                   rng=START_TIMEOUT_S, default=900.0)
     interval_s: float = _doc("readiness probe interval while waiting (cheap: a refused connection or a /health "
@@ -222,6 +232,8 @@ class HealthCfg:
 
 @dataclass(frozen=True)
 class TemplatePatch:
+    """One find/replace applied to the chat template at pack time."""
+
     find: str = _doc("text that must occur exactly once in the original template",
                      default="is not none else 'medium' %}")
     replace: str = _doc("its replacement", default="is not none else 'low' %}")
@@ -229,6 +241,8 @@ class TemplatePatch:
 
 @dataclass(frozen=True)
 class ChatTemplate:
+    """bundle.chat_template: the template file and its patches."""
+
     source: str = _doc("the original template file (relative to the config file or absolute)")
     sha256: str | None = _doc("SHA-256 of the original; checked before patching", default=None)
     origin: str | None = _doc("where it came from (recorded in the manifest)", default=None)
@@ -238,6 +252,8 @@ class ChatTemplate:
 
 @dataclass(frozen=True)
 class Nccl:
+    """bundle.nccl: the NCCL library bundled and preloaded."""
+
     library: str = _doc("the NCCL library to bundle and LD_PRELOAD (libnccl.so.2)")
     arch_policy: ArchPolicy = _doc("'exact': require a cubin for the GPUs' arch (the write-up's fix); "
                                    "'compatible': also accept same-major lower-minor cubins", default="exact")
@@ -246,6 +262,8 @@ class Nccl:
 
 @dataclass(frozen=True)
 class BundleCfg:
+    """bundle: what pack puts in a bundle."""
+
     name: str = _doc("bundle name prefix", default="deploytool")
     python: str = _doc("the Python that builds and runs the release venv", default="/usr/bin/python3")
     requirements: str | None = _doc("requirements input for `deploytool lock` (relative to the config)",
@@ -263,6 +281,8 @@ class BundleCfg:
 
 @dataclass(frozen=True)
 class Speculative:
+    """An ftllm backend's speculative decoding."""
+
     algorithm: Literal["dflash", "mtp", "eagle", "none"] = _doc("ftllm --speculative_algorithm", default="dflash")
     draft_model: str | None = _doc("--speculative_draft_model_path (the DFlash2 draft directory)", default=None)
     num_draft_tokens: int = _doc("--speculative_num_draft_tokens N (drafts N-1 tokens)", rng=DRAFT_TOKENS,
@@ -271,6 +291,8 @@ class Speculative:
 
 @dataclass(frozen=True)
 class LlamaSpec:
+    """A llama-server backend's speculative decoding."""
+
     type: str = _doc("--spec-type (draft-mtp uses the GGUF's built-in MTP heads)", _argument_value,
                      default="draft-mtp")
     draft_n_max: int = _doc("--spec-draft-n-max", rng=DRAFT_N_MAX, default=3)
@@ -278,6 +300,8 @@ class LlamaSpec:
 
 @dataclass(frozen=True)
 class BackendBase:
+    """What every backend has: name, unit, model, extra arguments."""
+
     name: str
     kind: str
     aliases: tuple[str, ...]
@@ -296,6 +320,8 @@ class BackendBase:
 
 @dataclass(frozen=True)
 class FtllmBackend(BackendBase):
+    """A FastLLM `ftllm server` backend."""
+
     executable: str = "{venv}/bin/ftllm"
     tp: int = 1
     max_batch: int | None = None
@@ -314,6 +340,8 @@ class FtllmBackend(BackendBase):
 
 @dataclass(frozen=True)
 class LlamacppBackend(BackendBase):
+    """A llama.cpp `llama-server` backend."""
+
     binary: str = "/usr/local/bin/llama-server"
     build: str | None = None
     mmproj: str | None = None
@@ -332,6 +360,8 @@ Backend = FtllmBackend | LlamacppBackend
 # raw-schema classes for the two backend kinds (what the YAML may say); turned into the classes above
 @dataclass(frozen=True)
 class _BackendCommon:
+    """The config file's keys every backend has (validated, then made a BackendBase)."""
+
     kind: Literal["ftllm", "llamacpp"] = _doc("which server: 'ftllm' (FastLLM) or 'llamacpp' (llama-server)")
     model: str = _doc("model directory (ftllm) or GGUF file")
     aliases: tuple[str, ...] = _doc("short names accepted by switch (e.g. 'ftllm')", default=())
@@ -351,6 +381,8 @@ class _BackendCommon:
 
 @dataclass(frozen=True)
 class _FtllmRaw(_BackendCommon):
+    """The config file's keys of an ftllm backend."""
+
     executable: str = _doc("the ftllm console script", _abs_or_placeholder, default="{venv}/bin/ftllm")
     tp: int = _doc("--tp tensor parallel degree", rng=TP, default=1)
     max_batch: int | None = _doc("--max_batch", rng=MAX_BATCH, default=None)
@@ -371,6 +403,8 @@ class _FtllmRaw(_BackendCommon):
 
 @dataclass(frozen=True)
 class _LlamacppRaw(_BackendCommon):
+    """The config file's keys of a llamacpp backend."""
+
     binary: str = _doc("the llama-server binary", _abs_or_placeholder, default="/usr/local/bin/llama-server")
     build: str | None = _doc("the llama.cpp build the settings were proven on (e.g. b10064)", default=None)
     mmproj: str | None = _doc("--mmproj GGUF (vision)", default=None)
@@ -386,6 +420,8 @@ class _LlamacppRaw(_BackendCommon):
 
 @dataclass(frozen=True)
 class Config:
+    """The whole config, validated (load() and from_dict() make one)."""
+
     version: int = _doc("config format version (1)")
     default_backend: str = _doc("the backend install starts")
     backends: Mapping[str, Backend] = _doc("the backends, by name (unit name = <name>.service)")
@@ -796,6 +832,8 @@ def _resolve_paths(cfg: Config, raw: dict[str, Any]) -> Config:
 
 @dataclass(frozen=True)
 class _ConfigRest:
+    """The config file's top-level sections besides backends."""
+
     host: Host = _doc("the machine", default_factory=Host)
     serve: Serve = _doc("what is served", default_factory=Serve)
     paths: Paths = _doc("system paths", default_factory=Paths)

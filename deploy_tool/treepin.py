@@ -24,6 +24,7 @@ outside it (a backend's or deploytool's own).
 from __future__ import annotations
 
 import binascii
+import fcntl
 import os
 import stat
 from array import array
@@ -158,6 +159,12 @@ def prefetch(root: str) -> None:
         r, wfd = os.pipe()
     except OSError:
         return
+    for size in (4 << 20, 1 << 20):  # room for the whole answer: the child writes once, the parent reads once
+        try:
+            fcntl.fcntl(wfd, fcntl.F_SETPIPE_SZ, size)
+            break
+        except OSError:
+            continue
     try:
         pid = os.fork()
     except OSError:
@@ -188,7 +195,7 @@ def prefetched(root: str) -> Walk | None:
         return None
     chunks = []
     try:
-        while chunk := os.read(r, 1 << 20):
+        while chunk := os.read(r, 4 << 20):
             chunks.append(chunk)
     except OSError:
         chunks = []
