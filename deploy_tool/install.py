@@ -369,19 +369,20 @@ class _Install:
         self.marks: list[dict[str, Any]] = []
         self.tool: Future[None] | None = None
 
+    # the plan's steps after the verification (the failure step aside) and the method that runs each
+    HANDLERS = {"venv-ready": "venv", "native-libs-checked": "native_libs", "tool-ready": "tool_venv",
+                "release-laid-down": "lay_down", "release-kept": "keep", "units-written": "write_units",
+                "current-flipped": "flip_current", "pinned": "pin", "daemon-reloaded": "daemon_reload",
+                "started": "start", "healthy": "gate", "committed": "commit"}
+
     def run(self, steps: list[Step]) -> InstallResult:
-        handlers: dict[str, Callable[[], dict[str, Any]]] = {
-            "venv-ready": self.venv, "native-libs-checked": self.native_libs, "tool-ready": self.tool_venv,
-            "release-laid-down": self.lay_down, "release-kept": self.keep, "units-written": self.write_units,
-            "current-flipped": self.flip_current, "pinned": self.pin, "daemon-reloaded": self.daemon_reload,
-            "started": self.start, "healthy": self.gate, "committed": self.commit}
         # deploytool's own venv needs only the (verified) tool wheels: it is built on this pool while the backend
         # venv unpacks (on another core: its work is mostly a child python), and waited for at tool-ready
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-venv") as self.pool:
             for step in steps:
                 if step.when or step.name == "verified":  # verified: done before the plan; the failure step: above
                     continue
-                kw = handlers[step.name]()
+                kw: dict[str, Any] = getattr(self, self.HANDLERS[step.name])()
                 if step.name in JOURNALED:
                     self.marks.append({"step": step.name, "t": round(time.monotonic(), 3), **kw})
                     self.log(step.name + "".join(f" {k}={v}" for k, v in kw.items()))

@@ -389,7 +389,7 @@ class Switcher:
                                       outcome="nothing-changed")
                     return SwitchResult(True, "recovered", op.from_backend, target.name,
                                         message=f"interrupted {op.kind} had changed nothing")
-                if step.name == "finish-commit":
+                elif step.name == "finish-commit":
                     try:
                         _run_gate(self.cfg, self.sd, target, on_event=self.log)
                         self._set_enabled(target, pool)
@@ -400,18 +400,18 @@ class Switcher:
                                       to_backend=target.name)
                     return SwitchResult(True, "recovered", op.from_backend, target.name,
                                         message=f"finished the interrupted {op.kind}: {target.name} is serving")
-                if step.name == "stop-target":
+                elif step.name == "stop-target":
                     try:
                         self.sd.stop(target.unit)
                         self.sd.reset_failed(target.unit)
                     except DeployError:
                         pass
-                if step.name == "leave-stopped":
+                elif step.name == "leave-stopped":
                     self.store.save(replace(st, operation=None, active_backend=None))
                     self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="stopped")
                     return SwitchResult(True, "recovered", None, target.name,
                                         message="stopped the half-started target")
-                if step.name == "restart-previous":
+                elif step.name == "restart-previous":
                     assert prev is not None
                     exc = self._restore(st, prev, pool)  # a switch flips the enablement during its gate: back
                     if exc is not None:
@@ -423,6 +423,8 @@ class Switcher:
                                       to_backend=prev.name)
                     return SwitchResult(True, "recovered", op.from_backend, prev.name,
                                         message=f"rolled the interrupted {op.kind} back: {prev.name} is serving")
+                else:
+                    raise AssertionError(f"no handler for the recover step {step.name}")
         raise AssertionError(f"the plan to recover {op.kind} at {op.step} has no final step")
 
 
@@ -442,10 +444,11 @@ class _SwitchRun:
         self.gate: GateReport | None = None
         self.t0 = time.monotonic()
 
+    # the plan's steps (the failure step aside) and the method that runs each
+    HANDLERS = {"intent": "intent", "preflight": "check", "stopping-current": "stop_current",
+                "starting-target": "start_target", "gate": "run_gate", "committing": "commit"}
+
     def run(self, steps: list[Step]) -> SwitchResult:
-        handlers: dict[str, Callable[[], None]] = {
-            "intent": self.intent, "preflight": self.check, "stopping-current": self.stop_current,
-            "starting-target": self.start_target, "gate": self.run_gate, "committing": self.commit}
         changed = False
         try:
             for step in steps:
@@ -454,7 +457,7 @@ class _SwitchRun:
                 changed = changed or step.name not in CHANGES_NOTHING
                 if step.name != "intent":  # the intent journals the operation itself
                     self.st = self.store.advance(self.st, step.name)
-                handlers[step.name]()
+                getattr(self, self.HANDLERS[step.name])()
         except DeployError as exc:
             if self.preflight is not None:
                 wait_all([self.preflight])
