@@ -762,61 +762,83 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
     pins (on a fresh box: remove what it laid down), and start the backend that served.
 
     Runs under the state lock, so no other install is using releases/.verify-* or .staging-* right now."""
-    op = st.operation
-    assert op is not None and op.kind == "install"
-    rid, prev = op.release, op.previous_release
-    releases = Path(cfg.paths.releases_dir)
-    cur = Path(cfg.paths.current)
-    target = cfg.backends.get(op.to_backend or "")
-    # from "started" on, the target runs the new release's units and environment: a plain start would keep it
-    started_new = op.step in ("started", "healthy")
+    run = _UndoInstall(cfg, store, st, sd=sd, log=log)
     for step in recover_steps(cfg, st, sd=sd):
-        if step.name == "clean-staging" and releases.is_dir():  # the killed run's private verify dir and staging
-            for p in releases.iterdir():
-                if p.name.startswith(".verify-") or (rid and p.name == f".staging-{rid}"):
+        getattr(run, run.HANDLERS[step.name])()
+
+
+class _UndoInstall:
+    """Undoing one interrupted install, walking its plan: a handler per step."""
+
+    HANDLERS = {"clean-staging": "clean_staging", "restore-release": "restore_release", "repin": "repin",
+                "stop-target": "stop_target", "stop-new": "stop_target", "remove-units": "remove_units",
+                "remove-release": "remove_release", "daemon-reload": "daemon_reload",
+                "restart-previous": "restart_previous", "undone": "undone"}
+
+    def __init__(self, cfg: Config, store: Store, st: State, *, sd: systemd_mod.Systemd, log: Log) -> None:
+        assert st.operation is not None and st.operation.kind == "install"
+        self.cfg, self.store, self.st, self.sd, self.log, self.op = cfg, store, st, sd, log, st.operation
+        self.rid, self.prev = self.op.release, self.op.previous_release
+        self.releases = Path(cfg.paths.releases_dir)
+        # from "started" on, the target runs the new release's units and environment: a plain start would keep it
+        self.started_new = self.op.step in ("started", "healthy")
+
+    def clean_staging(self) -> None:
+        if self.releases.is_dir():  # the killed run's private verify dir and staging copy
+            for p in self.releases.iterdir():
+                if p.name.startswith(".verify-") or (self.rid and p.name == f".staging-{self.rid}"):
                     shutil.rmtree(p, ignore_errors=True)
-        elif step.name == "restore-release":
-            assert prev is not None
-            atomic_symlink(os.path.relpath(releases / prev, cur.parent), cur)
-            for d, dest in (("env", Path(cfg.paths.env_dir)), ("units", Path(cfg.paths.unit_dir))):
-                for f in sorted((releases / prev / d).iterdir()):
-                    atomic_write(dest / f.name, f.read_bytes(), 0o644)
-        elif step.name == "repin":
-            fresh = fingerprint.HashCache()
-            for name in sorted(cfg.backends):
-                fingerprint.pin(cfg, cfg.backends[name], f"recover: back to release {prev}", release=prev,
-                                store=store, fresh=fresh)
-        elif step.name in ("stop-target", "stop-new"):
-            assert target is not None
-            with contextlib.suppress(DeployError):
-                sd.stop(target.unit)
-        elif step.name == "remove-units":
-            _remove_units(cfg, sd, releases / rid if rid else None)
-        elif step.name == "remove-release":
-            shutil.rmtree(releases / str(rid), ignore_errors=True)
-        elif step.name == "daemon-reload":
-            with contextlib.suppress(DeployError):
-                sd.daemon_reload()
-        elif step.name == "restart-previous":
-            b = cfg.backends[str(op.from_backend)]
-            try:
-                sd.reset_failed(b.unit)
-                (sd.restart if started_new else sd.start)(b.unit, past_start_limit=True)
-                run_gate(cfg, sd, b, invocation=sd.show(b.unit).invocation_id or None, on_event=log)
-            except DeployError as exc:
-                store.save(replace(st, operation=None, release=prev, active_backend=None))
-                store.record("recover", ok=False, interrupted="install", step=op.step, release=rid,
-                             outcome="rollback-failed", reason=exc.message.splitlines()[0])
-                raise RollbackFailed(f"undid the interrupted install of {rid}, but {b.name} of release {prev} did "
-                                     f"not come back: {exc.message}", hint=f"see `journalctl -u {b.unit}` and "
-                                     "`deploytool status`") from None
-        elif step.name == "undone":
-            store.save(replace(st, operation=None, release=prev, active_backend=op.from_backend if prev else None))
-            store.record("recover", ok=True, interrupted="install", step=op.step, release=rid, outcome="undone")
-            log(f"undid the interrupted install of {rid}" + (f"; release {prev} is back" if prev else
-                                                            "; the box holds no release"))
-        else:
-            raise AssertionError(f"no handler for the recover step {step.name}")
+
+    def restore_release(self) -> None:
+        prev = self.releases / str(self.prev)
+        cur = Path(self.cfg.paths.current)
+        atomic_symlink(os.path.relpath(prev, cur.parent), cur)
+        for d, dest in (("env", Path(self.cfg.paths.env_dir)), ("units", Path(self.cfg.paths.unit_dir))):
+            for f in sorted((prev / d).iterdir()):
+                atomic_write(dest / f.name, f.read_bytes(), 0o644)
+
+    def repin(self) -> None:
+        fresh = fingerprint.HashCache()
+        for name in sorted(self.cfg.backends):
+            fingerprint.pin(self.cfg, self.cfg.backends[name], f"recover: back to release {self.prev}",
+                            release=self.prev, store=self.store, fresh=fresh)
+
+    def stop_target(self) -> None:
+        with contextlib.suppress(DeployError):
+            self.sd.stop(self.cfg.backends[str(self.op.to_backend)].unit)
+
+    def remove_units(self) -> None:
+        _remove_units(self.cfg, self.sd, self.releases / self.rid if self.rid else None)
+
+    def remove_release(self) -> None:
+        shutil.rmtree(self.releases / str(self.rid), ignore_errors=True)
+
+    def daemon_reload(self) -> None:
+        with contextlib.suppress(DeployError):
+            self.sd.daemon_reload()
+
+    def restart_previous(self) -> None:
+        sd, b = self.sd, self.cfg.backends[str(self.op.from_backend)]
+        try:
+            sd.reset_failed(b.unit)
+            (sd.restart if self.started_new else sd.start)(b.unit, past_start_limit=True)
+            run_gate(self.cfg, sd, b, invocation=sd.show(b.unit).invocation_id or None, on_event=self.log)
+        except DeployError as exc:
+            self.store.save(replace(self.st, operation=None, release=self.prev, active_backend=None))
+            self.store.record("recover", ok=False, interrupted="install", step=self.op.step, release=self.rid,
+                              outcome="rollback-failed", reason=exc.message.splitlines()[0])
+            raise RollbackFailed(f"undid the interrupted install of {self.rid}, but {b.name} of release {self.prev} "
+                                 f"did not come back: {exc.message}", hint=f"see `journalctl -u {b.unit}` and "
+                                 "`deploytool status`") from None
+
+    def undone(self) -> None:
+        prev = self.prev
+        self.store.save(replace(self.st, operation=None, release=prev,
+                                active_backend=self.op.from_backend if prev else None))
+        self.store.record("recover", ok=True, interrupted="install", step=self.op.step, release=self.rid,
+                          outcome="undone")
+        self.log(f"undid the interrupted install of {self.rid}" + (f"; release {prev} is back" if prev else
+                                                                  "; the box holds no release"))
 
 
 def _remove_units(cfg: Config, sd: systemd_mod.Systemd, release: Path | None) -> None:

@@ -379,53 +379,70 @@ class Switcher:
         if op.kind == "install":
             raise StateError("an interrupted install is found: it is finished by `deploytool recover`",
                              hint="run deploytool recover")
-        target = _recover_target(self.cfg, op)
-        prev = self.cfg.backends.get(op.from_backend or "")
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="recover") as pool:
+            run = _RecoverRun(self, pool, st)
             for step in self.recover_steps(st):
-                if step.name == "nothing-changed":
-                    self.store.save(replace(st, operation=None))
-                    self.store.record("recover", ok=True, interrupted=op.kind, step=op.step,
-                                      outcome="nothing-changed")
-                    return SwitchResult(True, "recovered", op.from_backend, target.name,
-                                        message=f"interrupted {op.kind} had changed nothing")
-                elif step.name == "finish-commit":
-                    try:
-                        _run_gate(self.cfg, self.sd, target, on_event=self.log)
-                        self._set_enabled(target, pool)
-                        self._commit_state(st, target)
-                    except DeployError:
-                        continue  # roll back to what served before
-                    self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="committed",
-                                      to_backend=target.name)
-                    return SwitchResult(True, "recovered", op.from_backend, target.name,
-                                        message=f"finished the interrupted {op.kind}: {target.name} is serving")
-                elif step.name == "stop-target":
-                    try:
-                        self.sd.stop(target.unit)
-                        self.sd.reset_failed(target.unit)
-                    except DeployError:
-                        pass
-                elif step.name == "leave-stopped":
-                    self.store.save(replace(st, operation=None, active_backend=None))
-                    self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="stopped")
-                    return SwitchResult(True, "recovered", None, target.name,
-                                        message="stopped the half-started target")
-                elif step.name == "restart-previous":
-                    assert prev is not None
-                    exc = self._restore(st, prev, pool)  # a switch flips the enablement during its gate: back
-                    if exc is not None:
-                        self.store.record("recover", ok=False, interrupted=op.kind, step=op.step,
-                                          outcome="rollback-failed", reason=exc.message.splitlines()[0])
-                        raise RollbackFailed(f"recovering the interrupted {op.kind}: {prev.name} did not come "
-                                             f"back: {exc.message}") from None
-                    self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="rolled-back",
-                                      to_backend=prev.name)
-                    return SwitchResult(True, "recovered", op.from_backend, prev.name,
-                                        message=f"rolled the interrupted {op.kind} back: {prev.name} is serving")
-                else:
-                    raise AssertionError(f"no handler for the recover step {step.name}")
+                res = getattr(run, run.HANDLERS[step.name])()
+                if res is not None:
+                    return res
         raise AssertionError(f"the plan to recover {op.kind} at {op.step} has no final step")
+
+
+class _RecoverRun:
+    """Finishing one interrupted switch or rollback, walking its plan: a handler per step; the first that
+    returns a result ends it (a failed gate at finish-commit goes on to the steps "if the gate fails")."""
+
+    HANDLERS = {"nothing-changed": "nothing_changed", "finish-commit": "finish_commit", "stop-target": "stop_target",
+                "leave-stopped": "leave_stopped", "restart-previous": "restart_previous"}
+
+    def __init__(self, sw: Switcher, pool: ThreadPoolExecutor, st: State) -> None:
+        assert st.operation is not None
+        self.sw, self.pool, self.st, self.op = sw, pool, st, st.operation
+        self.store = sw.store
+        self.target = _recover_target(sw.cfg, self.op)
+
+    def record(self, ok: bool, outcome: str, **kw: Any) -> None:
+        self.store.record("recover", ok=ok, interrupted=self.op.kind, step=self.op.step, outcome=outcome, **kw)
+
+    def nothing_changed(self) -> SwitchResult:
+        self.store.save(replace(self.st, operation=None))
+        self.record(True, "nothing-changed")
+        return SwitchResult(True, "recovered", self.op.from_backend, self.target.name,
+                            message=f"interrupted {self.op.kind} had changed nothing")
+
+    def finish_commit(self) -> SwitchResult | None:
+        try:
+            _run_gate(self.sw.cfg, self.sw.sd, self.target, on_event=self.sw.log)
+            self.sw._set_enabled(self.target, self.pool)
+            self.sw._commit_state(self.st, self.target)
+        except DeployError:
+            return None  # roll back to what served before
+        self.record(True, "committed", to_backend=self.target.name)
+        return SwitchResult(True, "recovered", self.op.from_backend, self.target.name,
+                            message=f"finished the interrupted {self.op.kind}: {self.target.name} is serving")
+
+    def stop_target(self) -> None:
+        try:
+            self.sw.sd.stop(self.target.unit)
+            self.sw.sd.reset_failed(self.target.unit)
+        except DeployError:
+            pass
+
+    def leave_stopped(self) -> SwitchResult:
+        self.store.save(replace(self.st, operation=None, active_backend=None))
+        self.record(True, "stopped")
+        return SwitchResult(True, "recovered", None, self.target.name, message="stopped the half-started target")
+
+    def restart_previous(self) -> SwitchResult:
+        prev = self.sw.cfg.backends[str(self.op.from_backend)]
+        exc = self.sw._restore(self.st, prev, self.pool)  # a switch flips the enablement during its gate: back
+        if exc is not None:
+            self.record(False, "rollback-failed", reason=exc.message.splitlines()[0])
+            raise RollbackFailed(f"recovering the interrupted {self.op.kind}: {prev.name} did not come back: "
+                                 f"{exc.message}") from None
+        self.record(True, "rolled-back", to_backend=prev.name)
+        return SwitchResult(True, "recovered", self.op.from_backend, prev.name,
+                            message=f"rolled the interrupted {self.op.kind} back: {prev.name} is serving")
 
 
 class _SwitchRun:

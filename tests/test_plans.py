@@ -224,8 +224,18 @@ def test_every_step_of_every_plan_has_a_handler(cfg: Config) -> None:
     for f in (facts, replace(facts, laid_down=True), replace(facts, tool=False)):
         assert {s.name for s in _install(cfg, State(), f) if not s.when} - {"verified"} \
             <= set(install._Install.HANDLERS)
-    assert set(install._Install.HANDLERS.values()) <= set(dir(install._Install))
-    assert set(switch._SwitchRun.HANDLERS.values()) <= set(dir(switch._SwitchRun))
+    for step in ("preflight", "stopping-current", "gate", "committing"):
+        for running in (False, True):
+            plan = switch.recover_plan(cfg, replace(st, operation=_op(step)), target_running=running)
+            assert {s.name for s in plan} <= set(switch._RecoverRun.HANDLERS)
+    op = Operation(kind="install", op_id="x", started="t", step="started", from_backend=FT, to_backend=LL,
+                   release="r2", previous_release="r1")
+    for o in (op, replace(op, step="pinned"), replace(op, from_backend=None, previous_release=None)):
+        for laid_down in (False, True):
+            plan = install.recover_plan(cfg, State(operation=o), prev_laid_down=laid_down, prev_running=False)
+            assert {s.name for s in plan} <= set(install._UndoInstall.HANDLERS)
+    for cls in (install._Install, install._UndoInstall, switch._SwitchRun, switch._RecoverRun):
+        assert set(cls.HANDLERS.values()) <= set(dir(cls)), cls
 
 
 def test_dry_run_json_carries_the_steps(tmp_path: Path) -> None:
