@@ -354,6 +354,158 @@ def _undo(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, undo: _
     store.save(replace(st, operation=None))
 
 
+def release_binaries(cfg: Config, release: Path) -> tuple[dict[str, set[str]], list[Path]]:
+    """({backend: its llama-server binaries}, extra ELF roots outside the venv) of a release laid down at
+    `release` (a staging dir or the installed one): binaries named under {current}/{venv} are looked up there,
+    others on the box; the bundled NCCL when present."""
+    cur = cfg.paths.current.rstrip("/")
+    per_backend: dict[str, set[str]] = {}
+    extra: list[Path] = []
+    nccl = release / "nccl" / "libnccl.so.2"
+    if nccl.is_file():
+        extra.append(nccl)
+    for b in cfg.backends.values():
+        if b.kind != "llamacpp":
+            continue
+        path = expand(cfg, b.binary)  # type: ignore[union-attr]
+        p = release / path[len(cur) + 1:] if path.startswith(cur + "/") else Path(path)
+        if p.is_file():
+            per_backend.setdefault(b.name, set()).add(str(p))
+            if not str(p).startswith(str(release) + "/venv/"):
+                extra.append(p)
+    return per_backend, extra
+
+
+def check_os_libraries(cfg: Config, release: Path) -> None:
+    """Refuse a box that lacks an OS library the release's native binaries need (ELF NEEDED entries resolved
+    as the dynamic loader would), naming the library and the Debian package that provides it; nothing on the box
+    has changed yet (the release is still in its staging dir)."""
+    _per_backend, extra = release_binaries(cfg, release)
+    try:
+        missing = binaries.release_missing_libraries(
+            release / "venv", extra=extra,
+            ftllm_devices={b.device for b in cfg.backends.values() if b.kind == "ftllm"})
+    except InputError as exc:
+        raise BundleError(f"a native binary of the release cannot be read: {exc.message}") from None
+    if not missing:
+        return
+
+    def rel(p: str) -> str:
+        return os.path.relpath(p, release) if p.startswith(str(release) + "/") else p
+
+    first = missing[0]
+    pkgs = sorted({m.package for m in missing if m.package and " " not in m.package})
+    others = f" (and {', '.join(m.name for m in missing[1:4])}{' ...' if len(missing) > 4 else ''})" \
+        if len(missing) > 1 else ""
+    raise MissingTool(f"this box lacks {first.name}, needed by {rel(first.needed_by)}"
+                      + (f" (Debian package: {first.package})" if first.package else "") + others
+                      + "; nothing was installed",
+                      hint=(f"apt-get install {' '.join(pkgs)}" if pkgs else "install the library from the OS")
+                      + ", then run deploytool install again",
+                      details={"missing": [{"library": m.name, "needed_by": rel(m.needed_by), "package": m.package}
+                                          for m in missing]})
+
+
+# Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
+# packing machine and the box without changing anything the box runs. Every other key reaches the box (unit and
+# env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
+PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
+                  "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
+                  "bundle.nccl.library", "bundle.nccl.force", "systemd")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, list) and d and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in d):
+        d = dict(d)  # a mapping kept as (key, value) pairs, e.g. a backend's env: compared key by key
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    if d == []:
+        return {}  # empty is absent: an empty env or argument list against a filled one names the filled keys
+    return {prefix[:-1]: d}
+
+
+def config_differences(packed: dict[str, Any], box: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key path, packed value, box value) for every key the box runs by that differs; pack-only keys aside."""
+    a, b = _flatten(packed), _flatten(box)
+    missing = object()
+
+    def pack_only(k: str) -> bool:
+        return any(k == p or k.startswith(p + ".") for p in PACK_ONLY_KEYS)
+
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if not pack_only(k) and a.get(k, missing) != b.get(k, missing)]
+
+
+def check_config_matches(cfg: Config, packed_json: Path, rid: str) -> None:
+    """Refuse a bundle packed for another config, naming the differing keys.
+
+    The bundle's units, env files and paths were rendered from the config it was packed with and are signed as
+    such; installing them under a config that says otherwise would start services pointing at paths the box
+    does not have, or pin and check something else than what runs. Rendering the units again on the box would
+    install unsigned files: the fix is to pack with this box's config (or install with the one it was packed
+    from)."""
+    try:
+        packed = json.loads(packed_json.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"bundle {rid} carries no readable config.json: {exc}",
+                          hint="pack the bundle again with `deploytool pack`") from None
+    diffs = config_differences(packed, json.loads(pack.resolved_config_json(cfg)))
+    if not diffs:
+        return
+
+    def show(v: Any) -> str:
+        return "(unset)" if not isinstance(v, str | int | float | bool | list | dict | None) else json.dumps(v)[:60]
+
+    where = cfg.source_path or "the config"
+    listed = "; ".join(f"{k}: bundle {show(a)}, here {show(b)}" for k, a, b in diffs[:4])
+    more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
+    raise BundleError(f"bundle {rid} was packed for another config than {where}: {listed}{more}",
+                      hint="pack the bundle with this box's config (`deploytool pack`), or install with the config "
+                           "it was packed from", details={"differences": [k for k, _, _ in diffs]})
+
+
+
+def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, rid: str, final: Path, *,
+                     log: Log, t0: float) -> InstallResult:
+    """The release is installed but no backend runs (an earlier `install --no-start`, a stopped box): start the
+    backend the box should serve (the recorded active one, else the default) behind the same gate as install."""
+    name = _backend_to_start(cfg, st)
+    target = cfg.backends[name]
+    log(f"release {rid} is already installed but no backend is running; starting {name}")
+    sd.reset_failed(target.unit)
+    sd.restart(target.unit, past_start_limit=True)
+    try:
+        gate = run_gate(cfg, sd, target, invocation=sd.show(target.unit).invocation_id or None, on_event=log)
+    except DeployError as exc:
+        with contextlib.suppress(DeployError):
+            sd.stop(target.unit)
+        store.record("install", ok=False, release=rid, backend=name, reason=exc.message.splitlines()[0])
+        raise
+    sd.enable(target.unit)
+    for o in cfg.other_backends(name):
+        if sd.is_enabled(o.unit) == "enabled":
+            sd.disable(o.unit)
+    store.save(replace(store.load(), active_backend=name,
+                       previous_backend=st.previous_backend if st.active_backend == name else st.active_backend))
+    store.record("install", ok=True, release=rid, backend=name, action="started")
+    return InstallResult(True, "started", rid, str(final), name, seconds=time.monotonic() - t0,
+                         steps=[{"step": "healthy", "ready_s": round(gate.ready_s, 2)}],
+                         message=f"release {rid} is already installed; {name} was not running and now serves "
+                                 f"{cfg.serve.model_name!r} on port {cfg.serve.port}")
+
+
+def _units_match(cfg: Config, root: Path) -> bool:
+    for d, target in (("units", cfg.paths.unit_dir), ("env", cfg.paths.env_dir)):
+        for f in sorted((root / d).iterdir()) if (root / d).is_dir() else []:
+            t = Path(target) / f.name
+            if not t.is_file() or t.read_bytes() != f.read_bytes():
+                return False
+    return True
+
+
 class _Install:
     """One install under the lock, walking its plan: a handler per step, each journaled (and a fault point)
     once done; every change it makes registers its undo."""
@@ -527,159 +679,6 @@ class _Install:
         self.store.record("install", ok=True, release=rid, backend=name if self.started else None,
                           previous_release=st.release, mode="rebuild" if self.rebuild else "unpack")
         return {}
-
-
-def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, rid: str, final: Path, *,
-                     log: Log, t0: float) -> InstallResult:
-    """The release is installed but no backend runs (an earlier `install --no-start`, a stopped box): start the
-    backend the box should serve (the recorded active one, else the default) behind the same gate as install."""
-    name = _backend_to_start(cfg, st)
-    target = cfg.backends[name]
-    log(f"release {rid} is already installed but no backend is running; starting {name}")
-    sd.reset_failed(target.unit)
-    sd.restart(target.unit, past_start_limit=True)
-    try:
-        gate = run_gate(cfg, sd, target, invocation=sd.show(target.unit).invocation_id or None, on_event=log)
-    except DeployError as exc:
-        with contextlib.suppress(DeployError):
-            sd.stop(target.unit)
-        store.record("install", ok=False, release=rid, backend=name, reason=exc.message.splitlines()[0])
-        raise
-    sd.enable(target.unit)
-    for o in cfg.other_backends(name):
-        if sd.is_enabled(o.unit) == "enabled":
-            sd.disable(o.unit)
-    store.save(replace(store.load(), active_backend=name,
-                       previous_backend=st.previous_backend if st.active_backend == name else st.active_backend))
-    store.record("install", ok=True, release=rid, backend=name, action="started")
-    return InstallResult(True, "started", rid, str(final), name, seconds=time.monotonic() - t0,
-                         steps=[{"step": "healthy", "ready_s": round(gate.ready_s, 2)}],
-                         message=f"release {rid} is already installed; {name} was not running and now serves "
-                                 f"{cfg.serve.model_name!r} on port {cfg.serve.port}")
-
-
-def release_binaries(cfg: Config, release: Path) -> tuple[dict[str, set[str]], list[Path]]:
-    """({backend: its llama-server binaries}, extra ELF roots outside the venv) of a release laid down at
-    `release` (a staging dir or the installed one): binaries named under {current}/{venv} are looked up there,
-    others on the box; the bundled NCCL when present."""
-    cur = cfg.paths.current.rstrip("/")
-    per_backend: dict[str, set[str]] = {}
-    extra: list[Path] = []
-    nccl = release / "nccl" / "libnccl.so.2"
-    if nccl.is_file():
-        extra.append(nccl)
-    for b in cfg.backends.values():
-        if b.kind != "llamacpp":
-            continue
-        path = expand(cfg, b.binary)  # type: ignore[union-attr]
-        p = release / path[len(cur) + 1:] if path.startswith(cur + "/") else Path(path)
-        if p.is_file():
-            per_backend.setdefault(b.name, set()).add(str(p))
-            if not str(p).startswith(str(release) + "/venv/"):
-                extra.append(p)
-    return per_backend, extra
-
-
-def check_os_libraries(cfg: Config, release: Path) -> None:
-    """Refuse a box that lacks an OS library the release's native binaries need (ELF NEEDED entries resolved
-    as the dynamic loader would), naming the library and the Debian package that provides it; nothing on the box
-    has changed yet (the release is still in its staging dir)."""
-    _per_backend, extra = release_binaries(cfg, release)
-    try:
-        missing = binaries.release_missing_libraries(
-            release / "venv", extra=extra,
-            ftllm_devices={b.device for b in cfg.backends.values() if b.kind == "ftllm"})
-    except InputError as exc:
-        raise BundleError(f"a native binary of the release cannot be read: {exc.message}") from None
-    if not missing:
-        return
-
-    def rel(p: str) -> str:
-        return os.path.relpath(p, release) if p.startswith(str(release) + "/") else p
-
-    first = missing[0]
-    pkgs = sorted({m.package for m in missing if m.package and " " not in m.package})
-    others = f" (and {', '.join(m.name for m in missing[1:4])}{' ...' if len(missing) > 4 else ''})" \
-        if len(missing) > 1 else ""
-    raise MissingTool(f"this box lacks {first.name}, needed by {rel(first.needed_by)}"
-                      + (f" (Debian package: {first.package})" if first.package else "") + others
-                      + "; nothing was installed",
-                      hint=(f"apt-get install {' '.join(pkgs)}" if pkgs else "install the library from the OS")
-                      + ", then run deploytool install again",
-                      details={"missing": [{"library": m.name, "needed_by": rel(m.needed_by), "package": m.package}
-                                          for m in missing]})
-
-
-# Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
-# packing machine and the box without changing anything the box runs. Every other key reaches the box (unit and
-# env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
-PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
-                  "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
-                  "bundle.nccl.library", "bundle.nccl.force", "systemd")
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, list) and d and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in d):
-        d = dict(d)  # a mapping kept as (key, value) pairs, e.g. a backend's env: compared key by key
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    if d == []:
-        return {}  # empty is absent: an empty env or argument list against a filled one names the filled keys
-    return {prefix[:-1]: d}
-
-
-def config_differences(packed: dict[str, Any], box: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key path, packed value, box value) for every key the box runs by that differs; pack-only keys aside."""
-    a, b = _flatten(packed), _flatten(box)
-    missing = object()
-
-    def pack_only(k: str) -> bool:
-        return any(k == p or k.startswith(p + ".") for p in PACK_ONLY_KEYS)
-
-    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
-            if not pack_only(k) and a.get(k, missing) != b.get(k, missing)]
-
-
-def check_config_matches(cfg: Config, packed_json: Path, rid: str) -> None:
-    """Refuse a bundle packed for another config, naming the differing keys.
-
-    The bundle's units, env files and paths were rendered from the config it was packed with and are signed as
-    such; installing them under a config that says otherwise would start services pointing at paths the box
-    does not have, or pin and check something else than what runs. Rendering the units again on the box would
-    install unsigned files: the fix is to pack with this box's config (or install with the one it was packed
-    from)."""
-    try:
-        packed = json.loads(packed_json.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"bundle {rid} carries no readable config.json: {exc}",
-                          hint="pack the bundle again with `deploytool pack`") from None
-    diffs = config_differences(packed, json.loads(pack.resolved_config_json(cfg)))
-    if not diffs:
-        return
-
-    def show(v: Any) -> str:
-        return "(unset)" if not isinstance(v, str | int | float | bool | list | dict | None) else json.dumps(v)[:60]
-
-    where = cfg.source_path or "the config"
-    listed = "; ".join(f"{k}: bundle {show(a)}, here {show(b)}" for k, a, b in diffs[:4])
-    more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
-    raise BundleError(f"bundle {rid} was packed for another config than {where}: {listed}{more}",
-                      hint="pack the bundle with this box's config (`deploytool pack`), or install with the config "
-                           "it was packed from", details={"differences": [k for k, _, _ in diffs]})
-
-
-
-def _units_match(cfg: Config, root: Path) -> bool:
-    for d, target in (("units", cfg.paths.unit_dir), ("env", cfg.paths.env_dir)):
-        for f in sorted((root / d).iterdir()) if (root / d).is_dir() else []:
-            t = Path(target) / f.name
-            if not t.is_file() or t.read_bytes() != f.read_bytes():
-                return False
-    return True
-
 
 
 def makedirs_open(d: Path) -> None:
