@@ -11,12 +11,17 @@ untouched) -> flip `current` -> pin fingerprints -> daemon-reload -> enable and 
 health gate -> commit state and history. The same release again is a no-op, or starts the backend if none runs.
 A previous release keeps running untouched until the new one is ready to start; a fresh box that fails is left
 with no half-installed units.
+
+`install_plan` and `recover_plan` build those steps as data (`Step`s, from the config, the state and what the
+verified bundle and the box report); `--dry-run` prints them and the run walks them, one handler per step.
+An operation of another kind found interrupted is finished by whoever hands `finish` in (deploy_tool.operations).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import shutil
 import stat
@@ -24,27 +29,36 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from deploy_tool import archive, binaries, bootstrap, fingerprint, proc, venv
+from deploy_tool import bundle as bundle_mod
 from deploy_tool import systemd as systemd_mod
-from deploy_tool.config import Config
+from deploy_tool.config import Config, expand
 from deploy_tool.errors import (
     BundleError,
     DeployError,
     ExitCode,
     InputError,
     InstallError,
+    MissingTool,
     RollbackFailed,
+    StateError,
 )
-from deploy_tool.faults import fault
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
-from deploy_tool.state import Operation, State, Store, now_iso
+from deploy_tool.gate import api_key, run_gate
+from deploy_tool.manifest import hash_native_libs
+from deploy_tool.render import SECRETS_ENV, render_secrets, resolved_config_json
+from deploy_tool.state import Operation, State, Step, Store, now_iso
 
 Log = Callable[[str], None]
 BUNDLE_SUFFIXES = (".tar", ".tar.zst")
+# the steps an install journals (state.json's operation.step, after the step's work; each a fault point)
+JOURNALED = ("verified", "venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written",
+             "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
 
 
 @dataclass
@@ -120,99 +134,230 @@ def _backup_file(p: Path, undo: _Undo) -> None:
         undo.add(f"remove {p}", lambda: p.unlink(missing_ok=True))
 
 
+
+# ---------------------------------------------------------------------------------------------------- plans
+
+@dataclass(frozen=True)
+class InstallFacts:
+    """What an install's plan depends on besides the config and the state: the verified bundle and the box."""
+
+    release: str  # the bundle's id
+    installed: bool = False  # this release is installed: `current` points at it, its units and env files in place
+    running: bool = False  # a backend runs (asked only when the release is installed and it is to start)
+    laid_down: bool = False  # releases/<id> exists already (an earlier install of it)
+    tool: bool = True  # the bundle carries deploytool's own wheels
+
+
+def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: InstallFacts | None,
+                 rebuild: bool = False, start: bool = True) -> list[Step]:
+    """The steps of an install after the lock; `facts` None: the bundle is not verified yet (--dry-run), so
+    its id is <id> and the steps that depend on what it carries say so."""
+    releases, paths = Path(cfg.paths.releases_dir), cfg.paths
+    rid = facts.release if facts else "<id>"
+    final = releases / rid
+    steps = [Step("verified", f"verify {bundle} against keys in {keys}", (f"{releases}/.verify-*",))]
+    if facts is not None and facts.installed:
+        if start and not facts.running:
+            name = _backend_to_start(cfg, st)
+            return [*steps, Step("start-installed", f"release {rid} is installed but no backend runs: start {name} "
+                                 "behind the health gate, enable it for boot, disable the others",
+                                 (cfg.backends[name].unit,))]
+        return [*steps, Step("noop", f"nothing to do: release {rid} is already installed")]
+    if facts is None or not facts.laid_down:
+        stage = releases / f".staging-{rid}"
+        how = ("rebuild the venv from the wheels (--no-index --require-hashes), compile, relocate" if rebuild
+               else "unpack venv (bytecode included), relocate")
+        steps += [Step("venv-ready", f"unpack to {stage}, {how}", (str(stage),)),
+                  Step("native-libs-checked", "check the OS libraries the native binaries need, check native "
+                       "library hashes")]
+        if facts is None or facts.tool:
+            steps.append(Step("tool-ready", "build deploytool's own venv from the bundle's tool wheels",
+                              (f"{stage}/tool",), when="" if facts else "if the bundle carries them"))
+        steps.append(Step("release-laid-down", f"move it to {final}", (str(final),)))
+    else:
+        steps.append(Step("release-kept", f"{final} is laid down already: keep it", (str(final),)))
+    secrets = f", the API key's {SECRETS_ENV}" if cfg.serve.api_key_file else ""
+    steps += [Step("units-written", f"write units to {paths.unit_dir}, env files to {paths.env_dir}{secrets}",
+                   (paths.unit_dir, paths.env_dir)),
+              Step("current-flipped", f"flip {paths.current}", (paths.current,)),
+              Step("pinned", "pin fingerprints", (f"{paths.state_dir}/pins",)),
+              Step("daemon-reloaded", "daemon-reload")]
+    if start:
+        target = cfg.backends[cfg.default_backend]
+        steps += [Step("started", f"stop the other backends, start {cfg.default_backend}",
+                       tuple(b.unit for b in cfg.backends.values())),
+                  Step("healthy", f"health gate, then enable {target.unit} for boot and disable the others",
+                       (target.unit,))]
+    state = str(Store(paths.state_dir).state_path)
+    steps += [Step("committed", "commit state", (state,)),
+              Step("undo", "undo every step in reverse, start the backend that served, exit 14", (state,),
+                   when="on failure")]
+    return steps
+
+
+def _backend_to_start(cfg: Config, st: State) -> str:
+    """The backend a box with its release installed and nothing running should serve: the recorded active one,
+    else the default."""
+    return st.active_backend if st.active_backend and st.active_backend in cfg.backends else cfg.default_backend
+
+
+def recover_plan(cfg: Config, st: State, *, prev_laid_down: bool, prev_running: bool) -> list[Step]:
+    """The steps that undo an install killed midway (`prev_laid_down`: the release it replaced is on the box;
+    `prev_running`: the backend that served runs); run by `recover_install`."""
+    op = st.operation
+    assert op is not None and op.kind == "install"
+    rid, prev = op.release, op.previous_release
+    releases, paths = Path(cfg.paths.releases_dir), cfg.paths
+    target = cfg.backends.get(op.to_backend or "")
+    started_new = op.step in ("started", "healthy")
+    steps = [Step("clean-staging", f"remove {releases}/.verify-* and {releases}/.staging-{rid}")]
+    if prev and prev_laid_down:
+        steps += [Step("restore-release", f"point {paths.current} to {releases}/{prev}, write its env files and "
+                       "units back", (paths.current, paths.env_dir, paths.unit_dir)),
+                  Step("repin", f"pin fingerprints of release {prev}", (f"{paths.state_dir}/pins",))]
+        if started_new and target is not None and target.name != op.from_backend:
+            steps.append(Step("stop-target", f"stop {target.unit}", (target.unit,)))
+    else:
+        units = sorted(b.unit for b in cfg.backends.values())
+        steps.append(Step("remove-units", f"stop, disable and remove {', '.join(units)} (and the units release "
+                          f"{rid} carries), their env files, the pins and {paths.current}: a fresh box keeps "
+                          "nothing half-installed", (*units, paths.env_dir, f"{paths.state_dir}/pins", paths.current)))
+    if rid and rid != prev:
+        steps.append(Step("remove-release", f"remove {releases}/{rid}", (f"{releases}/{rid}",)))
+    steps.append(Step("daemon-reload", "daemon-reload"))
+    if op.from_backend and op.from_backend in cfg.backends and prev:
+        b = cfg.backends[op.from_backend]
+        if started_new or not prev_running:  # (re)started: serving again only once it is healthy
+            steps.append(Step("restart-previous", f"{'restart' if started_new else 'start'} {b.unit} of release "
+                              f"{prev} behind the health gate", (b.unit,)))
+    elif started_new and target is not None:
+        steps.append(Step("stop-new", f"stop {target.unit}", (target.unit,)))
+    steps.append(Step("undone", f"clear the interrupted install from state (release {prev or 'none'}), record it in "
+                      "history", (str(Store(paths.state_dir).state_path),)))
+    return steps
+
+
+def planned(steps: list[Step]) -> list[dict[str, Any]]:
+    """The steps as --dry-run --json shows them: "step" the text, then the step as data."""
+    return [{"step": s.text(), **s.to_json()} for s in steps]
+
+
+# ---------------------------------------------------------------------------------------------------- install
+
+def _finish_own(cfg: Config, store: Store, sd: systemd_mod.Systemd, log: Log) -> Callable[[State], object]:
+    """Without an operations layer: an interrupted install is undone; another kind is left to `recover`."""
+    def finish(st: State) -> None:
+        assert st.operation is not None
+        if st.operation.kind != "install":
+            raise StateError(f"an interrupted {st.operation.kind} is found: it is finished by `deploytool recover`",
+                             hint="run deploytool recover")
+        recover_install(cfg, store, st, sd=sd, log=log)
+    return finish
+
+
 def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None, rebuild: bool = False,
             dry_run: bool = False, start: bool = True, log: Log = lambda s: None, progress=None,
-            sd: systemd_mod.Systemd | None = None, wait: float = 0.0) -> InstallResult:
-    from deploy_tool import bundle as bundle_mod
-
+            sd: systemd_mod.Systemd | None = None, wait: float = 0.0,
+            finish: Callable[[State], object] | None = None) -> InstallResult:
+    """Install the bundle (`finish`: what finishes an operation found interrupted under the lock)."""
     t0 = time.monotonic()
     path = find_bundle(cfg, bundle_path)
     keys = keys_dir or cfg.paths.keys_dir
     releases = Path(cfg.paths.releases_dir)
     store = Store(cfg.paths.state_dir)
     if dry_run:
-        return InstallResult(True, "planned", "?", str(releases / "<id>"), cfg.default_backend, steps=[
-            {"step": s} for s in (f"verify {path} against keys in {keys}", f"unpack to {releases}/<id>",
-                                  "unpack venv (bytecode included), relocate, check native library hashes",
-                                  f"write units to {cfg.paths.unit_dir}, env files to {cfg.paths.env_dir}",
-                                  f"flip {cfg.paths.current}", "pin fingerprints", "daemon-reload",
-                                  f"enable and start {cfg.default_backend}", "health gate", "commit state")])
+        st = store.load()
+        steps = store.lock_steps(st) + install_plan(cfg, st, bundle=str(path), keys=keys, facts=None,
+                                                    rebuild=rebuild, start=start)
+        return InstallResult(True, "planned", "?", str(releases / "<id>"), cfg.default_backend, steps=planned(steps))
     sd = sd or systemd_mod.for_config(cfg)
     store.ensure()
-    with store.lock(wait=wait, what="install"):
-        st = store.load()
-        if st.operation is not None:
-            from deploy_tool.switch import Switcher
-
-            log(f"an interrupted {st.operation.kind} was found; finishing it first")
-            Switcher(cfg, log=log, sd=sd)._recover_locked(st)
-            st = store.load()
+    with store.locked(what="install", wait=wait, finish=finish or _finish_own(cfg, store, sd, log), log=log) as st:
         makedirs_open(releases)
         try:
             staging_root = Path(tempfile.mkdtemp(prefix=".verify-", dir=releases))
         except OSError as exc:
             raise os_error(exc, f"cannot create a staging directory in {releases}") from None
         try:
-            log(f"verifying {path}")
-            try:
-                vb = bundle_mod.verify_bundle(path, keys, staging=staging_root / "b")
-            except OSError as exc:  # e.g. no space left for the verified copy
-                raise os_error(exc, f"cannot unpack {path} under {releases} to verify it") from None
-            man = vb.manifest
-            rid = man.bundle_id
-            final = releases / rid
-            check_config_matches(cfg, vb.root / "config.json", rid)
-            if st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \
-                    and _units_match(cfg, vb.root):
-                if start and not any(sd.show(b.unit).active_state in ("active", "activating", "reloading")
-                                     for b in cfg.backends.values()):
-                    return _start_installed(cfg, sd, store, st, rid, final, log=log, t0=t0)
-                active = st.active_backend
-                return InstallResult(True, "noop", rid, str(final), active, seconds=time.monotonic() - t0,
-                                     message=f"release {rid} is already installed; nothing to do")
-            op = Operation(kind="install", op_id=uuid.uuid4().hex[:12], started=now_iso(), step="verified",
-                           from_backend=st.active_backend, to_backend=cfg.default_backend, release=rid,
-                           previous_release=st.release, pid=os.getpid())
-            st = store.save(replace(st, operation=op))
-            undo = _Undo(log)
-            try:
-                res = _apply(cfg, sd, store, st, vb, final, rebuild=rebuild, start=start, undo=undo, log=log,
-                             progress=progress)
-            except BaseException as exc:
-                log("install failed; undoing")
-                undo.run()
-                with contextlib.suppress(DeployError):
-                    sd.daemon_reload()
-                prev = st.active_backend
-                if prev and prev in cfg.backends and st.release:
-                    with contextlib.suppress(DeployError):
-                        sd.start(cfg.backends[prev].unit, past_start_limit=True)
-                store.save(replace(st, operation=None))
-                if isinstance(exc, OSError):  # disk full and the like, from any step: a clean error, exit 17
-                    exc = os_error(exc, f"install of {rid}")
-                if isinstance(exc, DeployError):
-                    store.record("install", ok=False, release=rid, reason=exc.message.splitlines()[0])
-                    if not isinstance(exc, InstallError):
-                        err = InstallError(f"install of {rid} failed: {exc.message}",
-                                           hint=exc.hint or "nothing was left half-installed; fix the cause "
-                                           "and run deploytool install again")
-                        if exc.exit_code in (ExitCode.OS, ExitCode.MISSING_TOOL):
-                            err.exit_code = exc.exit_code  # disk full, a missing OS library: the box needs fixing
-                        raise err from exc
-                    raise exc from None
-                raise
-            res.seconds = time.monotonic() - t0
-            return res
+            return _install_verified(cfg, sd, store, st, path, keys, staging_root, rebuild=rebuild, start=start,
+                                     log=log, progress=progress, t0=t0)
         finally:
             shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def _verify(cfg: Config, path: Path, keys: str, staging_root: Path, log: Log) -> bundle_mod.VerifiedBundle:
+    """The first step: the bundle verified into a private copy, packed for this config."""
+    log(f"verifying {path}")
+    try:
+        vb = bundle_mod.verify_bundle(path, keys, staging=staging_root / "b")
+    except OSError as exc:  # e.g. no space left for the verified copy
+        raise os_error(exc, f"cannot unpack {path} under {staging_root.parent} to verify it") from None
+    check_config_matches(cfg, vb.root / "config.json", vb.manifest.bundle_id)
+    return vb
+
+
+def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, path: Path, keys: str,
+                      staging_root: Path, *, rebuild: bool, start: bool, log: Log, progress, t0: float) -> InstallResult:
+    vb = _verify(cfg, path, keys, staging_root, log)
+    rid = vb.manifest.bundle_id
+    final = Path(cfg.paths.releases_dir) / rid
+    installed = st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \
+        and _units_match(cfg, vb.root)
+    facts = InstallFacts(release=rid, installed=installed, laid_down=final.exists(),
+                         tool=(vb.root / "tool" / "wheels").is_dir(),
+                         running=installed and start and any(
+                             sd.show(b.unit).active_state in ("active", "activating", "reloading")
+                             for b in cfg.backends.values()))
+    steps = install_plan(cfg, st, bundle=str(path), keys=keys, facts=facts, rebuild=rebuild, start=start)
+    if steps[1].name == "start-installed":
+        return _start_installed(cfg, sd, store, st, rid, final, log=log, t0=t0)
+    if steps[1].name == "noop":
+        return InstallResult(True, "noop", rid, str(final), st.active_backend, seconds=time.monotonic() - t0,
+                             message=f"release {rid} is already installed; nothing to do")
+    op = Operation(kind="install", op_id=uuid.uuid4().hex[:12], started=now_iso(), step="verified",
+                   from_backend=st.active_backend, to_backend=cfg.default_backend, release=rid,
+                   previous_release=st.release, pid=os.getpid())
+    st = store.begin(st, op)
+    undo = _Undo(log)
+    try:
+        res = _Install(cfg, sd, store, st, vb, final, rebuild=rebuild, undo=undo, log=log,
+                       progress=progress).run(steps)
+    except BaseException as exc:
+        _undo(cfg, sd, store, st, undo, log)
+        if isinstance(exc, OSError):  # disk full and the like, from any step: a clean error, exit 17
+            exc = os_error(exc, f"install of {rid}")
+        if isinstance(exc, DeployError):
+            store.record("install", ok=False, release=rid, reason=exc.message.splitlines()[0])
+            if not isinstance(exc, InstallError):
+                err = InstallError(f"install of {rid} failed: {exc.message}",
+                                   hint=exc.hint or "nothing was left half-installed; fix the cause "
+                                   "and run deploytool install again")
+                if exc.exit_code in (ExitCode.OS, ExitCode.MISSING_TOOL):
+                    err.exit_code = exc.exit_code  # disk full, a missing OS library: the box needs fixing
+                raise err from exc
+            raise exc from None
+        raise
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _undo(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, undo: _Undo, log: Log) -> None:
+    """The failure step: every step undone in reverse, the backend that served started again, intent cleared."""
+    log("install failed; undoing")
+    undo.run()
+    with contextlib.suppress(DeployError):
+        sd.daemon_reload()
+    prev = st.active_backend
+    if prev and prev in cfg.backends and st.release:
+        with contextlib.suppress(DeployError):
+            sd.start(cfg.backends[prev].unit, past_start_limit=True)
+    store.save(replace(st, operation=None))
 
 
 def release_binaries(cfg: Config, release: Path) -> tuple[dict[str, set[str]], list[Path]]:
     """({backend: its llama-server binaries}, extra ELF roots outside the venv) of a release laid down at
     `release` (a staging dir or the installed one): binaries named under {current}/{venv} are looked up there,
     others on the box; the bundled NCCL when present."""
-    from deploy_tool.render import expand
-
     cur = cfg.paths.current.rstrip("/")
     per_backend: dict[str, set[str]] = {}
     extra: list[Path] = []
@@ -235,9 +380,6 @@ def check_os_libraries(cfg: Config, release: Path) -> None:
     """Refuse a box that lacks an OS library the release's native binaries need (ELF NEEDED entries resolved
     as the dynamic loader would), naming the library and the Debian package that provides it; nothing on the box
     has changed yet (the release is still in its staging dir)."""
-    from deploy_tool import binaries
-    from deploy_tool.errors import MissingTool
-
     _per_backend, extra = release_binaries(cfg, release)
     try:
         missing = binaries.release_missing_libraries(
@@ -305,10 +447,6 @@ def check_config_matches(cfg: Config, packed_json: Path, rid: str) -> None:
     does not have, or pin and check something else than what runs. Rendering the units again on the box would
     install unsigned files: the fix is to pack with this box's config (or install with the one it was packed
     from)."""
-    import json
-
-    from deploy_tool.pack import resolved_config_json
-
     try:
         packed = json.loads(packed_json.read_bytes())
     except (OSError, ValueError) as exc:
@@ -329,13 +467,12 @@ def check_config_matches(cfg: Config, packed_json: Path, rid: str) -> None:
                            "it was packed from", details={"differences": [k for k, _, _ in diffs]})
 
 
+
 def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, rid: str, final: Path, *,
                      log: Log, t0: float) -> InstallResult:
     """The release is installed but no backend runs (an earlier `install --no-start`, a stopped box): start the
     backend the box should serve (the recorded active one, else the default) behind the same gate as install."""
-    from deploy_tool.gate import run_gate
-
-    name = st.active_backend if st.active_backend and st.active_backend in cfg.backends else cfg.default_backend
+    name = _backend_to_start(cfg, st)
     target = cfg.backends[name]
     log(f"release {rid} is already installed but no backend is running; starting {name}")
     sd.reset_failed(target.unit)
@@ -369,151 +506,179 @@ def _units_match(cfg: Config, root: Path) -> bool:
     return True
 
 
-def _apply(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: Any, final: Path, *, rebuild: bool,
-           start: bool, undo: _Undo, log: Log, progress) -> InstallResult:
-    from deploy_tool import archive, pack
-    from deploy_tool.manifest import hash_native_libs
+class _Install:
+    """One install under the lock, walking its plan: a handler per step, each journaled (and a fault point)
+    once done; every change it makes registers its undo."""
 
-    steps: list[dict[str, Any]] = []
+    def __init__(self, cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: bundle_mod.VerifiedBundle,
+                 final: Path, *, rebuild: bool, undo: _Undo, log: Log, progress) -> None:
+        self.cfg, self.sd, self.store, self.st, self.vb, self.final = cfg, sd, store, st, vb, final
+        self.rebuild, self.undo, self.log, self.progress = rebuild, undo, log, progress
+        self.rid = vb.manifest.bundle_id
+        self.stage = final.parent / f".staging-{self.rid}"
+        self.target = cfg.backends[cfg.default_backend]
+        self.started = False
+        self.marks: list[dict[str, Any]] = []
+        self.tool: Future[None] | None = None
 
-    op = st.operation
-    assert op is not None
+    # the plan's steps after the verification (the failure step aside) and the method that runs each
+    HANDLERS = {"venv-ready": "venv", "native-libs-checked": "native_libs", "tool-ready": "tool_venv",
+                "release-laid-down": "lay_down", "release-kept": "keep", "units-written": "write_units",
+                "current-flipped": "flip_current", "pinned": "pin", "daemon-reloaded": "daemon_reload",
+                "started": "start", "healthy": "gate", "committed": "commit"}
 
-    def step(name: str, **kw: Any) -> None:
-        steps.append({"step": name, "t": round(time.monotonic(), 3), **kw})
-        store.save(replace(store.load(), operation=replace(op, step=name)))
-        log(name + "".join(f" {k}={v}" for k, v in kw.items()))
-        fault(name)
+    def run(self, steps: list[Step]) -> InstallResult:
+        # deploytool's own venv needs only the (verified) tool wheels: it is built on this pool while the backend
+        # venv unpacks (on another core: its work is mostly a child python), and waited for at tool-ready
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-venv") as self.pool:
+            for step in steps:
+                if step.when or step.name == "verified":  # verified: done before the plan; the failure step: above
+                    continue
+                kw: dict[str, Any] = getattr(self, self.HANDLERS[step.name])()
+                if step.name in JOURNALED:
+                    self.marks.append({"step": step.name, "t": round(time.monotonic(), 3), **kw})
+                    self.log(step.name + "".join(f" {k}={v}" for k, v in kw.items()))
+                    self.store.advance(self.store.load(), step.name)
+        name = self.target.name if self.started else None
+        return InstallResult(True, "installed", self.rid, str(self.final), name, steps=self.marks,
+                             message=f"release {self.rid} installed" + (
+                                 f"; {name} is serving {self.cfg.serve.model_name!r} on port {self.cfg.serve.port}"
+                                 if self.started else ""))
 
-    man = vb.manifest
-    rid = man.bundle_id
-    releases = final.parent
-    fresh_release = not final.exists()
-    if fresh_release:
-        stage = releases / f".staging-{rid}"
+    def venv(self) -> dict[str, Any]:
+        cfg, stage, venv_final = self.cfg, self.stage, self.final / "venv"
         shutil.rmtree(stage, ignore_errors=True)
         try:
             # the private copy verify_bundle wrote and hashed (archive or directory alike), on the same file
             # system: renamed, never read from the bundle again
-            os.rename(vb.root, stage)
+            os.rename(self.vb.root, stage)
         except OSError as exc:
             shutil.rmtree(stage, ignore_errors=True)
-            raise os_error(exc, f"cannot lay down release {rid} under {releases}") from None
-        undo.add(f"remove {stage}", lambda: shutil.rmtree(stage, ignore_errors=True))
+            raise os_error(exc, f"cannot lay down release {self.rid} under {stage.parent}") from None
+        self.undo.add(f"remove {stage}", lambda: shutil.rmtree(stage, ignore_errors=True))
         os.chmod(stage, 0o755)  # the staging copy came from a private temp dir; services must read the release
-        venv_final = final / "venv"
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-venv") as pool:
-            # deploytool's own venv needs only the (verified) tool wheels: it is built while the backend venv
-            # unpacks (on another core: its work is mostly a child python), and waited for before the rename
-            tool = pool.submit(_bootstrap_tool, cfg, stage, final, log) \
-                if (stage / "tool" / "wheels").is_dir() else None
-            if rebuild:
-                log("venv: rebuilding from the bundle's wheels (--no-index --require-hashes)")
-                pack.build_venv(cfg.bundle.python, stage / "requirements.lock", stage / "wheels", stage / "venv")
-                pack.compile_venv(stage / "venv", cfg.paths.current, log)  # the same .pyc the archive carries
-                pack.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
-            else:
-                archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=progress)
-                pack.finish_venv(cfg.bundle.python, stage / "venv")
-                pack.relocate_venv(stage / "venv", (man.inputs.get("venv_placeholder", pack.VENV_PLACEHOLDER),
-                                                    str(stage / "venv")), str(venv_final))
-            step("venv-ready", mode="rebuild" if rebuild else "unpack")
-            check_os_libraries(cfg, stage)
-            got = hash_native_libs(stage / "venv", progress=progress)
-            want = dict(man.native_libs)
-            bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-            if bad:
-                raise BundleError(f"{len(bad)} native libraries in the venv differ from the manifest: "
-                                  + ", ".join(f"{k} (expected {str(want.get(k))[:12]}, got {str(got.get(k))[:12]})"
-                                              for k in bad[:5]), hint="the bundle or the rebuild is not reproducible")
-            step("native-libs-checked", count=len(got))
-            if tool is not None:
-                tool.result()
-                step("tool-ready")
-        try:
-            os.rename(stage, final)
-        except OSError as exc:
-            raise os_error(exc, f"cannot move release into {final}") from None
-        undo.actions.pop()  # the staging dir no longer exists
-        undo.add(f"remove release {final}", lambda: shutil.rmtree(final, ignore_errors=True))
-        step("release-laid-down", dir=str(final))
-    server_modes(final)  # also a release laid down before (by an older deploytool, with a 0700 venv)
-    # env files and units
-    env_dir, unit_dir = Path(cfg.paths.env_dir), Path(cfg.paths.unit_dir)
-    for d in (env_dir, unit_dir):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise os_error(exc, f"cannot create {d}") from None
-    for f in sorted((final / "env").iterdir()):
-        _backup_file(env_dir / f.name, undo)
-        atomic_write(env_dir / f.name, f.read_bytes(), 0o644)
-    if cfg.serve.api_key_file:
-        from deploy_tool.gate import api_key
-        from deploy_tool.render import render_secrets
+        if (stage / "tool" / "wheels").is_dir():
+            self.tool = self.pool.submit(_bootstrap_tool, cfg, stage, self.final, self.log)
+        if self.rebuild:
+            self.log("venv: rebuilding from the bundle's wheels (--no-index --require-hashes)")
+            venv.build_venv(cfg.bundle.python, stage / "requirements.lock", stage / "wheels", stage / "venv")
+            venv.compile_venv(stage / "venv", cfg.paths.current, self.log)  # the same .pyc the archive carries
+            venv.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
+        else:
+            archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=self.progress)
+            venv.finish_venv(cfg.bundle.python, stage / "venv")
+            venv.relocate_venv(stage / "venv", (self.vb.manifest.inputs.get("venv_placeholder", venv.VENV_PLACEHOLDER),
+                                                str(stage / "venv")), str(venv_final))
+        return {"mode": "rebuild" if self.rebuild else "unpack"}
 
-        key = api_key(cfg)
-        if not key:
-            raise InputError(f"serve.api_key_file {cfg.serve.api_key_file} is missing or empty")
-        sec = render_secrets(cfg, key)
-        _backup_file(env_dir / sec.name, undo)
-        atomic_write(env_dir / sec.name, sec.content.encode(), sec.mode)
-    for f in sorted((final / "units").iterdir()):
-        _backup_file(unit_dir / f.name, undo)
-        sd.install_file(f.name, f.read_bytes(), 0o644)
-    step("units-written", units=sorted(p.name for p in (final / "units").iterdir()))
-    # flip current
-    cur = Path(cfg.paths.current)
-    old_target = os.readlink(cur) if cur.is_symlink() else None
-    atomic_symlink(os.path.relpath(final, cur.parent), cur)
-    undo.add(f"point {cur} back", (lambda: atomic_symlink(old_target, cur)) if old_target
-             else (lambda: cur.unlink(missing_ok=True)))
-    step("current-flipped", to=str(final))
-    # pins
-    try:
-        from deploy_tool import fingerprint
-    except ImportError:
-        fingerprint = None  # type: ignore[assignment]
-    if fingerprint is not None:
-        pins_dir = Path(cfg.paths.state_dir) / "pins"
+    def native_libs(self) -> dict[str, Any]:
+        check_os_libraries(self.cfg, self.stage)
+        got = hash_native_libs(self.stage / "venv", progress=self.progress)
+        want = dict(self.vb.manifest.native_libs)
+        bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        if bad:
+            raise BundleError(f"{len(bad)} native libraries in the venv differ from the manifest: "
+                              + ", ".join(f"{k} (expected {str(want.get(k))[:12]}, got {str(got.get(k))[:12]})"
+                                          for k in bad[:5]), hint="the bundle or the rebuild is not reproducible")
+        return {"count": len(got)}
+
+    def tool_venv(self) -> dict[str, Any]:
+        assert self.tool is not None, "the plan has tool-ready but the bundle carries no tool wheels"
+        self.tool.result()
+        return {}
+
+    def lay_down(self) -> dict[str, Any]:
+        try:
+            os.rename(self.stage, self.final)
+        except OSError as exc:
+            raise os_error(exc, f"cannot move release into {self.final}") from None
+        self.undo.actions.pop()  # the staging dir no longer exists
+        final = self.final
+        self.undo.add(f"remove release {final}", lambda: shutil.rmtree(final, ignore_errors=True))
+        server_modes(final)
+        return {"dir": str(final)}
+
+    def keep(self) -> dict[str, Any]:
+        server_modes(self.final)  # a release laid down before (by an older deploytool, with a 0700 venv)
+        return {}
+
+    def write_units(self) -> dict[str, Any]:
+        cfg, final, undo = self.cfg, self.final, self.undo
+        env_dir, unit_dir = Path(cfg.paths.env_dir), Path(cfg.paths.unit_dir)
+        for d in (env_dir, unit_dir):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise os_error(exc, f"cannot create {d}") from None
+        for f in sorted((final / "env").iterdir()):
+            _backup_file(env_dir / f.name, undo)
+            atomic_write(env_dir / f.name, f.read_bytes(), 0o644)
+        if cfg.serve.api_key_file:
+            key = api_key(cfg)
+            if not key:
+                raise InputError(f"serve.api_key_file {cfg.serve.api_key_file} is missing or empty")
+            sec = render_secrets(cfg, key)
+            _backup_file(env_dir / sec.name, undo)
+            atomic_write(env_dir / sec.name, sec.content.encode(), sec.mode)
+        for f in sorted((final / "units").iterdir()):
+            _backup_file(unit_dir / f.name, undo)
+            self.sd.install_file(f.name, f.read_bytes(), 0o644)
+        return {"units": sorted(p.name for p in (final / "units").iterdir())}
+
+    def flip_current(self) -> dict[str, Any]:
+        cur = Path(self.cfg.paths.current)
+        old_target = os.readlink(cur) if cur.is_symlink() else None
+        atomic_symlink(os.path.relpath(self.final, cur.parent), cur)
+        self.undo.add(f"point {cur} back", (lambda: atomic_symlink(old_target, cur)) if old_target
+                      else (lambda: cur.unlink(missing_ok=True)))
+        return {"to": str(self.final)}
+
+    def pin(self) -> dict[str, Any]:
+        pins_dir = Path(self.cfg.paths.state_dir) / "pins"
         fresh = fingerprint.HashCache()  # the backends share the release: it is read once for all their pins
-        for name in sorted(cfg.backends):
-            _backup_file(pins_dir / f"{name}.json", undo)
-            fingerprint.pin(cfg, cfg.backends[name], f"install of release {rid}", release=rid, store=store,
-                            fresh=fresh)
-        step("pinned")
-    sd.daemon_reload()
-    step("daemon-reloaded")
-    target = cfg.backends[cfg.default_backend]
-    if start:
-        for o in cfg.other_backends(target.name):
+        for name in sorted(self.cfg.backends):
+            _backup_file(pins_dir / f"{name}.json", self.undo)
+            fingerprint.pin(self.cfg, self.cfg.backends[name], f"install of release {self.rid}", release=self.rid,
+                            store=self.store, fresh=fresh)
+        return {}
+
+    def daemon_reload(self) -> dict[str, Any]:
+        self.sd.daemon_reload()
+        return {}
+
+    def start(self) -> dict[str, Any]:
+        sd, target = self.sd, self.target
+        for o in self.cfg.other_backends(target.name):
             if sd.show(o.unit).active_state in ("active", "activating"):
                 sd.stop(o.unit)
-                undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit, past_start_limit=True))
+                self.undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit, past_start_limit=True))
         sd.reset_failed(target.unit)
-        undo.add(f"stop {target.unit}", lambda: sd.stop(target.unit))
+        self.undo.add(f"stop {target.unit}", lambda: sd.stop(target.unit))
         sd.restart(target.unit, past_start_limit=True)
-        inv = sd.show(target.unit).invocation_id or None
-        step("started", unit=target.unit)
-        from deploy_tool.gate import run_gate
+        self.started = True
+        return {"unit": target.unit}
 
-        gate = run_gate(cfg, sd, target, invocation=inv, on_event=log)
-        step("healthy", ready_s=round(gate.ready_s, 2))
+    def gate(self) -> dict[str, Any]:
+        sd, target = self.sd, self.target
+        inv = sd.show(target.unit).invocation_id or None
+        gate = run_gate(self.cfg, sd, target, invocation=inv, on_event=self.log)
         sd.enable(target.unit)
-        for o in cfg.other_backends(target.name):
+        for o in self.cfg.other_backends(target.name):
             if sd.is_enabled(o.unit) == "enabled":
                 sd.disable(o.unit)
-    new = replace(store.load(), operation=None, release=rid, previous_release=st.release if st.release != rid
-                  else st.previous_release, active_backend=target.name if start else st.active_backend,
-                  previous_backend=st.active_backend if st.active_backend != target.name else st.previous_backend)
-    store.save(new)
-    undo.actions.clear()
-    store.record("install", ok=True, release=rid, backend=target.name if start else None,
-                 previous_release=st.release, mode="rebuild" if rebuild else "unpack")
-    return InstallResult(True, "installed", rid, str(final), target.name if start else None, steps=steps,
-                         message=f"release {rid} installed" + (f"; {target.name} is serving "
-                                                             f"{cfg.serve.model_name!r} on port {cfg.serve.port}"
-                                                             if start else ""))
+        return {"ready_s": round(gate.ready_s, 2)}
+
+    def commit(self) -> dict[str, Any]:
+        st, rid, name = self.st, self.rid, self.target.name
+        new = replace(self.store.load(), operation=None, release=rid,
+                      previous_release=st.release if st.release != rid else st.previous_release,
+                      active_backend=name if self.started else st.active_backend,
+                      previous_backend=st.active_backend if st.active_backend != name else st.previous_backend)
+        self.store.save(new)
+        self.undo.actions.clear()
+        self.store.record("install", ok=True, release=rid, backend=name if self.started else None,
+                          previous_release=st.release, mode="rebuild" if self.rebuild else "unpack")
+        return {}
 
 
 def makedirs_open(d: Path) -> None:
@@ -558,108 +723,143 @@ def server_modes(tree: Path) -> int:
 
 def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:
     """deploytool's own venv inside the release, from the bundle's tool wheels, with no network."""
-    from deploy_tool import bootstrap, pack, proc
-
     tool = stage / "tool" / "venv"
     wheels = stage / "tool" / "wheels"
     # no pip and no ensurepip (Debian/Ubuntu ship it separately): the stdlib wheel installer the bundle's
     # `bootstrap` uses, which checks every file against its wheel's RECORD and writes a RECORD verify pins
-    proc.run([cfg.bundle.python, "-m", "venv", "--without-pip", str(tool)], env=pack.pip_env(), timeout=600)
+    proc.run([cfg.bundle.python, "-m", "venv", "--without-pip", str(tool)], env=venv.pip_env(), timeout=600)
     try:
         bootstrap.install_wheels([str(p) for p in wheels.glob("*.whl")], str(tool),
                                  python_path=str(final / "tool" / "venv" / "bin" / "python"))
     except bootstrap.Refused as exc:
         raise BundleError(f"deploytool's own venv: {exc.message}", hint=exc.hint) from None
-    pack.relocate_venv(tool, str(tool), str(final / "tool" / "venv"))
+    venv.relocate_venv(tool, str(tool), str(final / "tool" / "venv"))
     bindir = stage / "tool" / "bin"
     bindir.mkdir(exist_ok=True)
     os.symlink("../venv/bin/deploytool", bindir / "deploytool")
     log("tool: deploytool bootstrapped into the release")
 
 
+
+
+# ---------------------------------------------------------------------------------------------------- recover
+
+def recover_steps(cfg: Config, st: State, *, sd: systemd_mod.Systemd) -> list[Step]:
+    """The plan that undoes the interrupted install in `st`, from what the box reports."""
+    op = st.operation
+    assert op is not None
+    prev = op.previous_release
+    laid_down = bool(prev) and (Path(cfg.paths.releases_dir) / str(prev)).is_dir()
+    started_new = op.step in ("started", "healthy")
+    b = cfg.backends.get(op.from_backend or "")
+    running = b is not None and bool(prev) and not started_new and sd.show(b.unit).is_active
+    return recover_plan(cfg, st, prev_laid_down=laid_down, prev_running=running)
+
+
 def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Systemd, log: Log) -> None:
-    """Undo an install that was killed midway: restore the previous release's units, current and pins.
+    """Undo an install that was killed midway along its plan: restore the previous release's units, current and
+    pins (on a fresh box: remove what it laid down), and start the backend that served.
 
     Runs under the state lock, so no other install is using releases/.verify-* or .staging-* right now."""
-    op = st.operation
-    assert op is not None and op.kind == "install"
-    rid = op.release
-    releases = Path(cfg.paths.releases_dir)
-    if releases.is_dir():  # the killed run's private verify dir and staging copy
-        for p in releases.iterdir():
-            if p.name.startswith(".verify-") or (rid and p.name == f".staging-{rid}"):
-                shutil.rmtree(p, ignore_errors=True)
-    prev = op.previous_release
-    cur = Path(cfg.paths.current)
-    target = cfg.backends.get(op.to_backend or "")
-    # from "started" on, the target runs the new release's units and environment: a plain start would keep it
-    started_new = op.step in ("started", "healthy")
-    if prev and (releases / prev).is_dir():
-        atomic_symlink(os.path.relpath(releases / prev, cur.parent), cur)
-        for d, dest in (("env", Path(cfg.paths.env_dir)), ("units", Path(cfg.paths.unit_dir))):
-            for f in sorted((releases / prev / d).iterdir()):
+    run = _UndoInstall(cfg, store, st, sd=sd, log=log)
+    for step in recover_steps(cfg, st, sd=sd):
+        getattr(run, run.HANDLERS[step.name])()
+
+
+class _UndoInstall:
+    """Undoing one interrupted install, walking its plan: a handler per step."""
+
+    HANDLERS = {"clean-staging": "clean_staging", "restore-release": "restore_release", "repin": "repin",
+                "stop-target": "stop_target", "stop-new": "stop_target", "remove-units": "remove_units",
+                "remove-release": "remove_release", "daemon-reload": "daemon_reload",
+                "restart-previous": "restart_previous", "undone": "undone"}
+
+    def __init__(self, cfg: Config, store: Store, st: State, *, sd: systemd_mod.Systemd, log: Log) -> None:
+        assert st.operation is not None and st.operation.kind == "install"
+        self.cfg, self.store, self.st, self.sd, self.log, self.op = cfg, store, st, sd, log, st.operation
+        self.rid, self.prev = self.op.release, self.op.previous_release
+        self.releases = Path(cfg.paths.releases_dir)
+        # from "started" on, the target runs the new release's units and environment: a plain start would keep it
+        self.started_new = self.op.step in ("started", "healthy")
+
+    def clean_staging(self) -> None:
+        if self.releases.is_dir():  # the killed run's private verify dir and staging copy
+            for p in self.releases.iterdir():
+                if p.name.startswith(".verify-") or (self.rid and p.name == f".staging-{self.rid}"):
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def restore_release(self) -> None:
+        prev = self.releases / str(self.prev)
+        cur = Path(self.cfg.paths.current)
+        atomic_symlink(os.path.relpath(prev, cur.parent), cur)
+        for d, dest in (("env", Path(self.cfg.paths.env_dir)), ("units", Path(self.cfg.paths.unit_dir))):
+            for f in sorted((prev / d).iterdir()):
                 atomic_write(dest / f.name, f.read_bytes(), 0o644)
-        try:
-            from deploy_tool import fingerprint
 
-            fresh = fingerprint.HashCache()
-            for name in sorted(cfg.backends):
-                fingerprint.pin(cfg, cfg.backends[name], f"recover: back to release {prev}", release=prev,
-                                store=store, fresh=fresh)
-        except ImportError:
-            pass
-        if started_new and target is not None and target.name != op.from_backend:
-            with contextlib.suppress(DeployError):
-                sd.stop(target.unit)
-    else:  # a fresh box: leave no half-installed units
-        names = {f"{n}.env" for n in cfg.backends}
-        units = {cfg.backends[n].unit for n in cfg.backends}
-        if rid and (releases / rid).is_dir():
-            names |= {f.name for f in (releases / rid / "env").iterdir()} if (releases / rid / "env").is_dir() \
-                else set()
-            units |= {f.name for f in (releases / rid / "units").iterdir()} if (releases / rid / "units").is_dir() \
-                else set()
-        if cfg.serve.api_key_file:
-            from deploy_tool.render import SECRETS_ENV
+    def repin(self) -> None:
+        fresh = fingerprint.HashCache()
+        for name in sorted(self.cfg.backends):
+            fingerprint.pin(self.cfg, self.cfg.backends[name], f"recover: back to release {self.prev}",
+                            release=self.prev, store=self.store, fresh=fresh)
 
-            names.add(SECRETS_ENV)
-        for unit in sorted(units):
-            with contextlib.suppress(DeployError):
-                sd.stop(unit)
-            if sd.unit_path(unit).exists():
-                with contextlib.suppress(DeployError):
-                    sd.disable(unit)
-            sd.remove_file(unit)
-        for name in sorted(names):
-            (Path(cfg.paths.env_dir) / name).unlink(missing_ok=True)
-        for name in sorted(cfg.backends):
-            (Path(cfg.paths.state_dir) / "pins" / f"{name}.json").unlink(missing_ok=True)
-        if cur.is_symlink():
-            cur.unlink()
-    if rid and rid != prev:
-        shutil.rmtree(releases / rid, ignore_errors=True)
-    with contextlib.suppress(DeployError):
-        sd.daemon_reload()
-    if op.from_backend and op.from_backend in cfg.backends and prev:
-        b = cfg.backends[op.from_backend]
-        try:
-            if started_new or not sd.show(b.unit).is_active:  # (re)started: serving again only once it is healthy
-                from deploy_tool.gate import run_gate
-
-                sd.reset_failed(b.unit)
-                (sd.restart if started_new else sd.start)(b.unit, past_start_limit=True)
-                run_gate(cfg, sd, b, invocation=sd.show(b.unit).invocation_id or None, on_event=log)
-        except DeployError as exc:
-            store.save(replace(st, operation=None, release=prev, active_backend=None))
-            store.record("recover", ok=False, interrupted="install", step=op.step, release=rid,
-                         outcome="rollback-failed", reason=exc.message.splitlines()[0])
-            raise RollbackFailed(f"undid the interrupted install of {rid}, but {b.name} of release {prev} did not "
-                                 f"come back: {exc.message}", hint=f"see `journalctl -u {b.unit}` and "
-                                 "`deploytool status`") from None
-    elif started_new and target is not None:
+    def stop_target(self) -> None:
         with contextlib.suppress(DeployError):
-            sd.stop(target.unit)
-    store.save(replace(st, operation=None, release=prev, active_backend=op.from_backend if prev else None))
-    store.record("recover", ok=True, interrupted="install", step=op.step, release=rid, outcome="undone")
-    log(f"undid the interrupted install of {rid}" + (f"; release {prev} is back" if prev else
-                                                    "; the box holds no release"))
+            self.sd.stop(self.cfg.backends[str(self.op.to_backend)].unit)
+
+    def remove_units(self) -> None:
+        _remove_units(self.cfg, self.sd, self.releases / self.rid if self.rid else None)
+
+    def remove_release(self) -> None:
+        shutil.rmtree(self.releases / str(self.rid), ignore_errors=True)
+
+    def daemon_reload(self) -> None:
+        with contextlib.suppress(DeployError):
+            self.sd.daemon_reload()
+
+    def restart_previous(self) -> None:
+        sd, b = self.sd, self.cfg.backends[str(self.op.from_backend)]
+        try:
+            sd.reset_failed(b.unit)
+            (sd.restart if self.started_new else sd.start)(b.unit, past_start_limit=True)
+            run_gate(self.cfg, sd, b, invocation=sd.show(b.unit).invocation_id or None, on_event=self.log)
+        except DeployError as exc:
+            self.store.save(replace(self.st, operation=None, release=self.prev, active_backend=None))
+            self.store.record("recover", ok=False, interrupted="install", step=self.op.step, release=self.rid,
+                              outcome="rollback-failed", reason=exc.message.splitlines()[0])
+            raise RollbackFailed(f"undid the interrupted install of {self.rid}, but {b.name} of release {self.prev} "
+                                 f"did not come back: {exc.message}", hint=f"see `journalctl -u {b.unit}` and "
+                                 "`deploytool status`") from None
+
+    def undone(self) -> None:
+        prev = self.prev
+        self.store.save(replace(self.st, operation=None, release=prev,
+                                active_backend=self.op.from_backend if prev else None))
+        self.store.record("recover", ok=True, interrupted="install", step=self.op.step, release=self.rid,
+                          outcome="undone")
+        self.log(f"undid the interrupted install of {self.rid}" + (f"; release {prev} is back" if prev else
+                                                                  "; the box holds no release"))
+
+
+def _remove_units(cfg: Config, sd: systemd_mod.Systemd, release: Path | None) -> None:
+    """A fresh box: leave no half-installed units, env files, pins or `current`."""
+    names = {f"{n}.env" for n in cfg.backends}
+    units = {cfg.backends[n].unit for n in cfg.backends}
+    if release is not None and release.is_dir():
+        names |= {f.name for f in (release / "env").iterdir()} if (release / "env").is_dir() else set()
+        units |= {f.name for f in (release / "units").iterdir()} if (release / "units").is_dir() else set()
+    if cfg.serve.api_key_file:
+        names.add(SECRETS_ENV)
+    for unit in sorted(units):
+        with contextlib.suppress(DeployError):
+            sd.stop(unit)
+        if sd.unit_path(unit).exists():
+            with contextlib.suppress(DeployError):
+                sd.disable(unit)
+        sd.remove_file(unit)
+    for name in sorted(names):
+        (Path(cfg.paths.env_dir) / name).unlink(missing_ok=True)
+    for name in sorted(cfg.backends):
+        (Path(cfg.paths.state_dir) / "pins" / f"{name}.json").unlink(missing_ok=True)
+    cur = Path(cfg.paths.current)
+    if cur.is_symlink():
+        cur.unlink()

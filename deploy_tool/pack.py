@@ -32,7 +32,6 @@ from deploy_tool.venv import (
     VENV_PLACEHOLDER,
     build_venv,
     compile_venv,
-    finish_venv,
     pip_env,
     relocate_venv,
 )
@@ -325,8 +324,3 @@ def _same_fs(a: Path, d: Path) -> bool:
         return a.stat().st_dev == d.stat().st_dev
     except OSError:
         return False
-
-
-# The venv helpers and resolved_config_json are found here by install until it imports them from venv and render.
-__all__ = ["LockEntry", "VENV_PLACEHOLDER", "build_venv", "compile_venv", "finish_venv", "lock", "pack",
-           "patch_template", "pip_env", "read_lock", "relocate_venv", "resolved_config_json", "select_wheels"]

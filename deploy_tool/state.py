@@ -1,7 +1,9 @@
 """What the box is running and what happened: state.json (atomic), history.jsonl (append-only), the lock.
 
 state.json holds the active backend, the release, and the operation in progress (intent recorded before
-acting), so that a crash or kill at any step leaves something the next run can detect and finish.
+acting, its step journaled as it goes), so that a crash or kill at any step leaves something the next run can
+detect and finish. Each journaled step is also a fault point (deploy_tool.faults) for the crash tests.
+An operation's plan is a list of `Step`s: what `--dry-run` shows is what the operation runs.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from deploy_tool import faults
 from deploy_tool.errors import LockedError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 
@@ -41,6 +44,22 @@ class Operation:
     release: str | None = None
     previous_release: str | None = None
     pid: int = 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of an operation's plan, built before acting: `--dry-run` prints it, the operation runs it."""
+
+    name: str  # what the operation calls it (where it journals steps: state.json's operation.step, a fault point)
+    does: str  # what it does, in words
+    touches: tuple[str, ...] = ()  # the units and paths it changes
+    when: str = ""  # empty: always, in order; else the condition it runs under ("on failure")
+
+    def text(self) -> str:
+        return f"{self.when}: {self.does}" if self.when else self.does
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "does": self.does, "touches": list(self.touches), "when": self.when or None}
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,40 @@ class Store:
         st = replace(st, updated=now_iso())
         atomic_write(self.state_path, (json.dumps(st.to_json(), indent=2, sort_keys=True) + "\n").encode(), 0o644)
         return st
+
+    def begin(self, st: State, op: Operation) -> State:
+        """Journal the intent of `op` (its first step) before acting."""
+        st = self.save(replace(st, operation=op))
+        faults.fault(op.step)
+        return st
+
+    def advance(self, st: State, step: str) -> State:
+        """Journal that the operation in progress reached `step`."""
+        assert st.operation is not None
+        st = self.save(replace(st, operation=replace(st.operation, step=step)))
+        faults.fault(step)
+        return st
+
+    def lock_steps(self, st: State) -> list[Step]:
+        """The first steps of every operation's plan: the lock, and finishing an interrupted operation."""
+        steps = [Step("lock", f"lock {self.lock_path}", (str(self.lock_path),))]
+        if st.operation is not None:
+            steps.append(Step("finish-interrupted", f"finish the interrupted {st.operation.kind} (step "
+                              f"{st.operation.step}) first, as `deploytool recover` does"))
+        return steps
+
+    @contextlib.contextmanager
+    def locked(self, *, what: str, wait: float, finish: Callable[[State], object],
+               log: Callable[[str], None]) -> Iterator[State]:
+        """Hold the lock for `what` (see `lock`); an operation found interrupted is finished first by `finish`
+        (under the lock). Yields the state to act on."""
+        with self.lock(wait=wait, what=what):
+            st = self.load()
+            if st.operation is not None:
+                log(f"an interrupted {st.operation.kind} (step {st.operation.step}) was found; finishing it first")
+                finish(st)
+                st = self.load()
+            yield st
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event line to history.jsonl (O_APPEND, one write, fsync)."""

@@ -8,8 +8,14 @@ The state machine (intent is written before every step, so a kill at any point i
     on failure after preflight: rolling-back (target's journal tail kept, target stopped, previous backend
     started through the same gate) -> exit 10 (rolled back) or 11 (rollback failed).
 
-`recover()` finishes an interrupted operation: a switch killed while committing is completed if the target is
-healthy, anything else is rolled back to the backend that served before.
+Each operation first builds its plan (`switch_plan`, `recover_plan`: a list of `Step`s from the config, the
+state and what systemd reports); `--dry-run` prints it and the run walks it, one handler per step.
+`Switcher.recover_locked` finishes an interrupted switch or rollback: one killed while committing is completed
+if the target is healthy, anything else is rolled back to the backend that served before. An interrupted
+install is finished by whoever hands `finish` in (deploy_tool.operations).
+
+Imports: the gate (HTTP client, TLS, retry library: ~30 ms; its performance step included) is imported while
+systemctl starts the target; everything else is imported here.
 """
 
 from __future__ import annotations
@@ -17,16 +23,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import socket
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from deploy_tool import checks, fingerprint
 from deploy_tool import systemd as systemd_mod
-from deploy_tool.background import Background, together
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import (
     CheckFailed,
@@ -39,21 +46,27 @@ from deploy_tool.errors import (
     StateError,
     SystemdError,
 )
-from deploy_tool.state import Operation, State, Store, now_iso
+from deploy_tool.state import Operation, State, Step, Store, now_iso
 
 if TYPE_CHECKING:
     from deploy_tool.gate import GateReport
 
-FAULT_ENV = "DEPLOYTOOL_FAULT"  # fault injection for crash tests: "kill:<step>" sends SIGKILL to ourselves
 STEPS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
+CHANGES_NOTHING = ("intent", "preflight")  # a failure up to here is a refusal: the current backend kept serving
 
 Log = Callable[[str], None]
 
 
 def _load_gate() -> None:
-    """Import the gate (HTTP client, TLS, retry library: ~50 ms) while systemctl waits for the target to start,
+    """Import the gate (HTTP client, TLS, retry library: ~30 ms) while systemctl waits for the target to start,
     instead of before the switch starts."""
     import deploy_tool.gate  # noqa: F401
+
+
+def _run_gate(cfg: Config, sd: systemd_mod.Systemd, b: Backend, **kw: Any) -> GateReport:
+    from deploy_tool.gate import run_gate  # lazy: see the module's docstring
+
+    return run_gate(cfg, sd, b, **kw)
 
 
 @dataclass
@@ -66,14 +79,16 @@ class SwitchResult:
     gate: dict[str, Any] | None = None
     plan: list[str] = field(default_factory=list)
     message: str = ""
+    steps: list[dict[str, Any]] = field(default_factory=list)  # the plan's steps as data (--dry-run --json)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def _fault(step: str) -> None:
-    if os.environ.get(FAULT_ENV) == f"kill:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+def planned(st: State, to_backend: str, steps: list[Step]) -> SwitchResult:
+    """What --dry-run reports: the plan, as text and as data."""
+    return SwitchResult(True, "planned", st.active_backend, to_backend, plan=[s.text() for s in steps],
+                        steps=[s.to_json() for s in steps])
 
 
 def port_owner_answers(host: str, port: int) -> bool:
@@ -100,47 +115,192 @@ def refused_by_check(exc: DeployError, unit: str) -> DeployError:
     return exc
 
 
-def plan(cfg: Config, st: State, target: Backend) -> list[str]:
-    cur = st.active_backend
-    steps = [f"lock {cfg.paths.state_dir}/lock", f"record intent: switch {cur or '(none)'} -> {target.name}",
-             f"preflight {target.name}: config checks, fingerprints (deploytool verify {target.name})"]
-    if cur:
-        steps.append(f"stop {cur}.service (it serves until here)")
-    steps += [f"start {target.unit}" + (": its ExecStartPre checks the fingerprints while the current backend "
-                                        "exits, then waits until it is gone and the port is free" if cur else ""),
-              f"health gate: {target.kind} readiness on port {cfg.serve.port}, smoke completion as "
-              f"{cfg.serve.model_name!r}",
-              f"commit: enable {target.unit}, disable the others, write state and history"]
-    if cur:
-        steps.append(f"on failure: stop {target.unit}, start {cur}.service through the same gate, exit 10")
+def together(pool: ThreadPoolExecutor, first: Callable[[], object], *others: Callable[[], object]) -> None:
+    """Run the calls at the same time (the first on this thread: their waits release the GIL, so two systemctl
+    round trips cost about one); once all have finished, raise the first error in argument order."""
+    jobs = [pool.submit(fn) for fn in others]
+    err: BaseException | None = None
+    try:
+        first()
+    except BaseException as exc:  # noqa: BLE001 - raised below, after the others finished
+        err = exc
+    wait_all(jobs)
+    for e in [err, *(j.exception() for j in jobs)]:
+        if e is not None:
+            raise e
+
+
+# ---------------------------------------------------------------------------------------------------- plans
+
+@dataclass(frozen=True)
+class SwitchFacts:
+    """What a switch's plan depends on besides the config and the state (read from systemd by `Switcher.facts`)."""
+
+    cur: Backend | None  # the backend to stop (and to roll back to): the recorded active one, unless it is the target
+    overlap: bool  # the target's unit waits for the port itself: the stop is queued and the start runs meanwhile
+    noop: bool  # the target is recorded active and its unit runs
+
+
+def switch_facts(cfg: Config, st: State, target: Backend, *, target_running: bool, awaits_port: bool) -> SwitchFacts:
+    cur = cfg.backends.get(st.active_backend) if st.active_backend else None
+    if cur is not None and cur.name == target.name:
+        # recorded active but not running (stopped by hand, or by Conflicts= when the other unit was started
+        # outside deploytool): start it; there is nothing else to roll back to
+        cur = None
+    return SwitchFacts(cur=cur, overlap=cur is not None and awaits_port,
+                       noop=st.active_backend == target.name and target_running)
+
+
+def switch_plan(cfg: Config, st: State, target: Backend, facts: SwitchFacts, *, action: str = "switch") -> list[Step]:
+    """The steps of a switch (or rollback) to `target`, after the lock; run by `Switcher.switch_locked`."""
+    if facts.noop:
+        return [Step("noop", f"nothing to do: {target.name} is already active")]
+    cur, port, state = facts.cur, cfg.serve.port, str(Store(cfg.paths.state_dir).state_path)
+    others = tuple(o.unit for o in cfg.other_backends(target.name))
+    steps = [Step("intent", f"record intent: {action} {st.active_backend or '(none)'} -> {target.name}", (state,)),
+             Step("preflight", f"preflight {target.name}: config checks, fingerprints "
+                               f"(deploytool verify {target.name})")]
+    if cur is not None:
+        steps.append(Step("stopping-current", f"stop {cur.unit} (it serves until here)", (cur.unit,)))
+    if facts.overlap:
+        start = (f"start {target.unit}: its ExecStartPre checks the fingerprints while the current backend exits, "
+                 "then waits until it is gone and the port is free")
+    else:
+        start = f"start {target.unit} once nothing answers on port {port}"
+    steps.append(Step("starting-target", start, (target.unit,)))
+    gate = f"health gate: {target.kind} readiness on port {port}, smoke completion as {cfg.serve.model_name!r}"
+    if cfg.health.perf_gate_fraction is not None and st.release:
+        gate += f", throughput at least {cfg.health.perf_gate_fraction:.0%} of its baseline"
+    steps += [Step("gate", gate),
+              Step("committing", f"commit: enable {target.unit}, disable the others, write state and history",
+                   (target.unit, *others, state))]
+    if cur is not None:
+        steps.append(Step("rolling-back", f"stop {target.unit}, start {cur.unit} through the same gate, exit 10",
+                          (target.unit, cur.unit, state), when="on failure"))
+    else:
+        steps.append(Step("rolling-back", f"stop {target.unit}, leave no backend running, exit 9",
+                          (target.unit, state), when="on failure"))
     return steps
 
 
+def recover_plan(cfg: Config, st: State, *, target_running: bool) -> list[Step]:
+    """The steps that finish an interrupted switch or rollback (`target_running`: its target's unit is active);
+    run by `Switcher.recover_locked`."""
+    op = st.operation
+    assert op is not None and op.kind != "install"
+    target = _recover_target(cfg, op)
+    prev = cfg.backends.get(op.from_backend or "")
+    state = str(Store(cfg.paths.state_dir).state_path)
+    if op.step in CHANGES_NOTHING:
+        return [Step("nothing-changed", f"clear the interrupted {op.kind} (step {op.step}): it had changed nothing",
+                     (state,))]
+    steps, when = [], ""
+    if op.step == "committing" and target_running:
+        steps.append(Step("finish-commit", f"health gate of {target.name}; if it passes, commit: enable "
+                          f"{target.unit}, disable the others, write state", (target.unit, state)))
+        when = "if the gate fails"
+    steps.append(Step("stop-target", f"stop {target.unit}", (target.unit,), when=when))
+    if prev is None:
+        steps.append(Step("leave-stopped", "no backend served before: leave none running", (state,), when=when))
+    else:
+        steps.append(Step("restart-previous", f"start {prev.unit} through the health gate, enable it for boot "
+                          "(the others disabled), write state", (prev.unit, state), when=when))
+    return steps
+
+
+def _recover_target(cfg: Config, op: Operation) -> Backend:
+    target = cfg.backends.get(op.to_backend or "")
+    if target is None:
+        raise StateError(f"interrupted {op.kind} names an unknown backend {op.to_backend!r}",
+                         hint="fix the config or remove the operation from state.json")
+    return target
+
+
+def rollback_target(cfg: Config, st: State) -> str:
+    """The backend `rollback` switches to: the previous one, else the only other one."""
+    prev = st.previous_backend
+    if not prev:
+        others = [b.name for b in cfg.other_backends(st.active_backend or "")]
+        if st.active_backend and len(others) == 1:
+            prev = others[0]
+        else:
+            raise StateError("no previous backend to roll back to", hint="name one: deploytool switch BACKEND")
+    return prev
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+
 class Switcher:
-    def __init__(self, cfg: Config, *, log: Log = lambda s: None, sd: systemd_mod.Systemd | None = None) -> None:
+    """Switch, rollback and recover of one box. `finish` finishes an operation found interrupted under the lock
+    (default: `recover_locked`, which knows switches and rollbacks only)."""
+
+    def __init__(self, cfg: Config, *, log: Log = lambda s: None, sd: systemd_mod.Systemd | None = None,
+                 finish: Callable[[State], object] | None = None) -> None:
         self.cfg = cfg
         self.log = log
         self.sd = sd or systemd_mod.for_config(cfg)
         self.store = Store(cfg.paths.state_dir)
+        self.finish = finish or self.recover_locked
 
-    # ------------------------------------------------------------------ helpers
-    def _step(self, st: State, step: str) -> State:
-        assert st.operation is not None
-        st = self.store.save(replace(st, operation=replace(st.operation, step=step)))
-        _fault(step)
-        return st
+    # ------------------------------------------------------------------ the operations, each under the lock
+    def switch(self, name: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
+               action: str = "switch") -> SwitchResult:
+        target = self.cfg.backend(name)
+        if dry_run:
+            st = self.store.load()
+            return planned(st, target.name, self.store.lock_steps(st) + self.plan(st, target, action=action))
+        with self.store.locked(what=f"{action} to {target.name}", wait=wait, finish=self.finish,
+                               log=self.log) as st:
+            return self.switch_locked(st, target, reason=reason, action=action)
+
+    def rollback(self, *, dry_run: bool = False, wait: float = 0.0) -> SwitchResult:
+        prev = rollback_target(self.cfg, self.store.load())
+        return self.switch(prev, dry_run=dry_run, wait=wait, reason="rollback", action="rollback")
+
+    def recover(self, *, wait: float = 0.0) -> SwitchResult:
+        with self.store.lock(wait=wait, what="recover"):
+            st = self.store.load()
+            if st.operation is None:
+                return SwitchResult(True, "noop", st.active_backend, st.active_backend or "",
+                                    message="no interrupted operation; nothing to recover")
+            res = self.finish(st)
+            assert isinstance(res, SwitchResult)
+            return res
+
+    # ------------------------------------------------------------------ plans, from what systemd reports
+    def facts(self, st: State, target: Backend) -> SwitchFacts:
+        # `show` only when the target is recorded active (the one round trip a plain switch does not need)
+        running = st.active_backend == target.name and self.sd.show(target.unit).is_active
+        return switch_facts(self.cfg, st, target, target_running=running, awaits_port=self._awaits_port(target))
+
+    def plan(self, st: State, target: Backend, *, action: str = "switch") -> list[Step]:
+        return switch_plan(self.cfg, st, target, self.facts(st, target), action=action)
+
+    def recover_steps(self, st: State) -> list[Step]:
+        op = st.operation
+        assert op is not None
+        running = op.step == "committing" and self.sd.show(_recover_target(self.cfg, op).unit).is_active
+        return recover_plan(self.cfg, st, target_running=running)
+
+    # ------------------------------------------------------------------ switch
+    def switch_locked(self, st: State, target: Backend, *, reason: str | None = None,
+                      action: str = "switch") -> SwitchResult:
+        """Switch to `target` along its plan; the caller holds the lock and nothing is left interrupted."""
+        facts = self.facts(st, target)
+        steps = switch_plan(self.cfg, st, target, facts, action=action)
+        if steps[0].name == "noop":
+            return SwitchResult(True, "noop", st.active_backend, target.name,
+                                message=f"{target.name} is already active; nothing to do")
+        if st.active_backend == target.name:
+            self.log(f"{target.name} is recorded active but {target.unit} is not running: starting it")
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="switch") as pool:
+            return _SwitchRun(self, pool, st, target, facts, action=action, reason=reason).run(steps)
 
     def _preflight(self, target: Backend) -> None:
-        from deploy_tool import checks
-
         errs = [f for f in checks.run_checks(self.cfg) if f.severity == "error" and f.backend in (None, target.name)]
         if errs:
             raise CheckFailed(f"preflight of {target.name}: {errs[0].id}: {errs[0].message}",
                               hint=errs[0].fix, details=[f.to_json() for f in errs])
-        try:
-            from deploy_tool import fingerprint
-        except ImportError:
-            return
         rep = fingerprint.verify(self.cfg, target)
         if not rep.ok:
             rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {r.expected[:16]}, actual {r.actual[:16]}"
@@ -152,7 +312,7 @@ class Switcher:
         frac = self.cfg.health.perf_gate_fraction
         if frac is None or not release:
             return
-        from deploy_tool.gate import perf_gate
+        from deploy_tool.gate import perf_gate  # lazy: see the module's docstring
 
         ok, figures, message = perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
         self.log(f"{target.name}: performance gate: {message}")
@@ -165,100 +325,7 @@ class Switcher:
         since = time.time()
         self.sd.start(b.unit, past_start_limit=True)
         inv = self.sd.show(b.unit).invocation_id
-        from deploy_tool.gate import run_gate
-
-        return run_gate(self.cfg, self.sd, b, invocation=inv or None, since=since, on_event=self.log)
-
-    # ------------------------------------------------------------------ switch
-    def switch(self, name: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
-               action: str = "switch") -> SwitchResult:
-        target = self.cfg.backend(name)
-        st0 = self.store.load()
-        if dry_run:
-            return SwitchResult(True, "planned", st0.active_backend, target.name, plan=plan(self.cfg, st0, target))
-        with self.store.lock(wait=wait, what=f"{action} to {target.name}"):
-            st = self.store.load()
-            if st.operation is not None:
-                self.log(f"an interrupted {st.operation.kind} (step {st.operation.step}) was found; finishing it first")
-                self._recover_locked(st)
-                st = self.store.load()
-            cur_name = st.active_backend
-            if cur_name == target.name and self.sd.show(target.unit).is_active:
-                return SwitchResult(True, "noop", cur_name, target.name,
-                                    message=f"{target.name} is already active; nothing to do")
-            cur = self.cfg.backends.get(cur_name) if cur_name else None
-            if cur is not None and cur.name == target.name:
-                # recorded active but not running (stopped by hand, or by Conflicts= when the other unit was
-                # started outside deploytool): start it; there is nothing else to roll back to
-                self.log(f"{target.name} is recorded active but {target.unit} is not running: starting it")
-                cur = None
-            t0 = time.monotonic()
-            op = Operation(kind=action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
-                           from_backend=cur_name, to_backend=target.name, release=st.release, pid=os.getpid())
-            # the preflight only reads: it runs while the intent and its step are written (and fsynced)
-            preflight = Background(lambda: self._preflight(target), name="preflight")
-            st = self.store.save(replace(st, operation=op))
-            _fault("intent")
-            try:
-                st = self._step(st, "preflight")
-                preflight.result()
-            except DeployError as exc:  # nothing was changed yet: the current backend keeps serving
-                self.store.save(replace(st, operation=None))
-                self.store.record(action, ok=False, from_backend=cur_name, to_backend=target.name,
-                                  outcome="refused", reason=exc.message, release=st.release)
-                raise
-            inv = None
-            since: float | None = None
-            enabling: Background | None = None
-            try:
-                overlap = cur is not None and self._awaits_port(target)
-                if cur is not None:
-                    st = self._step(st, "stopping-current")
-                    self.log(f"stopping {cur.unit}")
-                    # with the target's unit waiting for the other backends itself (verify --await-port), the stop
-                    # is only queued: the target's start below runs its fingerprint check while the current backend
-                    # exits, and its server execs the moment the last process of the current one is gone (GPU
-                    # memory and port free). Meanwhile: clear the target's failed state and start-limit counter
-                    # (a refused start and its retry would cost more than this round trip).
-                    together(lambda: self.sd.stop(cur.unit, no_block=overlap),
-                             lambda: self._quiet_reset(target.unit))
-                if not overlap and port_owner_answers(self.cfg.serve.host, self.cfg.serve.port):
-                    raise HealthError(f"port {self.cfg.serve.port} is taken by another process after stopping "
-                                      f"{cur_name or 'the backends'}; {target.name} cannot bind it",
-                                      hint=f"find it with `ss -ltnp 'sport = :{self.cfg.serve.port}'` and stop it",
-                                      details={"reason": "port-taken"})
-                st = self._step(st, "starting-target")
-                self.log(f"starting {target.unit}" + (f" (it takes the port once {cur.name} has exited)"
-                                                      if overlap and cur is not None else ""))
-                # a failed unit starts again as is, a start-limit-hit one after a reset
-                since = time.time()
-                together(lambda: self.sd.start(target.unit, past_start_limit=True), _load_gate)
-                st = self._step(st, "gate")
-                # the boot-time enablement (symlinks only) is flipped while the gate waits; a rollback, or a
-                # recover after a crash, flips it back
-                enabling = Background(lambda: self._set_enabled(target))
-                from deploy_tool.gate import run_gate
-
-                gate = run_gate(self.cfg, self.sd, target, invocation=inv, since=since, on_event=self.log)
-                self._perf_gate(target, st.release)
-                st = self._step(st, "committing")
-                enabling.result()
-                self._commit_state(st, target)
-            except DeployError as exc:
-                if enabling is not None:
-                    enabling.wait()
-                if since is not None:  # it was started: its journal tail is that invocation's
-                    with contextlib.suppress(DeployError):
-                        inv = self.sd.show(target.unit).invocation_id or None
-                return self._rollback(st, target, cur, refused_by_check(exc, target.unit), inv, action, since,
-                                      restore_enablement=enabling is not None)
-            secs = time.monotonic() - t0
-            self.store.record(action, ok=True, from_backend=cur_name, to_backend=target.name, outcome="switched",
-                              seconds=round(secs, 3), release=st.release, reason=reason,
-                              ready_s=round(gate.ready_s, 3))
-            return SwitchResult(True, "switched", cur_name, target.name, seconds=secs, gate=gate.to_json(),
-                                message=f"{target.name} is serving {self.cfg.serve.model_name!r} on port "
-                                        f"{self.cfg.serve.port} ({secs:.1f}s)")
+        return _run_gate(self.cfg, self.sd, b, invocation=inv or None, since=since, on_event=self.log)
 
     def _awaits_port(self, b: Backend) -> bool:
         """Whether b's installed unit waits for the served port in its ExecStartPre (units rendered by this
@@ -274,32 +341,225 @@ class Switcher:
         with contextlib.suppress(DeployError):  # only an optimisation: start() gets past a start limit anyway
             self.sd.reset_failed(unit)
 
-    def _set_enabled(self, b: Backend) -> None:
+    def _set_enabled(self, b: Backend, pool: ThreadPoolExecutor) -> None:
         """Enable `b` for boot and disable the other backends (idempotent)."""
         # --no-reload: enabling only places [Install] symlinks; no need to reload the manager for that
         # one `disable` for the others whose unit files are installed (a no-op for a disabled one): cheaper
         # than asking `is-enabled` about each first; it runs alongside the `enable` (different symlinks)
         others = [o.unit for o in self.cfg.other_backends(b.name) if self.sd.unit_path(o.unit).exists()]
-        together(lambda: self.sd.enable(b.unit, reload=False),
+        together(pool, lambda: self.sd.enable(b.unit, reload=False),
                  *([lambda: self.sd.disable(*others, reload=False)] if others else []))
-
-    def _commit(self, st: State, target: Backend) -> None:
-        self._set_enabled(target)
-        self._commit_state(st, target)
 
     def _commit_state(self, st: State, target: Backend) -> None:
         prev = st.active_backend if st.active_backend != target.name else st.previous_backend
         self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
 
-    def _rollback(self, st: State, target: Backend, cur: Backend | None, exc: DeployError, inv: str | None,
-                  action: str, since: float | None = None, *, restore_enablement: bool = False) -> SwitchResult:
+    def _restore(self, st: State, prev: Backend, pool: ThreadPoolExecutor, *, enable: bool = True) -> DeployError | None:
+        """Start `prev` through the gate, with `enable` its boot-time enablement flipped back meanwhile (it is
+        what served, whether or not it comes back); the error if it did not come back. The state says which."""
+        restoring = pool.submit(self._set_enabled, prev, pool) if enable else None
+        try:
+            self._start_and_gate(prev)
+        except DeployError as exc:
+            if restoring is not None:
+                wait_all([restoring])
+            self.store.save(replace(st, operation=None, active_backend=None))
+            return exc
+        if restoring is not None:
+            with contextlib.suppress(DeployError):  # boot-time only: the backend itself is back
+                restoring.result()
+        self.store.save(replace(st, operation=None, active_backend=prev.name))
+        return None
+
+    # ------------------------------------------------------------------ recover
+    def recover_locked(self, st: State) -> SwitchResult:
+        """Finish the interrupted switch or rollback in `st` along its plan; the caller holds the lock."""
+        op = st.operation
+        assert op is not None
+        if op.kind == "install":
+            raise StateError("an interrupted install is found: it is finished by `deploytool recover`",
+                             hint="run deploytool recover")
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="recover") as pool:
+            run = _RecoverRun(self, pool, st)
+            for step in self.recover_steps(st):
+                res = getattr(run, run.HANDLERS[step.name])()
+                if res is not None:
+                    return res
+        raise AssertionError(f"the plan to recover {op.kind} at {op.step} has no final step")
+
+
+class _RecoverRun:
+    """Finishing one interrupted switch or rollback, walking its plan: a handler per step; the first that
+    returns a result ends it (a failed gate at finish-commit goes on to the steps "if the gate fails")."""
+
+    HANDLERS = {"nothing-changed": "nothing_changed", "finish-commit": "finish_commit", "stop-target": "stop_target",
+                "leave-stopped": "leave_stopped", "restart-previous": "restart_previous"}
+
+    def __init__(self, sw: Switcher, pool: ThreadPoolExecutor, st: State) -> None:
+        assert st.operation is not None
+        self.sw, self.pool, self.st, self.op = sw, pool, st, st.operation
+        self.store = sw.store
+        self.target = _recover_target(sw.cfg, self.op)
+
+    def record(self, ok: bool, outcome: str, **kw: Any) -> None:
+        self.store.record("recover", ok=ok, interrupted=self.op.kind, step=self.op.step, outcome=outcome, **kw)
+
+    def nothing_changed(self) -> SwitchResult:
+        self.store.save(replace(self.st, operation=None))
+        self.record(True, "nothing-changed")
+        return SwitchResult(True, "recovered", self.op.from_backend, self.target.name,
+                            message=f"interrupted {self.op.kind} had changed nothing")
+
+    def finish_commit(self) -> SwitchResult | None:
+        try:
+            _run_gate(self.sw.cfg, self.sw.sd, self.target, on_event=self.sw.log)
+            self.sw._set_enabled(self.target, self.pool)
+            self.sw._commit_state(self.st, self.target)
+        except DeployError:
+            return None  # roll back to what served before
+        self.record(True, "committed", to_backend=self.target.name)
+        return SwitchResult(True, "recovered", self.op.from_backend, self.target.name,
+                            message=f"finished the interrupted {self.op.kind}: {self.target.name} is serving")
+
+    def stop_target(self) -> None:
+        try:
+            self.sw.sd.stop(self.target.unit)
+            self.sw.sd.reset_failed(self.target.unit)
+        except DeployError:
+            pass
+
+    def leave_stopped(self) -> SwitchResult:
+        self.store.save(replace(self.st, operation=None, active_backend=None))
+        self.record(True, "stopped")
+        return SwitchResult(True, "recovered", None, self.target.name, message="stopped the half-started target")
+
+    def restart_previous(self) -> SwitchResult:
+        prev = self.sw.cfg.backends[str(self.op.from_backend)]
+        exc = self.sw._restore(self.st, prev, self.pool)  # a switch flips the enablement during its gate: back
+        if exc is not None:
+            self.record(False, "rollback-failed", reason=exc.message.splitlines()[0])
+            raise RollbackFailed(f"recovering the interrupted {self.op.kind}: {prev.name} did not come back: "
+                                 f"{exc.message}") from None
+        self.record(True, "rolled-back", to_backend=prev.name)
+        return SwitchResult(True, "recovered", self.op.from_backend, prev.name,
+                            message=f"rolled the interrupted {self.op.kind} back: {prev.name} is serving")
+
+
+class _SwitchRun:
+    """One switch or rollback under the lock, walking its plan: a handler per step, the failure step last."""
+
+    def __init__(self, sw: Switcher, pool: ThreadPoolExecutor, st: State, target: Backend, facts: SwitchFacts, *,
+                 action: str, reason: str | None) -> None:
+        self.sw, self.pool, self.st, self.target, self.facts = sw, pool, st, target, facts
+        self.cfg, self.sd, self.store, self.log = sw.cfg, sw.sd, sw.store, sw.log
+        self.action, self.reason = action, reason
+        self.cur = facts.cur
+        self.cur_name = st.active_backend
+        self.since: float | None = None  # set once the target was started: its journal tail is that invocation's
+        self.preflight: Future[None] | None = None
+        self.enabling: Future[None] | None = None
+        self.gate: GateReport | None = None
+        self.t0 = time.monotonic()
+
+    # the plan's steps (the failure step aside) and the method that runs each
+    HANDLERS = {"intent": "intent", "preflight": "check", "stopping-current": "stop_current",
+                "starting-target": "start_target", "gate": "run_gate", "committing": "commit"}
+
+    def run(self, steps: list[Step]) -> SwitchResult:
+        changed = False
+        try:
+            for step in steps:
+                if step.when:
+                    continue  # the failure step: below
+                changed = changed or step.name not in CHANGES_NOTHING
+                if step.name != "intent":  # the intent journals the operation itself
+                    self.st = self.store.advance(self.st, step.name)
+                getattr(self, self.HANDLERS[step.name])()
+        except DeployError as exc:
+            if self.preflight is not None:
+                wait_all([self.preflight])
+            if not changed:  # nothing was changed yet: the current backend keeps serving
+                self.store.save(replace(self.st, operation=None))
+                self.store.record(self.action, ok=False, from_backend=self.cur_name, to_backend=self.target.name,
+                                  outcome="refused", reason=exc.message, release=self.st.release)
+                raise
+            return self.roll_back(refused_by_check(exc, self.target.unit))
+        assert self.gate is not None
+        secs = time.monotonic() - self.t0
+        self.store.record(self.action, ok=True, from_backend=self.cur_name, to_backend=self.target.name,
+                          outcome="switched", seconds=round(secs, 3), release=self.st.release, reason=self.reason,
+                          ready_s=round(self.gate.ready_s, 3))
+        return SwitchResult(True, "switched", self.cur_name, self.target.name, seconds=secs,
+                            gate=self.gate.to_json(), message=f"{self.target.name} is serving "
+                            f"{self.cfg.serve.model_name!r} on port {self.cfg.serve.port} ({secs:.1f}s)")
+
+    def intent(self) -> None:
+        op = Operation(kind=self.action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
+                       from_backend=self.cur_name, to_backend=self.target.name, release=self.st.release,
+                       pid=os.getpid())
+        # the preflight only reads: it runs while the intent and its step are written (and fsynced)
+        self.preflight = self.pool.submit(self.sw._preflight, self.target)
+        self.st = self.store.begin(self.st, op)
+
+    def check(self) -> None:
+        assert self.preflight is not None
+        self.preflight.result()
+
+    def stop_current(self) -> None:
+        assert self.cur is not None
+        cur = self.cur
+        self.log(f"stopping {cur.unit}")
+        # with the target's unit waiting for the other backends itself (verify --await-port), the stop is only
+        # queued: the target's start below runs its fingerprint check while the current backend exits, and its
+        # server execs the moment the last process of the current one is gone (GPU memory and port free).
+        # Meanwhile: clear the target's failed state and start-limit counter (a refused start and its retry
+        # would cost more than this round trip).
+        together(self.pool, lambda: self.sd.stop(cur.unit, no_block=self.facts.overlap),
+                 lambda: self.sw._quiet_reset(self.target.unit))
+
+    def start_target(self) -> None:
+        port = self.cfg.serve.port
+        if not self.facts.overlap and port_owner_answers(self.cfg.serve.host, port):
+            raise HealthError(f"port {port} is taken by another process after stopping "
+                              f"{self.cur_name or 'the backends'}; {self.target.name} cannot bind it",
+                              hint=f"find it with `ss -ltnp 'sport = :{port}'` and stop it",
+                              details={"reason": "port-taken"})
+        self.log(f"starting {self.target.unit}" + (f" (it takes the port once {self.cur.name} has exited)"
+                                                   if self.facts.overlap and self.cur is not None else ""))
+        # a failed unit starts again as is, a start-limit-hit one after a reset
+        self.since = time.time()
+        together(self.pool, lambda: self.sd.start(self.target.unit, past_start_limit=True), _load_gate)
+
+    def run_gate(self) -> None:
+        # the boot-time enablement (symlinks only) is flipped while the gate waits; a rollback, or a recover
+        # after a crash, flips it back
+        self.enabling = self.pool.submit(self.sw._set_enabled, self.target, self.pool)
+        self.gate = _run_gate(self.cfg, self.sd, self.target, invocation=None, since=self.since, on_event=self.log)
+        self.sw._perf_gate(self.target, self.st.release)
+
+    def commit(self) -> None:
+        assert self.enabling is not None
+        self.enabling.result()
+        self.sw._commit_state(self.st, self.target)
+
+    def roll_back(self, exc: DeployError) -> SwitchResult:
+        """The failure step: the target's journal tail kept, the target stopped, the previous backend started
+        through the same gate (exit 10), or none when none served (exit 9); exit 11 when it does not come back."""
+        target, cur, st = self.target, self.cur, self.st
+        restore_enablement = self.enabling is not None
+        if self.enabling is not None:
+            wait_all([self.enabling])
+        inv = None
+        if self.since is not None:  # it was started: its journal tail is that invocation's
+            with contextlib.suppress(DeployError):
+                inv = self.sd.show(target.unit).invocation_id or None
         reason = exc.message.splitlines()[0]
         try:
-            journal = self.sd.journal(target.unit, invocation=inv, lines=30, since=since if inv else None)
+            journal = self.sd.journal(target.unit, invocation=inv, lines=30, since=self.since if inv else None)
         except DeployError:
             journal = ""
         self.log(f"{target.name} failed: {reason}; rolling back")
-        st = self._step(st, "rolling-back")
+        st = self.store.advance(st, "rolling-back")
         try:
             self.sd.stop(target.unit)
             self.sd.reset_failed(target.unit)
@@ -310,111 +570,22 @@ class Switcher:
                 with contextlib.suppress(DeployError):
                     self.sd.disable(target.unit, reload=False)
             self.store.save(replace(st, operation=None, active_backend=None))
-            self.store.record(action, ok=False, from_backend=None, to_backend=target.name, outcome="failed",
+            self.store.record(self.action, ok=False, from_backend=None, to_backend=target.name, outcome="failed",
                               reason=reason, journal_tail=journal[-4000:])
             raise HealthError(f"{target.name} did not become healthy: {exc.message}", hint=exc.hint)
-        # the previous backend is enabled for boot again whether or not it comes back: it is what served
-        restoring = Background(lambda: self._set_enabled(cur)) if restore_enablement else None
-        try:
-            self._start_and_gate(cur)
-        except DeployError as exc2:
-            if restoring is not None:
-                restoring.wait()
-            self.store.save(replace(st, operation=None, active_backend=None))
-            self.store.record(action, ok=False, from_backend=cur.name, to_backend=target.name,
+        # the previous backend is enabled for boot again (if the gate had flipped it): it is what served
+        exc2 = self.sw._restore(st, cur, self.pool, enable=restore_enablement)
+        if exc2 is not None:
+            self.store.record(self.action, ok=False, from_backend=cur.name, to_backend=target.name,
                               outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],
                               journal_tail=journal[-4000:])
             raise RollbackFailed(f"{target.name} failed ({reason}) and the rollback to {cur.name} failed too: "
                                  f"{exc2.message}", hint="the box has no working backend: read `deploytool status` "
                                  f"and `journalctl -u {cur.unit}`") from None
-        if restoring is not None:
-            with contextlib.suppress(DeployError):  # boot-time only: the rollback itself succeeded
-                restoring.result()
-        self.store.save(replace(st, operation=None, active_backend=cur.name))
-        self.store.record(action, ok=False, from_backend=cur.name, to_backend=target.name, outcome="rolled-back",
-                          reason=reason, journal_tail=journal[-4000:], release=st.release)
+        self.store.record(self.action, ok=False, from_backend=cur.name, to_backend=target.name,
+                          outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release)
         tail = "\n  ".join(journal.splitlines()[-8:])
         raise RolledBack(f"switch to {target.name} failed: {exc.message}\n{cur.name} was restored and is serving "
                          f"again" + (f"\n  {target.name} journal tail:\n  {tail}" if tail else ""),
                          hint=f"see `deploytool history` and `journalctl -u {target.unit}`",
                          details={"reason": reason, "restored": cur.name})
-
-    # ------------------------------------------------------------------ recover
-    def recover(self, *, wait: float = 0.0) -> SwitchResult:
-        with self.store.lock(wait=wait, what="recover"):
-            st = self.store.load()
-            if st.operation is None:
-                return SwitchResult(True, "noop", st.active_backend, st.active_backend or "",
-                                    message="no interrupted operation; nothing to recover")
-            return self._recover_locked(st)
-
-    def _recover_locked(self, st: State) -> SwitchResult:
-        op = st.operation
-        assert op is not None
-        if op.kind == "install":
-            from deploy_tool import install
-
-            install.recover_install(self.cfg, self.store, st, sd=self.sd, log=self.log)
-            return SwitchResult(True, "recovered", None, op.to_backend or "", message="interrupted install undone")
-        target = self.cfg.backends.get(op.to_backend or "")
-        prev = self.cfg.backends.get(op.from_backend or "")
-        if target is None:
-            raise StateError(f"interrupted {op.kind} names an unknown backend {op.to_backend!r}",
-                             hint="fix the config or remove the operation from state.json")
-        if op.step in ("intent", "preflight"):  # nothing changed yet
-            self.store.save(replace(st, operation=None))
-            self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="nothing-changed")
-            return SwitchResult(True, "recovered", op.from_backend, target.name,
-                                message=f"interrupted {op.kind} had changed nothing")
-        if op.step == "committing" and self.sd.show(target.unit).is_active:
-            try:
-                from deploy_tool.gate import run_gate
-
-                run_gate(self.cfg, self.sd, target, on_event=self.log)
-                self._commit(st, target)
-                self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="committed",
-                                  to_backend=target.name)
-                return SwitchResult(True, "recovered", op.from_backend, target.name,
-                                    message=f"finished the interrupted {op.kind}: {target.name} is serving")
-            except DeployError:
-                pass
-        # roll back to what served before
-        try:
-            self.sd.stop(target.unit)
-            self.sd.reset_failed(target.unit)
-        except DeployError:
-            pass
-        if prev is None:
-            self.store.save(replace(st, operation=None, active_backend=None))
-            self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="stopped")
-            return SwitchResult(True, "recovered", None, target.name, message="stopped the half-started target")
-        # a switch flips the boot-time enablement during its gate: flip it back
-        restoring = Background(lambda: self._set_enabled(prev))
-        try:
-            self._start_and_gate(prev)
-        except DeployError as exc:
-            restoring.wait()
-            self.store.save(replace(st, operation=None, active_backend=None))
-            self.store.record("recover", ok=False, interrupted=op.kind, step=op.step, outcome="rollback-failed",
-                              reason=exc.message.splitlines()[0])
-            raise RollbackFailed(f"recovering the interrupted {op.kind}: {prev.name} did not come back: "
-                                 f"{exc.message}") from None
-        with contextlib.suppress(DeployError):
-            restoring.result()
-        self.store.save(replace(st, operation=None, active_backend=prev.name))
-        self.store.record("recover", ok=True, interrupted=op.kind, step=op.step, outcome="rolled-back",
-                          to_backend=prev.name)
-        return SwitchResult(True, "recovered", op.from_backend, prev.name,
-                            message=f"rolled the interrupted {op.kind} back: {prev.name} is serving")
-
-    # ------------------------------------------------------------------ rollback
-    def rollback(self, *, dry_run: bool = False, wait: float = 0.0) -> SwitchResult:
-        st = self.store.load()
-        prev = st.previous_backend
-        if not prev:
-            others = [b.name for b in self.cfg.other_backends(st.active_backend or "")]
-            if st.active_backend and len(others) == 1:
-                prev = others[0]
-            else:
-                raise StateError("no previous backend to roll back to", hint="name one: deploytool switch BACKEND")
-        return self.switch(prev, dry_run=dry_run, wait=wait, reason="rollback", action="rollback")

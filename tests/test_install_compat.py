@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from deploy_tool import config, install
 from deploy_tool.errors import BundleError
-from deploy_tool.pack import resolved_config_json
+from deploy_tool.render import resolved_config_json
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy_tool" / "examples" / "cpu-demo.yaml"
 

@@ -1,7 +1,7 @@
 """The switch / rollback / recover state machine, fast: every kill point and every scripted unit failure against
 a fake systemd (tests.support.fake_systemd: real sockets, fake processes, virtual time), no root, no sandbox,
-no backends. Driven through the public interface only: Switcher(cfg, log=, sd=).switch / rollback / recover,
-state.json and history.jsonl on disk, the DeployError exit codes, DEPLOYTOOL_FAULT=kill:<step> for kill points.
+no backends. Driven through the public interface only: operations.switch / rollback / recover (as the CLI
+runs them), state.json and history.jsonl on disk, the DeployError exit codes, DEPLOYTOOL_FAULT=kill:<step> for kill points.
 
 The preflight's config checks and fingerprints are scripted here (checks.run_checks, fingerprint.verify): their
 real runs are tested in test_checks, test_fingerprint and, with everything else real, in the e2e suite.
@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from deploy_tool import checks, fingerprint, health
+from deploy_tool import checks, fingerprint, health, operations
 from deploy_tool.errors import DeployError, ExitCode
 from deploy_tool.state import Operation, State, Store
 from deploy_tool.switch import Switcher
@@ -43,7 +43,7 @@ FU, LU = f"{F}.service", f"{L}.service"
 SWITCH_POINTS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing")
 ROLLBACK_POINT = "rolling-back"  # reached only when the target failed
 #: the install's kill points (the real-sandbox suite tests/test_install_faults.py covers them)
-INSTALL_POINTS = ("signature-checked", "venv-ready", "native-libs-checked", "tool-ready", "release-laid-down",
+INSTALL_POINTS = ("signature-checked", "verified", "venv-ready", "native-libs-checked", "tool-ready", "release-laid-down",
                   "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
 #: the scripted behaviours a target must fail its start or gate with
 FAILING = fs.FAILING
@@ -114,12 +114,13 @@ class Box:
         return Switcher(self.cfg, log=self.log.append, sd=self.world.systemd())
 
     def run(self, op: str, *args: Any, kill: str | None = None) -> Outcome:
-        """One deploytool command (a fresh process: a new driver handle), optionally killed at `kill`."""
-        sw = self.switcher()
+        """One deploytool command as the CLI runs it (deploy_tool.operations; a fresh process: a new driver
+        handle), optionally killed at `kill`."""
+        command = {"switch": operations.switch, "rollback": operations.rollback, "recover": operations.recover}[op]
         if kill:
             os.environ["DEPLOYTOOL_FAULT"] = f"kill:{kill}"
         try:
-            res = getattr(sw, op)(*args)
+            res = command(self.cfg, *args, log=self.log.append, sd=self.world.systemd())
         except fs.Killed as exc:
             return Outcome("killed", killed=str(exc))
         except DeployError as exc:
@@ -212,13 +213,17 @@ def test_the_fake_implements_every_method_of_the_driver() -> None:
 
 
 def test_every_fault_point_in_the_code_is_known_here() -> None:
-    """Every literal fault/step name in deploy_tool is one this suite kills at, or an install point (sandbox
+    """Every point a run can be killed at (a literal fault("..."), a step a switch journals as it walks its plan,
+    the rollback step, an install's journaled steps) is one this suite kills at, or an install point (sandbox
     suite). A new point fails here until it is added to one of the lists."""
+    from deploy_tool import install, switch
+
     found: set[str] = set()
     for p in (REPO / "deploy_tool").rglob("*.py"):
         text = p.read_text()
-        found |= set(re.findall(r"\b_?(?:fault|step)\((?:[a-z_]+, )?\"([a-z][a-z-]*)\"", text))
-        found |= {n for m in re.findall(r"\bSTEPS = \(([^)]*)\)", text) for n in re.findall(r"\"([a-z-]+)\"", m)}
+        found |= set(re.findall(r"\bfault\(\"([a-z][a-z-]*)\"", text))
+        found |= set(re.findall(r"\badvance\([^,()]+, \"([a-z][a-z-]*)\"", text))
+    found |= set(switch._SwitchRun.HANDLERS) | set(install.JOURNALED)
     assert found == set(SWITCH_POINTS) | {ROLLBACK_POINT} | set(INSTALL_POINTS), found
 
 
@@ -244,7 +249,8 @@ def test_switch_to_what_serves_is_a_noop(box: Box) -> None:
     n = len(box.world.calls)
     out = box.run("switch", F)
     assert out.action == "noop"
-    assert [c.method for c in box.world.calls[n:]] == ["show"]  # looked, changed nothing
+    looked = [c.method for c in box.world.calls[n:]]
+    assert "show" in looked and set(looked) <= {"show", "unit_path"}  # looked, changed nothing
     assert box.history() == []
 
 

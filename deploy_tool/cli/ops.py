@@ -1,4 +1,9 @@
-"""lock, pack, install, switch, rollback, recover, status, history, rebuild."""
+"""lock, pack, install, switch, rollback, recover, status, history, rebuild.
+
+Imports: each command imports what it runs inside its function, so that every command's start pays only for its
+own modules (the CLI loads all commands to parse one). install, switch, rollback and recover run through
+deploy_tool.operations, which takes the lock and finishes an interrupted operation first.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ def _log(ctx: Ctx):
 def _progress(ctx: Ctx):
     from deploy_tool import progress
 
-    return progress.make_progress(enabled=not ctx.json) if hasattr(progress, "make_progress") else None
+    return progress.make_progress(enabled=not ctx.json)
 
 
 @click.command()
@@ -79,11 +84,11 @@ def install(ctx: Ctx, bundle: str | None, keys_dir: str | None, rebuild: bool, n
     With no BUNDLE, the single bundle in artifacts/ is used (several is an error listing them).
     Installing the same bundle again is a no-op that says so.
     """
-    from deploy_tool import install as inst
+    from deploy_tool import operations
 
     cfg = ctx.load_config()
-    res = inst.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, dry_run=ctx.dry_run, start=not no_start,
-                       log=_log(ctx), progress=_progress(ctx), wait=wait)
+    res = operations.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, dry_run=ctx.dry_run,
+                             start=not no_start, log=_log(ctx), progress=_progress(ctx), wait=wait)
     if res.action == "planned":
         ctx.emit(res.to_json(), "would:\n" + "\n".join(f"  {s['step']}" for s in res.steps))
     else:
@@ -102,14 +107,10 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None) -> None:
     BACKEND is a name, an alias or an unambiguous prefix: `deploytool switch llamacpp`.
     Exit 0 switched (or already active), 10 rolled back to the previous backend, 11 rollback failed too.
     """
-    from deploy_tool.switch import Switcher
+    from deploy_tool import operations
 
     cfg = ctx.load_config()
-    res = Switcher(cfg, log=_log(ctx)).switch(backend, dry_run=ctx.dry_run, wait=wait, reason=reason)
-    if res.action == "planned":
-        ctx.emit(res.to_json(), "plan:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(res.plan, 1)))
-    else:
-        ctx.emit(res.to_json(), res.message)
+    _emit_switch(ctx, operations.switch(cfg, backend, dry_run=ctx.dry_run, wait=wait, reason=reason, log=_log(ctx)))
 
 
 @click.command()
@@ -117,25 +118,28 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None) -> None:
 @pass_ctx
 def rollback(ctx: Ctx, wait: float) -> None:
     """Switch back to the previous backend through the same health gate."""
-    from deploy_tool.switch import Switcher
+    from deploy_tool import operations
 
     cfg = ctx.load_config()
-    res = Switcher(cfg, log=_log(ctx)).rollback(dry_run=ctx.dry_run, wait=wait)
-    if res.action == "planned":
-        ctx.emit(res.to_json(), "plan:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(res.plan, 1)))
-    else:
-        ctx.emit(res.to_json(), res.message)
+    _emit_switch(ctx, operations.rollback(cfg, dry_run=ctx.dry_run, wait=wait, log=_log(ctx)))
 
 
 @click.command()
 @pass_ctx
 def recover(ctx: Ctx) -> None:
     """Finish an interrupted install, switch or rollback (a killed run) to a consistent end."""
-    from deploy_tool.switch import Switcher
+    from deploy_tool import operations
 
     cfg = ctx.load_config()
-    res = Switcher(cfg, log=_log(ctx)).recover()
-    ctx.emit(res.to_json(), res.message)
+    _emit_switch(ctx, operations.recover(cfg, dry_run=ctx.dry_run, log=_log(ctx)))
+
+
+def _emit_switch(ctx: Ctx, res) -> None:
+    """A switch, rollback or recover: its plan under --dry-run, else its message."""
+    if res.action == "planned":
+        ctx.emit(res.to_json(), "plan:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(res.plan, 1)))
+    else:
+        ctx.emit(res.to_json(), res.message)
 
 
 @click.command()

@@ -1,0 +1,275 @@
+"""Golden plans: the steps install, switch, rollback and recover build (what --dry-run prints and the run walks),
+pinned for the main cases from the two-2080ti example (production paths: the text is the same on any machine).
+No systemd: the plans are pure functions of the config, the state and the facts the box reports."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deploy_tool import install, switch
+from deploy_tool.cli import main
+from deploy_tool.config import Config
+from deploy_tool.errors import StateError
+from deploy_tool.state import Operation, State, Step, Store
+from tests.support.configs import example_dict, load_example, write_dict
+
+FT, LL = "ftllm-dflash", "llamacpp-tensor"
+STATE = "/var/lib/deploytool/state.json"
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
+    return load_example(tmp_path_factory.mktemp("plans"), "two-2080ti")
+
+
+def rows(steps: list[Step]) -> list[tuple[str, str]]:
+    return [(s.name, s.text()) for s in steps]
+
+
+def _switch(cfg: Config, st: State, to: str, *, running: bool = False, awaits_port: bool = True,
+            action: str = "switch") -> list[Step]:
+    target = cfg.backends[to]
+    facts = switch.switch_facts(cfg, st, target, target_running=running, awaits_port=awaits_port)
+    return switch.switch_plan(cfg, st, target, facts, action=action)
+
+
+def test_switch_ftllm_to_llamacpp(cfg: Config) -> None:
+    st = State(active_backend=FT, release="r1")
+    steps = Store(cfg.paths.state_dir).lock_steps(st) + _switch(cfg, st, LL)
+    assert rows(steps) == [
+        ("lock", "lock /var/lib/deploytool/lock"),
+        ("intent", f"record intent: switch {FT} -> {LL}"),
+        ("preflight", f"preflight {LL}: config checks, fingerprints (deploytool verify {LL})"),
+        ("stopping-current", f"stop {FT}.service (it serves until here)"),
+        ("starting-target", f"start {LL}.service: its ExecStartPre checks the fingerprints while the current "
+                            "backend exits, then waits until it is gone and the port is free"),
+        ("gate", "health gate: llamacpp readiness on port 8082, smoke completion as 'qwen38-27b-ud'"),
+        ("committing", f"commit: enable {LL}.service, disable the others, write state and history"),
+        ("rolling-back", f"on failure: stop {LL}.service, start {FT}.service through the same gate, exit 10"),
+    ]
+    assert steps[6].touches == (f"{LL}.service", f"{FT}.service", STATE)
+    assert steps[-1].when == "on failure"
+    # the journal names are the state machine's steps, in its order
+    assert [s.name for s in steps[1:]] == list(switch.STEPS)
+
+
+def test_switch_to_the_active_backend_is_a_noop(cfg: Config) -> None:
+    st = State(active_backend=FT, release="r1")
+    assert rows(_switch(cfg, st, FT, running=True)) == [("noop", f"nothing to do: {FT} is already active")]
+    # recorded active but its unit stopped: started, with nothing to stop or roll back to
+    steps = _switch(cfg, st, FT, running=False)
+    assert [s.name for s in steps] == ["intent", "preflight", "starting-target", "gate", "committing",
+                                       "rolling-back"]
+    assert steps[2].text() == f"start {FT}.service once nothing answers on port 8082"
+    assert steps[-1].text() == f"on failure: stop {FT}.service, leave no backend running, exit 9"
+
+
+def test_switch_on_a_box_whose_unit_does_not_wait_for_the_port(cfg: Config) -> None:
+    steps = _switch(cfg, State(active_backend=FT), LL, awaits_port=False)
+    assert steps[3] == Step("starting-target", f"start {LL}.service once nothing answers on port 8082",
+                            (f"{LL}.service",))
+
+
+def test_rollback(cfg: Config) -> None:
+    st = State(active_backend=LL, previous_backend=FT, release="r1")
+    to = switch.rollback_target(cfg, st)
+    assert to == FT
+    assert rows(_switch(cfg, st, to, action="rollback")) == [
+        ("intent", f"record intent: rollback {LL} -> {FT}"),
+        ("preflight", f"preflight {FT}: config checks, fingerprints (deploytool verify {FT})"),
+        ("stopping-current", f"stop {LL}.service (it serves until here)"),
+        ("starting-target", f"start {FT}.service: its ExecStartPre checks the fingerprints while the current "
+                            "backend exits, then waits until it is gone and the port is free"),
+        ("gate", "health gate: ftllm readiness on port 8082, smoke completion as 'qwen38-27b-ud'"),
+        ("committing", f"commit: enable {FT}.service, disable the others, write state and history"),
+        ("rolling-back", f"on failure: stop {FT}.service, start {LL}.service through the same gate, exit 10"),
+    ]
+    # with no previous backend recorded, the only other one
+    assert switch.rollback_target(cfg, State(active_backend=LL)) == FT
+
+
+def test_interrupted_operation_is_finished_first(cfg: Config) -> None:
+    op = Operation(kind="switch", op_id="x", started="t", step="gate", from_backend=FT, to_backend=LL)
+    steps = Store(cfg.paths.state_dir).lock_steps(State(active_backend=FT, operation=op))
+    assert rows(steps)[1] == ("finish-interrupted",
+                              "finish the interrupted switch (step gate) first, as `deploytool recover` does")
+
+
+def _op(step: str, kind: str = "switch") -> Operation:
+    return Operation(kind=kind, op_id="x", started="t", step=step, from_backend=FT, to_backend=LL, release="r1")
+
+
+def test_recover_an_interrupted_switch(cfg: Config) -> None:
+    st = State(active_backend=FT, release="r1", operation=_op("gate"))
+    assert rows(switch.recover_plan(cfg, st, target_running=True)) == [
+        ("stop-target", f"stop {LL}.service"),
+        ("restart-previous", f"start {FT}.service through the health gate, enable it for boot (the others "
+                             "disabled), write state"),
+    ]
+    st = replace(st, operation=_op("committing"))
+    assert rows(switch.recover_plan(cfg, st, target_running=True)) == [
+        ("finish-commit", f"health gate of {LL}; if it passes, commit: enable {LL}.service, disable the others, "
+                          "write state"),
+        ("stop-target", f"if the gate fails: stop {LL}.service"),
+        ("restart-previous", f"if the gate fails: start {FT}.service through the health gate, enable it for boot "
+                             "(the others disabled), write state"),
+    ]
+    # killed while committing with the target not running: straight back
+    assert [s.name for s in switch.recover_plan(cfg, st, target_running=False)] == ["stop-target",
+                                                                                    "restart-previous"]
+    for step in ("intent", "preflight"):
+        st = replace(st, operation=_op(step))
+        assert rows(switch.recover_plan(cfg, st, target_running=False)) == [
+            ("nothing-changed", f"clear the interrupted switch (step {step}): it had changed nothing")]
+    # a fresh box: nothing served before, nothing to go back to
+    st = State(operation=replace(_op("starting-target"), from_backend=None))
+    assert rows(switch.recover_plan(cfg, st, target_running=False)) == [
+        ("stop-target", f"stop {LL}.service"),
+        ("leave-stopped", "no backend served before: leave none running")]
+
+
+BUNDLE, KEYS = "/srv/bundles/box-abc123.tar.zst", "/etc/deploytool/keys"
+FRESH_INSTALL = [
+    ("verified", f"verify {BUNDLE} against keys in {KEYS}"),
+    ("venv-ready", "unpack to /opt/deploytool/releases/.staging-abc123, unpack venv (bytecode included), relocate"),
+    ("native-libs-checked", "check the OS libraries the native binaries need, check native library hashes"),
+    ("tool-ready", "build deploytool's own venv from the bundle's tool wheels"),
+    ("release-laid-down", "move it to /opt/deploytool/releases/abc123"),
+    ("units-written", "write units to /etc/systemd/system, env files to /etc/deploytool/env"),
+    ("current-flipped", "flip /opt/deploytool/current"),
+    ("pinned", "pin fingerprints"),
+    ("daemon-reloaded", "daemon-reload"),
+    ("started", f"stop the other backends, start {FT}"),
+    ("healthy", f"health gate, then enable {FT}.service for boot and disable the others"),
+    ("committed", "commit state"),
+    ("undo", "on failure: undo every step in reverse, start the backend that served, exit 14"),
+]
+
+
+def _install(cfg: Config, st: State, facts: install.InstallFacts | None, **kw: bool) -> list[Step]:
+    return install.install_plan(cfg, st, bundle=BUNDLE, keys=KEYS, facts=facts, **kw)
+
+
+def test_fresh_install(cfg: Config) -> None:
+    steps = _install(cfg, State(), install.InstallFacts(release="abc123"))
+    assert rows(steps) == FRESH_INSTALL
+    # what it journals is what the crash tests kill at (tests/test_install_faults.py), in that order
+    assert [s.name for s in steps if s.name in install.JOURNALED] == list(install.JOURNALED)
+    # --no-start: nothing started, nothing gated; a bundle without deploytool's wheels: no tool venv
+    steps = _install(cfg, State(), install.InstallFacts(release="abc123", tool=False), start=False)
+    assert [s.name for s in steps] == ["verified", "venv-ready", "native-libs-checked", "release-laid-down",
+                                       "units-written", "current-flipped", "pinned", "daemon-reloaded",
+                                       "committed", "undo"]
+
+
+def test_install_dry_run_before_the_bundle_is_verified(cfg: Config) -> None:
+    steps = _install(cfg, State(), None, rebuild=True)
+    assert rows(steps)[1] == ("venv-ready", "unpack to /opt/deploytool/releases/.staging-<id>, rebuild the venv "
+                                            "from the wheels (--no-index --require-hashes), compile, relocate")
+    assert rows(steps)[3] == ("tool-ready", "if the bundle carries them: build deploytool's own venv from the "
+                                            "bundle's tool wheels")
+    assert rows(steps)[4] == ("release-laid-down", "move it to /opt/deploytool/releases/<id>")
+
+
+def test_reinstall_of_the_same_release(cfg: Config) -> None:
+    st = State(active_backend=LL, release="abc123")
+    installed = install.InstallFacts(release="abc123", installed=True, laid_down=True, running=True)
+    assert rows(_install(cfg, st, installed)) == [FRESH_INSTALL[0],
+                                                  ("noop", "nothing to do: release abc123 is already installed")]
+    # installed, but nothing runs: the recorded active backend is started behind the gate
+    assert rows(_install(cfg, st, replace(installed, running=False)))[1:] == [
+        ("start-installed", f"release abc123 is installed but no backend runs: start {LL} behind the health gate, "
+                            "enable it for boot, disable the others")]
+    # laid down by an earlier install that did not finish (or another config): the directory is kept
+    steps = _install(cfg, st, install.InstallFacts(release="abc123", laid_down=True))
+    assert rows(steps)[1] == ("release-kept", "/opt/deploytool/releases/abc123 is laid down already: keep it")
+    assert [s.name for s in steps][2:5] == ["units-written", "current-flipped", "pinned"]
+
+
+def test_recover_an_interrupted_install(cfg: Config) -> None:
+    op = Operation(kind="install", op_id="x", started="t", step="started", from_backend=FT, to_backend=FT,
+                   release="r2", previous_release="r1")
+    st = State(active_backend=FT, release="r1", operation=op)
+    assert rows(install.recover_plan(cfg, st, prev_laid_down=True, prev_running=False)) == [
+        ("clean-staging", "remove /opt/deploytool/releases/.verify-* and /opt/deploytool/releases/.staging-r2"),
+        ("restore-release", "point /opt/deploytool/current to /opt/deploytool/releases/r1, write its env files and "
+                            "units back"),
+        ("repin", "pin fingerprints of release r1"),
+        ("remove-release", "remove /opt/deploytool/releases/r2"),
+        ("daemon-reload", "daemon-reload"),
+        ("restart-previous", f"restart {FT}.service of release r1 behind the health gate"),
+        ("undone", "clear the interrupted install from state (release r1), record it in history"),
+    ]
+    # killed before anything started: the previous backend still serves and is left alone
+    st = replace(st, operation=replace(op, step="units-written"))
+    assert "restart-previous" not in [s.name for s in install.recover_plan(cfg, st, prev_laid_down=True,
+                                                                            prev_running=True)]
+    # a fresh box: everything it laid down goes
+    st = State(operation=replace(op, from_backend=None, previous_release=None, step="pinned"))
+    assert [s.name for s in install.recover_plan(cfg, st, prev_laid_down=False, prev_running=False)] == [
+        "clean-staging", "remove-units", "remove-release", "daemon-reload", "undone"]
+
+
+def test_every_step_of_every_plan_has_a_handler(cfg: Config) -> None:
+    """The runs walk the plans: a step without a handler would fail there, so each plan's names are checked."""
+    st = State(active_backend=FT, release="r1")
+    for steps in (_switch(cfg, st, LL), _switch(cfg, st, FT), _switch(cfg, State(), LL, awaits_port=False)):
+        assert {s.name for s in steps if not s.when} - {"noop"} <= set(switch._SwitchRun.HANDLERS)
+    facts = install.InstallFacts(release="abc123")
+    for f in (facts, replace(facts, laid_down=True), replace(facts, tool=False)):
+        assert {s.name for s in _install(cfg, State(), f) if not s.when} - {"verified"} \
+            <= set(install._Install.HANDLERS)
+    for step in ("preflight", "stopping-current", "gate", "committing"):
+        for running in (False, True):
+            plan = switch.recover_plan(cfg, replace(st, operation=_op(step)), target_running=running)
+            assert {s.name for s in plan} <= set(switch._RecoverRun.HANDLERS)
+    op = Operation(kind="install", op_id="x", started="t", step="started", from_backend=FT, to_backend=LL,
+                   release="r2", previous_release="r1")
+    for o in (op, replace(op, step="pinned"), replace(op, from_backend=None, previous_release=None)):
+        for laid_down in (False, True):
+            plan = install.recover_plan(cfg, State(operation=o), prev_laid_down=laid_down, prev_running=False)
+            assert {s.name for s in plan} <= set(install._UndoInstall.HANDLERS)
+    for cls in (install._Install, install._UndoInstall, switch._SwitchRun, switch._RecoverRun):
+        assert set(cls.HANDLERS.values()) <= set(dir(cls)), cls
+
+
+def test_dry_run_json_carries_the_steps(tmp_path: Path) -> None:
+    """`--dry-run --json switch` and `recover` on a box with nothing installed: the plan as text and as data,
+    and nothing written (a systemctl that fails: a plan of a box with nothing active needs none)."""
+    data = example_dict("cpu-demo")
+    data["systemd"] = {"systemctl": ["/bin/false"], "journalctl": ["/bin/false"]}
+    cfg_path = write_dict(tmp_path, data)
+    r = CliRunner().invoke(main, ["--config", str(cfg_path), "--json", "--dry-run", "switch", "llamacpp"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["action"] == "planned"
+    assert [s["name"] for s in out["steps"]] == ["lock", "intent", "preflight", "starting-target", "gate",
+                                                 "committing", "rolling-back"]
+    assert out["plan"][0].startswith("lock ") and out["steps"][-1]["when"] == "on failure"
+    r = CliRunner().invoke(main, ["--config", str(cfg_path), "--dry-run", "switch", "llamacpp"])
+    assert r.exit_code == 0 and r.output.startswith("plan:\n  1. lock "), r.output
+    r = CliRunner().invoke(main, ["--config", str(cfg_path), "--dry-run", "recover"])
+    assert r.exit_code == 0 and "nothing to recover" in r.output, r.output
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "MANIFEST").write_text("{}")
+    r = CliRunner().invoke(main, ["--config", str(cfg_path), "--dry-run", "install", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[:3] == ["would:", f"  lock {Store(tmp_path / 'demo-root/var/lib/deploytool').lock_path}",
+                         f"  verify {tmp_path / 'b'} against keys in {tmp_path / 'demo-root/etc/deploytool/keys'}"]
+    assert lines[-2:] == ["  commit state",
+                          "  on failure: undo every step in reverse, start the backend that served, exit 14"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "deploytool.yaml"]
+
+
+def test_a_bare_switcher_leaves_an_interrupted_install_to_recover(cfg: Config) -> None:
+    """Only the operations layer knows both kinds: a Switcher without its finisher refuses an install (exit 13)."""
+    st = State(operation=_op("verified", kind="install"))
+    with pytest.raises(StateError, match="deploytool recover") as exc:
+        switch.Switcher(cfg, sd=object()).recover_locked(st)  # type: ignore[arg-type]
+    assert exc.value.exit_code == 13
