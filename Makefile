@@ -37,7 +37,7 @@ demo: setup
 	bash scripts/demo.sh
 
 golden: setup
-	$(VPY) -m deploy_tool.golden
+	$(VPY) -m deploy_tool.builder.golden
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done

@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_verify import build_release  # noqa: E402
 
-from deploy_tool import config, fingerprint  # noqa: E402
+from deploy_tool import config  # noqa: E402
+from deploy_tool.box import fingerprint  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
 AS_LIMIT = 2 << 30

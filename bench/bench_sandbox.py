@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy_tool.sandbox import Sandbox
-from deploy_tool.systemd import Systemd
+from deploy_tool.box.systemd import Systemd
+from deploy_tool.rehearsal.sandbox import Sandbox
 
 
 def _free_port() -> int:

@@ -40,9 +40,9 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from deploy_tool import proc  # noqa: E402
-from deploy_tool.health import wait_ready  # noqa: E402
-from deploy_tool.sandbox import Sandbox  # noqa: E402
-from deploy_tool.systemd import Systemd  # noqa: E402
+from deploy_tool.box.health import wait_ready  # noqa: E402
+from deploy_tool.box.systemd import Systemd  # noqa: E402
+from deploy_tool.rehearsal.sandbox import Sandbox  # noqa: E402
 from tests.support.demo_box import Box, active_units, dt, make_demo  # noqa: E402
 from tests.support.sandbox import free_port, new_run_dir  # noqa: E402
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from deploy_tool import config, fingerprint  # noqa: E402
+from deploy_tool import config  # noqa: E402
+from deploy_tool.box import fingerprint  # noqa: E402
 from tests.support.demo_box import bundle_in, dt, make_demo  # noqa: E402
 
 HEX64 = re.compile(r"[0-9a-f]{64}")

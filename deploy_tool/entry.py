@@ -34,7 +34,7 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_por
     from pathlib import Path
 
     from deploy_tool import config as config_mod
-    from deploy_tool import fingerprint
+    from deploy_tool.box import fingerprint
     from deploy_tool.errors import DeployError
 
     try:
@@ -74,7 +74,7 @@ def main() -> None:
     argv = sys.argv[1:]
     parsed = _parse(argv) if not sys.stdout.isatty() else None
     if parsed is not None:
-        from deploy_tool import treepin
+        from deploy_tool.box import treepin
 
         release = _own_release() if not parsed[2] else None  # --no-cache reads every file anyway
         if release is not None:

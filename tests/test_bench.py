@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy_tool import bench, gate, perf, pngchart
+from deploy_tool.box import gate, perf
+from deploy_tool.box.health import wait_ready
 from deploy_tool.errors import ExitCode, InputError
-from deploy_tool.health import wait_ready
+from deploy_tool.rehearsal import bench, pngchart
 from tests.support import backends
 from tests.support.bench_stub import MODEL as STUB_MODEL
 from tests.support.bench_stub import stub_server

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_tool import bootstrap
+from deploy_tool.box import bootstrap
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow]
 
@@ -101,11 +101,11 @@ def _refused(fresh, bundle: Path, code: int, python: str = SYSTEM_PYTHON) -> sub
 
 
 def test_bundle_carries_the_bootstrap_listed_in_its_manifest(fresh):
-    """pack writes deploy_tool/bootstrap.py as BUNDLE/bootstrap, mode 0755, listed in the MANIFEST."""
+    """pack writes deploy_tool/box/bootstrap.py as BUNDLE/bootstrap, mode 0755, listed in the MANIFEST."""
     man = json.loads((fresh["bundle"] / "MANIFEST").read_text())
     ent = {f["path"]: f for f in man["files"]}
     assert ent["bootstrap"]["mode"] == "0755"
-    assert (fresh["bundle"] / "bootstrap").read_bytes() == (REPO / "deploy_tool" / "bootstrap.py").read_bytes()
+    assert (fresh["bundle"] / "bootstrap").read_bytes() == (REPO / "deploy_tool" / "box" / "bootstrap.py").read_bytes()
     assert any(p.startswith("tool/wheels/deploytool-") for p in ent)
 
 
@@ -122,7 +122,7 @@ def test_bundle_without_tool_wheels_is_refused(fresh, tmp_path):
     from deploy_tool import bundle as bundle_mod
 
     info = bundle_mod.write_bundle(
-        [bundle_mod.Entry("bootstrap", (REPO / "deploy_tool" / "bootstrap.py").read_bytes(), 0o755),
+        [bundle_mod.Entry("bootstrap", (REPO / "deploy_tool" / "box" / "bootstrap.py").read_bytes(), 0o755),
          bundle_mod.Entry("config.json", b"{}\n", 0o644)],
         fresh["box"] / "no-tool", name="cpu-demo", key_path=fresh["dir"] / "keys" / "deploytool.key",
         archive=False)

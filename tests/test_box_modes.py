@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy_tool import archive
-from deploy_tool.install import server_modes
+from deploy_tool.box.install import server_modes
 from tests.support.bundles import make_venv_tree
 from tests.support.demo_box import access_problems
 from tests.support.sandbox import new_run_dir
@@ -98,7 +98,7 @@ def test_access_problems_names_a_closed_parent_and_a_writable_file(run_dir):
 def test_install_root_directories_are_created_open_whatever_the_umask(run_dir):
     """Under a umask of 077 (a hardened root shell), the install root's missing directories still come out 0755;
     one that exists keeps its mode."""
-    from deploy_tool.install import makedirs_open
+    from deploy_tool.box.install import makedirs_open
 
     (run_dir / "keep").mkdir()
     os.chmod(run_dir / "keep", 0o750)

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_tool import fingerprint as fp
 from deploy_tool import hashing
+from deploy_tool.box import fingerprint as fp
+from deploy_tool.box.state import Store
 from deploy_tool.errors import DriftError, InputError, StateError
-from deploy_tool.state import Store
 from tests.support import release_tree as rt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -481,7 +481,7 @@ def _poison(tree: rt.Tree, mode: int) -> Path:
     cp = fp.cache_path(tree.cfg, FT)
     d = json.loads(cp.read_bytes())
     snap = d["trees"]["release"]
-    from deploy_tool import treepin
+    from deploy_tool.box import treepin
 
     w = treepin.walk(str(tree.release.resolve()))  # the snapshot's values are in walk order
     i = w.rels.index(so_id[len("release/"):])

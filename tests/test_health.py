@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_tool.errors import ExitCode, HealthError
-from deploy_tool.health import (
+from deploy_tool.box.health import (
     REASONS,
     ReadyReport,
     UnitSnapshot,
@@ -20,6 +19,7 @@ from deploy_tool.health import (
     smoke_completion,
     wait_ready,
 )
+from deploy_tool.errors import ExitCode, HealthError
 from tests.support import backends
 from tests.support.tiny_model import write_model, write_unsupported_model
 

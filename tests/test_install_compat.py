@@ -10,7 +10,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy_tool import config, install
+from deploy_tool import config
+from deploy_tool.box import install
 from deploy_tool.errors import BundleError
 from deploy_tool.render import resolved_config_json
 

@@ -139,8 +139,8 @@ def test_lock_leaves_the_source_tree_as_it_was(tmp_path):
 
     import yaml
 
+    from deploy_tool.builder.pack import lock_tool
     from deploy_tool.config import load as load_config
-    from deploy_tool.pack import lock_tool
 
     tree0, git0 = _tree(REPO), _git_status(REPO)
     cfgp = tmp_path / "deploytool.yaml"

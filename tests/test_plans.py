@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy_tool import install, switch
+from deploy_tool.box import install, switch
+from deploy_tool.box.state import Operation, State, Step, Store
 from deploy_tool.cli import main
 from deploy_tool.config import Config
 from deploy_tool.errors import StateError
-from deploy_tool.state import Operation, State, Step, Store
 from tests.support.configs import example_dict, load_example, write_dict
 
 FT, LL = "ftllm-dflash", "llamacpp-tensor"

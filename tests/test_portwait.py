@@ -143,8 +143,8 @@ def test_unbindable_host_is_one_clear_error(port: int) -> None:
 def test_a_start_refused_by_the_check_is_reported_in_its_words() -> None:
     """A switch whose target start fails in the ExecStartPre reports that check's own error line (from the
     journal tail systemd's failure carries), not "the control process exited with error code"."""
+    from deploy_tool.box.switch import refused_by_check
     from deploy_tool.errors import HealthError, SystemdError
-    from deploy_tool.switch import refused_by_check
 
     tail = ("Nov 29 15:16:34 vm systemd[1]: Starting llamacpp-tensor.service - llama.cpp...\n"
             "Nov 29 15:16:34 vm deploytool[182]: error: port 8082 is held by pid 4242 (python3, cgroup /x); the "

@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy_tool import fingerprint as fp
-from deploy_tool import treepin
+from deploy_tool.box import fingerprint as fp
+from deploy_tool.box import treepin
 from tests.support import release_tree as rt
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from deploy_tool import config, golden, render
+from deploy_tool import config, render
+from deploy_tool.builder import golden
 from deploy_tool.errors import ConfigError
 from tests.support.configs import example_dict, load_dict, set_key
 
@@ -109,10 +110,10 @@ def test_golden_units_match_render() -> None:
 
 
 def test_golden_tool_refresh_and_check(tmp_path: Path) -> None:
-    """`python -m deploy_tool.golden --dir D` writes the render; `--check` then passes, and fails with a diff on drift."""
+    """`python -m deploy_tool.builder.golden --dir D` writes the render; `--check` then passes, and fails with a diff on drift."""
     d = tmp_path / "units"
     py = sys.executable
-    run = lambda *a: subprocess.run([py, "-m", "deploy_tool.golden", "--dir", str(d), *a], capture_output=True,  # noqa: E731
+    run = lambda *a: subprocess.run([py, "-m", "deploy_tool.builder.golden", "--dir", str(d), *a], capture_output=True,  # noqa: E731
                                     text=True, cwd=REPO, timeout=60)
     assert run().returncode == 0
     for name in ("ftllm-dflash.service", "llamacpp-tensor.env"):

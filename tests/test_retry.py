@@ -8,7 +8,7 @@ import time
 import pytest
 
 from deploy_tool import retry
-from deploy_tool.systemd import _settled
+from deploy_tool.box.systemd import _settled
 
 
 class Clock:
@@ -99,7 +99,7 @@ def test_the_start_path_does_not_import_the_retry_library() -> None:
     import sys
 
     code = ("import sys, socket\n"
-            "from deploy_tool import portwait, systemd\n"
+            "from deploy_tool import portwait\nfrom deploy_tool.box import systemd\n"
             "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
             "portwait.await_port('127.0.0.1', port, siblings=['x.service'], sibling_pids=dict)\n"
             "print('tenacity' in sys.modules, 'deploy_tool.retry' in sys.modules)\n")

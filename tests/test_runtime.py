@@ -1,4 +1,4 @@
-"""Runtime truth: loaded-library pins, CPU fallback and KV capacity read-back (deploy_tool/runtime.py).
+"""Runtime truth: loaded-library pins, CPU fallback and KV capacity read-back (deploy_tool/box/runtime.py).
 
 Library checks run against real processes that dlopen() real ELF files (tests/support/lib_holder.py). Log checks
 use the write-up's exact lines and lines in the exact wording of the installed programs (ftllm 0.1.8.2's
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy_tool import runtime
-from deploy_tool.runtime import (
+from deploy_tool.box import runtime
+from deploy_tool.box.runtime import (
     FAIL,
     OK,
     UNKNOWN,
@@ -213,7 +213,7 @@ def test_unreadable_maps_is_could_not_determine(tmp_path):
     from tests.support.nobody import REPO_AS_SEEN, run_python
 
     lib = copy_library(tmp_path / "libnccl.so.2")
-    code = ("import json, sys; sys.path.insert(0, sys.argv[2]); from deploy_tool.runtime import inspect_runtime; "
+    code = ("import json, sys; sys.path.insert(0, sys.argv[2]); from deploy_tool.box.runtime import inspect_runtime; "
             "print(json.dumps(inspect_runtime(int(sys.argv[1]), kind='ftllm', pins={}).to_json()))")
     with holding([lib]) as (pid, _):
         out = run_python(["-c", code, str(pid), REPO_AS_SEEN])  # as uid 65534, the checkout reachable

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy_tool import runtime
-from deploy_tool.health import Kind, wait_ready
-from deploy_tool.runtime import (
+from deploy_tool.box import runtime
+from deploy_tool.box.health import Kind, wait_ready
+from deploy_tool.box.runtime import (
     FAIL,
     OK,
     UNKNOWN,

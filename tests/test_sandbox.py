@@ -15,7 +15,7 @@ import pytest
 
 from deploy_tool import proc
 from deploy_tool.errors import SandboxError
-from deploy_tool.sandbox import Sandbox
+from deploy_tool.rehearsal.sandbox import Sandbox
 from tests.support.sandbox import SandboxEnv, leftover_cgroups, new_run_dir
 
 pytestmark = pytest.mark.sandbox

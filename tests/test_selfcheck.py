@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_tool import bootstrap, fingerprint, selfcheck
+from deploy_tool.box import bootstrap, fingerprint, selfcheck
 from deploy_tool.errors import ExitCode, OSFailure
 from tests.support.configs import load_example
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from deploy_tool.box.state import Store
 from deploy_tool.errors import ExitCode, LockedError
-from deploy_tool.state import Store
 
 # a second deploytool process: takes the lock for OP, says so, holds it until stdin closes (or for HOLD seconds)
 HOLDER = """
 import sys, time
-from deploy_tool.state import Store
+from deploy_tool.box.state import Store
 state_dir, op, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
 with Store(state_dir).lock(what=op, wait=30):
     print("held", flush=True)
@@ -33,7 +33,7 @@ with Store(state_dir).lock(what=op, wait=30):
 # many short holders in a row, each with its own operation name: OP-<n>
 CHURN = """
 import sys, time
-from deploy_tool.state import Store
+from deploy_tool.box.state import Store
 state_dir, op, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 end = time.monotonic() + seconds
 n = 0

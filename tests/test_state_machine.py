@@ -26,11 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from deploy_tool import checks, fingerprint, health, operations
+from deploy_tool import checks
+from deploy_tool.box import fingerprint, health, operations
+from deploy_tool.box.state import Operation, State, Store
+from deploy_tool.box.switch import Switcher
+from deploy_tool.box.systemd import Systemd
 from deploy_tool.errors import DeployError, ExitCode
-from deploy_tool.state import Operation, State, Store
-from deploy_tool.switch import Switcher
-from deploy_tool.systemd import Systemd
 from tests.support import fake_systemd as fs
 from tests.support.backends import free_port
 from tests.support.configs import DELETE, example_dict, load_dict, set_key
@@ -114,7 +115,7 @@ class Box:
         return Switcher(self.cfg, log=self.log.append, sd=self.world.systemd())
 
     def run(self, op: str, *args: Any, kill: str | None = None) -> Outcome:
-        """One deploytool command as the CLI runs it (deploy_tool.operations; a fresh process: a new driver
+        """One deploytool command as the CLI runs it (deploy_tool.box.operations; a fresh process: a new driver
         handle), optionally killed at `kill`."""
         command = {"switch": operations.switch, "rollback": operations.rollback, "recover": operations.recover}[op]
         if kill:
@@ -216,7 +217,7 @@ def test_every_fault_point_in_the_code_is_known_here() -> None:
     """Every point a run can be killed at (a literal fault("..."), a step a switch journals as it walks its plan,
     the rollback step, an install's journaled steps) is one this suite kills at, or an install point (sandbox
     suite). A new point fails here until it is added to one of the lists."""
-    from deploy_tool import install, switch
+    from deploy_tool.box import install, switch
 
     found: set[str] = set()
     for p in (REPO / "deploy_tool").rglob("*.py"):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy_tool.status import boot_enablement
+from deploy_tool.box.status import boot_enablement
 from tests.support.sandbox import SandboxEnv
 
 pytestmark = pytest.mark.sandbox

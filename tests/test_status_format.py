@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deploy_tool.status import format_history
+from deploy_tool.box.status import format_history
 
 
 def test_history_lines_name_the_backend_of_each_event() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from deploy_tool.box.systemd import Systemd, for_config, host_systemd_available, validate_unit_name
 from deploy_tool.errors import DeployError, InputError, MissingTool, SystemdError
-from deploy_tool.systemd import Systemd, for_config, host_systemd_available, validate_unit_name
 from tests.support.sandbox import SandboxEnv, free_port, port_closed, wait_http
 
 pytestmark = pytest.mark.sandbox
@@ -351,7 +351,7 @@ def test_journal_since_reads_only_what_this_start_logged(sandbox_env: SandboxEnv
 
 def test_invocation_window_orders() -> None:
     """The invocation window copes with journald storing a process's output before or without its invocation id."""
-    from deploy_tool.systemd import _invocation_window
+    from deploy_tool.box.systemd import _invocation_window
 
     a, b, c = "a" * 32, "b" * 32, "c" * 32
 
@@ -385,7 +385,7 @@ class _CountingShows:
 def test_unit_watch_reads_the_unit_only_when_its_process_exits(sandbox_env: SandboxEnv) -> None:
     """The gate's UnitWatch: one `show` to learn MainPID, then none while the process lives; its exit wakes a
     long sleep at once, and the next look reads the unit's failure from systemd."""
-    from deploy_tool.gate import UnitWatch
+    from deploy_tool.box.gate import UnitWatch
 
     sd = sandbox_env.systemd
     sd.install_file("t-watch.service", b"[Service]\nType=exec\nExecStart=/bin/sh -c 'sleep 1.5; exit 3'\n")
@@ -414,7 +414,7 @@ def test_unit_watch_reads_the_unit_only_when_its_process_exits(sandbox_env: Sand
 def test_unit_watch_without_a_pidfd_asks_systemd_every_time(sandbox_env: SandboxEnv) -> None:
     """A MainPID that does not map to a process of the unit (here: this test's own PID) gets no pidfd: every look
     is a `show`, as before, so a dead unit is still seen."""
-    from deploy_tool.gate import UnitWatch
+    from deploy_tool.box.gate import UnitWatch
 
     sd = sandbox_env.systemd
     port = free_port()

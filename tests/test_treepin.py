@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy_tool import treepin
+from deploy_tool.box import treepin
 
 NAMES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\0"), min_size=1,
                 max_size=12).filter(lambda n: n not in (".", "..") and len(n.encode("utf-8")) < 200)

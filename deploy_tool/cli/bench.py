@@ -71,11 +71,11 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
     BACKEND (default: the active one) and the release label the figures: baselines are kept per
     (release, backend) in the state dir.
     """
-    from deploy_tool import bench as b
-    from deploy_tool import perf
-    from deploy_tool.gate import endpoint_for
-    from deploy_tool.pngchart import write_bar_chart
-    from deploy_tool.state import Store
+    from deploy_tool.box import perf
+    from deploy_tool.box.gate import endpoint_for
+    from deploy_tool.box.state import Store
+    from deploy_tool.rehearsal import bench as b
+    from deploy_tool.rehearsal.pngchart import write_bar_chart
 
     cfg = ctx.load_config()
     st = Store(cfg.paths.state_dir).load()

@@ -2,7 +2,7 @@
 
 Imports: each command imports what it runs inside its function, so that every command's start pays only for its
 own modules (the CLI loads all commands to parse one). install, switch, rollback and recover run through
-deploy_tool.operations, which takes the lock and finishes an interrupted operation first.
+deploy_tool.box.operations, which takes the lock and finishes an interrupted operation first.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _progress(ctx: Ctx):
 @pass_ctx
 def lock(ctx: Ctx) -> None:
     """Download the wheels of bundle.requirements and write the hash-pinned lock (needs the package index)."""
-    from deploy_tool import pack
+    from deploy_tool.builder import pack
 
     cfg = ctx.load_config()
     if ctx.dry_run:
@@ -53,7 +53,7 @@ def lock(ctx: Ctx) -> None:
 @pass_ctx
 def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None) -> None:
     """Build a signed, reproducible, offline bundle: wheels, venv archive, template, NCCL, units, config."""
-    from deploy_tool import pack as pack_mod
+    from deploy_tool.builder import pack as pack_mod
     from deploy_tool.errors import InputError
 
     cfg = ctx.load_config()
@@ -84,7 +84,7 @@ def install(ctx: Ctx, bundle: str | None, keys_dir: str | None, rebuild: bool, n
     With no BUNDLE, the single bundle in artifacts/ is used (several is an error listing them).
     Installing the same bundle again is a no-op that says so.
     """
-    from deploy_tool import operations
+    from deploy_tool.box import operations
 
     cfg = ctx.load_config()
     res = operations.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, dry_run=ctx.dry_run,
@@ -107,7 +107,7 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None) -> None:
     BACKEND is a name, an alias or an unambiguous prefix: `deploytool switch llamacpp`.
     Exit 0 switched (or already active), 10 rolled back to the previous backend, 11 rollback failed too.
     """
-    from deploy_tool import operations
+    from deploy_tool.box import operations
 
     cfg = ctx.load_config()
     _emit_switch(ctx, operations.switch(cfg, backend, dry_run=ctx.dry_run, wait=wait, reason=reason, log=_log(ctx)))
@@ -118,7 +118,7 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None) -> None:
 @pass_ctx
 def rollback(ctx: Ctx, wait: float) -> None:
     """Switch back to the previous backend through the same health gate."""
-    from deploy_tool import operations
+    from deploy_tool.box import operations
 
     cfg = ctx.load_config()
     _emit_switch(ctx, operations.rollback(cfg, dry_run=ctx.dry_run, wait=wait, log=_log(ctx)))
@@ -128,7 +128,7 @@ def rollback(ctx: Ctx, wait: float) -> None:
 @pass_ctx
 def recover(ctx: Ctx) -> None:
     """Finish an interrupted install, switch or rollback (a killed run) to a consistent end."""
-    from deploy_tool import operations
+    from deploy_tool.box import operations
 
     cfg = ctx.load_config()
     _emit_switch(ctx, operations.recover(cfg, dry_run=ctx.dry_run, log=_log(ctx)))
@@ -147,7 +147,7 @@ def _emit_switch(ctx: Ctx, res) -> None:
 @pass_ctx
 def status(ctx: Ctx, deep: bool) -> None:
     """Active backend, release, unit states, health, fingerprints, interrupted operation, last events."""
-    from deploy_tool import status as st_mod
+    from deploy_tool.box import status as st_mod
 
     cfg = ctx.load_config()
     rep = st_mod.collect(cfg, deep=deep)
@@ -159,8 +159,8 @@ def status(ctx: Ctx, deep: bool) -> None:
 @pass_ctx
 def history(ctx: Ctx, limit: int) -> None:
     """Installs, switches, rollbacks, recoveries and pins, with their reasons."""
-    from deploy_tool import status as st_mod
-    from deploy_tool.state import Store
+    from deploy_tool.box import status as st_mod
+    from deploy_tool.box.state import Store
 
     cfg = ctx.load_config()
     events = Store(cfg.paths.state_dir).history(limit or None)
@@ -175,7 +175,7 @@ def history(ctx: Ctx, limit: int) -> None:
 @pass_ctx
 def rebuild(ctx: Ctx, bundle: str, offline: bool, keys_dir: str | None, python: str | None) -> None:
     """CI: rebuild the venv from the bundle's wheels with no network; compare every native library hash."""
-    from deploy_tool import rebuild as rb
+    from deploy_tool.builder import rebuild as rb
 
     cfg = ctx.load_config()
     rep = rb.rebuild(cfg, bundle, keys_dir=keys_dir, python=python, log=_log(ctx))

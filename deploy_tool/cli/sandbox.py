@@ -38,7 +38,7 @@ def up(ctx: Ctx, dir: Path) -> None:
 
     DIR is created if missing; it must be new, empty or a sandbox. Already up: nothing to do.
     """
-    from deploy_tool.sandbox import Sandbox
+    from deploy_tool.rehearsal.sandbox import Sandbox
 
     st = Sandbox(dir).up()
     human = (f"sandbox {st.dir}: {st.detail}" if st.detail else
@@ -56,7 +56,7 @@ def down(ctx: Ctx, dir: Path) -> None:
 
     Safe to repeat; also cleans up after a killed run.
     """
-    from deploy_tool.sandbox import Sandbox
+    from deploy_tool.rehearsal.sandbox import Sandbox
 
     rep = Sandbox(dir).down()
     if not rep.was_up and not rep.killed_pids and not rep.removed_cgroups:
@@ -77,7 +77,7 @@ def status(ctx: Ctx, dir: Path) -> None:
 
     Exit code 0 when up, 3 otherwise.
     """
-    from deploy_tool.sandbox import Sandbox
+    from deploy_tool.rehearsal.sandbox import Sandbox
 
     st = Sandbox(dir).status()
     lines = [f"sandbox {st.dir}: {st.state}"
@@ -103,7 +103,7 @@ def exec_(dir: Path, cmd: tuple[str, ...]) -> None:
     For example: deploytool sandbox exec DIR -- systemctl status. The exit code is CMD's.
     """
     from deploy_tool import proc
-    from deploy_tool.sandbox import Sandbox
+    from deploy_tool.rehearsal.sandbox import Sandbox
 
     if cmd[:1] == ("--",):  # `exec DIR -- CMD`: options are read only before DIR, so the `--` arrives here
         cmd = cmd[1:]

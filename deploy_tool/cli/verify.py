@@ -39,7 +39,7 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
     A deliberate change is re-pinned with `deploytool pin BACKEND --reason TEXT`.
     Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins), 9 port held (--await-port).
     """
-    from deploy_tool import fingerprint
+    from deploy_tool.box import fingerprint
 
     cfg = ctx.load_config()
     b = cfg.backend(backend)
@@ -78,8 +78,8 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
     Use it after a deliberate change (a new model file, an edited env file); `install` pins on its own.
     With --dry-run, show what would change and write nothing.
     """
-    from deploy_tool import fingerprint
-    from deploy_tool.state import Store
+    from deploy_tool.box import fingerprint
+    from deploy_tool.box.state import Store
 
     cfg = ctx.load_config()
     b = cfg.backend(backend)
@@ -104,7 +104,7 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
 
 
 def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) -> str:
-    from deploy_tool.fingerprint import short
+    from deploy_tool.box.fingerprint import short
 
     verb = "would pin" if dry else "pinned"
     if not had_pins:

@@ -6,7 +6,7 @@
     with world.running():                       # retry test mode on the world's clock; os.kill(self, SIGKILL) -> Killed
         Switcher(cfg, sd=world.systemd()).switch("llamacpp")
 
-`FakeSystemd` implements every method of deploy_tool.systemd.Systemd against the `World`, which records every
+`FakeSystemd` implements every method of deploy_tool.box.systemd.Systemd against the `World`, which records every
 call (`world.calls`). What a started unit's process does is scripted by a `Behaviour`: refused by its
 ExecStartPre, failing to exec, ready at once / later / never, dying while loading, exiting 0, serving another
 model name, dying during the smoke completion, slow or hanging on stop. A started process is a real HTTP server
@@ -43,8 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy_tool import portwait, retry
-from deploy_tool.errors import InputError, SystemdError
-from deploy_tool.systemd import (
+from deploy_tool.box.systemd import (
     Systemd,
     UnitState,
     _format_entry,
@@ -52,6 +51,7 @@ from deploy_tool.systemd import (
     _invocation_window,
     validate_unit_name,
 )
+from deploy_tool.errors import InputError, SystemdError
 
 FIRST_PID = 5_000_001  # above the kernel's PID_MAX_LIMIT: never a real process
 TIMEOUT_STOP_S = 60.0  # the rendered units' TimeoutStopSec=
@@ -546,7 +546,7 @@ def _cursor_seq(cursor: str) -> int:
 
 
 def _handler(world: World, u: Unit, proc: Process) -> type[BaseHTTPRequestHandler]:
-    """HTTP as the two servers answer it (see deploy_tool.health), scripted by the process's behaviour."""
+    """HTTP as the two servers answer it (see deploy_tool.box.health), scripted by the process's behaviour."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
@@ -603,7 +603,7 @@ signal_of = signal.Signals  # FakeSystemd.kill's argument `signal` hides the mod
 
 
 class FakeSystemd(Systemd):
-    """deploy_tool.systemd.Systemd against a World: every method recorded, units scripted."""
+    """deploy_tool.box.systemd.Systemd against a World: every method recorded, units scripted."""
 
     def __init__(self, world: World, handle: int) -> None:  # no super().__init__: no systemctl to find
         self.world = world

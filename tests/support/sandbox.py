@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 
 from deploy_tool import proc
+from deploy_tool.box.systemd import Systemd
 from deploy_tool.errors import DeployError
-from deploy_tool.sandbox import MARKER, Sandbox
-from deploy_tool.systemd import Systemd
+from deploy_tool.rehearsal.sandbox import MARKER, Sandbox
 
 __all__ = ["systemd_sandbox", "sandbox_env", "own_sandbox", "visible_dir", "pytest_sessionstart",
            "pytest_sessionfinish"]

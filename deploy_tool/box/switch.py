@@ -12,7 +12,7 @@ Each operation first builds its plan (`switch_plan`, `recover_plan`: a list of `
 state and what systemd reports); `--dry-run` prints it and the run walks it, one handler per step.
 `Switcher.recover_locked` finishes an interrupted switch or rollback: one killed while committing is completed
 if the target is healthy, anything else is rolled back to the backend that served before. An interrupted
-install is finished by whoever hands `finish` in (deploy_tool.operations).
+install is finished by whoever hands `finish` in (deploy_tool.box.operations).
 
 Imports: the gate (HTTP client, TLS, retry library: ~30 ms; its performance step included) is imported while
 systemctl starts the target; everything else is imported here.
@@ -32,8 +32,10 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from deploy_tool import checks, fingerprint
-from deploy_tool import systemd as systemd_mod
+from deploy_tool import checks
+from deploy_tool.box import fingerprint
+from deploy_tool.box import systemd as systemd_mod
+from deploy_tool.box.state import Operation, State, Step, Store, now_iso
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import (
     CheckFailed,
@@ -46,10 +48,9 @@ from deploy_tool.errors import (
     StateError,
     SystemdError,
 )
-from deploy_tool.state import Operation, State, Step, Store, now_iso
 
 if TYPE_CHECKING:
-    from deploy_tool.gate import GateReport
+    from deploy_tool.box.gate import GateReport
 
 STEPS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
 CHANGES_NOTHING = ("intent", "preflight")  # a failure up to here is a refusal: the current backend kept serving
@@ -60,11 +61,11 @@ Log = Callable[[str], None]
 def _load_gate() -> None:
     """Import the gate (HTTP client, TLS, retry library: ~30 ms) while systemctl waits for the target to start,
     instead of before the switch starts."""
-    import deploy_tool.gate  # noqa: F401
+    import deploy_tool.box.gate  # noqa: F401
 
 
 def _run_gate(cfg: Config, sd: systemd_mod.Systemd, b: Backend, **kw: Any) -> GateReport:
-    from deploy_tool.gate import run_gate  # lazy: see the module's docstring
+    from deploy_tool.box.gate import run_gate  # lazy: see the module's docstring
 
     return run_gate(cfg, sd, b, **kw)
 
@@ -312,7 +313,7 @@ class Switcher:
         frac = self.cfg.health.perf_gate_fraction
         if frac is None or not release:
             return
-        from deploy_tool.gate import perf_gate  # lazy: see the module's docstring
+        from deploy_tool.box.gate import perf_gate  # lazy: see the module's docstring
 
         ok, figures, message = perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
         self.log(f"{target.name}: performance gate: {message}")

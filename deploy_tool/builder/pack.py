@@ -297,7 +297,7 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
             ents.append(bundle.Entry(f"tool/wheels/{p.name}", p, 0o644))
         if tool:
             inputs["tool_wheels"] = sorted(p.name for p in tool)
-        # `python3 BUNDLE/bootstrap` on a box with no deploytool (deploy_tool/bootstrap.py, stdlib only)
+        # `python3 BUNDLE/bootstrap` on a box with no deploytool (deploy_tool/box/bootstrap.py, stdlib only)
         ents.append(bundle.Entry("bootstrap", bootstrap_script(), 0o755))
         log("bundle: hashing, signing and archiving")
         return bundle.write_bundle(ents, out_dir, name=cfg.bundle.name, inputs=inputs, native_libs=native,
@@ -305,8 +305,8 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
 
 
 def bootstrap_script() -> bytes:
-    """The bundle's `bootstrap` entry point: deploy_tool/bootstrap.py as shipped in deploytool's own wheel."""
-    return files("deploy_tool").joinpath("bootstrap.py").read_bytes()
+    """The bundle's `bootstrap` entry point: deploy_tool/box/bootstrap.py as shipped in deploytool's own wheel."""
+    return files("deploy_tool.box").joinpath("bootstrap.py").read_bytes()
 
 
 def tool_wheels(cfg: Config) -> list[Path]:

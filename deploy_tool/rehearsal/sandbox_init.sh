@@ -1,5 +1,5 @@
 #!/bin/bash
-# Mount setup for the deploytool systemd sandbox; run by deploy_tool/sandbox.py, never by hand.
+# Mount setup for the deploytool systemd sandbox; run by deploy_tool/rehearsal/sandbox.py, never by hand.
 #
 #   sandbox_init.sh launch DIR   join DIR's payload sub-cgroups (listed in DIR/cgroups, one path a line, the
 #                                 support ones end in .sup and are skipped), then become `unshare`, whose

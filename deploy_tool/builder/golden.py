@@ -1,7 +1,7 @@
 """The golden unit and env files: the committed `units/` are the renders of the two-2080ti example.
 
-    python -m deploy_tool.golden            rewrite units/ from the current templates (on purpose: `make golden`)
-    python -m deploy_tool.golden --check    exit 1 with a unified diff when units/ differs from a fresh render
+    python -m deploy_tool.builder.golden            rewrite units/ from the current templates (on purpose: `make golden`)
+    python -m deploy_tool.builder.golden --check    exit 1 with a unified diff when units/ differs from a fresh render
 
 The example is rendered as it would be installed on the box (its config at /etc/deploytool/deploytool.yaml),
 so the output depends only on the example, the templates and the version.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 GOLDEN_EXAMPLE = "two-2080ti"
 BOX_CONFIG_PATH = "/etc/deploytool/deploytool.yaml"
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "units"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "units"
 
 
 def render_golden(example: str = GOLDEN_EXAMPLE) -> dict[str, str]:
@@ -59,7 +59,7 @@ def write(directory: Path = DEFAULT_DIR, example: str = GOLDEN_EXAMPLE) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deploy_tool.golden", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m deploy_tool.builder.golden", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare only; exit 1 with a diff when they differ")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="the golden directory (default: units/)")
     args = ap.parse_args(argv)

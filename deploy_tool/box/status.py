@@ -8,12 +8,12 @@ from typing import Any
 
 import click
 
-from deploy_tool import fingerprint, health
-from deploy_tool import systemd as systemd_mod
+from deploy_tool.box import fingerprint, health
+from deploy_tool.box import systemd as systemd_mod
+from deploy_tool.box.gate import api_key, base_url, runtime_truth
+from deploy_tool.box.state import Store
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError
-from deploy_tool.gate import api_key, base_url, runtime_truth
-from deploy_tool.state import Store
 
 
 def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:

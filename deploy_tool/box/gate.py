@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import fingerprint, health, perf, procfs, runtime
+from deploy_tool import procfs
+from deploy_tool.box import fingerprint, health, perf, runtime
+from deploy_tool.box.systemd import Systemd
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import DeployError, HealthError, InputError, RuntimeTruthError, SandboxError
 from deploy_tool.manifest import Manifest
-from deploy_tool.systemd import Systemd
 
 
 @dataclass

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from deploy_tool import systemd as systemd_mod
+from deploy_tool.box import systemd as systemd_mod
+from deploy_tool.box.state import State, Step, Store
+from deploy_tool.box.switch import Switcher, SwitchResult, planned
 from deploy_tool.config import Config
-from deploy_tool.state import State, Step, Store
-from deploy_tool.switch import Switcher, SwitchResult, planned
 
 if TYPE_CHECKING:
-    from deploy_tool.install import InstallResult
+    from deploy_tool.box.install import InstallResult
 
 Log = Callable[[str], None]
 
@@ -36,7 +36,7 @@ def finish(cfg: Config, st: State, *, sd: systemd_mod.Systemd, log: Log) -> Swit
     op = st.operation
     assert op is not None
     if op.kind == "install":
-        from deploy_tool import install  # lazy: see the module's docstring
+        from deploy_tool.box import install  # lazy: see the module's docstring
 
         install.recover_install(cfg, Store(cfg.paths.state_dir), st, sd=sd, log=log)
         return SwitchResult(True, "recovered", None, op.to_backend or "", message="interrupted install undone")
@@ -48,7 +48,7 @@ def recover_steps(cfg: Config, st: State, *, sd: systemd_mod.Systemd, log: Log) 
     op = st.operation
     assert op is not None
     if op.kind == "install":
-        from deploy_tool import install  # lazy: see the module's docstring
+        from deploy_tool.box import install  # lazy: see the module's docstring
 
         return install.recover_steps(cfg, st, sd=sd)
     return _switcher(cfg, sd, log).recover_steps(st)
@@ -89,7 +89,7 @@ def install(cfg: Config, bundle: str | None, *, keys_dir: str | None = None, reb
             dry_run: bool = False, start: bool = True, log: Log = _quiet, progress: Any = None,
             wait: float = 0.0, sd: systemd_mod.Systemd | None = None) -> InstallResult:
     """`deploytool install [BUNDLE]`: set up the box from a signed bundle, all or nothing."""
-    from deploy_tool import install as install_mod  # lazy: see the module's docstring
+    from deploy_tool.box import install as install_mod  # lazy: see the module's docstring
 
     if dry_run:
         return install_mod.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, dry_run=True, start=start)

@@ -23,9 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy_tool.errors import InputError, PerformanceError, StateError
-from deploy_tool.fsutil import atomic_write, os_error
-from deploy_tool.perf import (
+from deploy_tool.box.perf import (
     BASELINE_FORMAT,
     DEFAULT_MAX_TOKENS,
     DEFAULT_RUNS,
@@ -48,6 +46,8 @@ from deploy_tool.perf import (
     tokens_per_second,
     user_message,
 )
+from deploy_tool.errors import InputError, PerformanceError, StateError
+from deploy_tool.fsutil import atomic_write, os_error
 
 NEEDLE = "The secret access code for building 7 is MAPLE-4416."
 NEEDLE_ANSWER = "MAPLE-4416"

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from deploy_tool import proc, procfs
+from deploy_tool.box.sandbox_handle import FORMAT, MARKER, NSENTER_FLAGS, Proc, SandboxHandle, alive
 from deploy_tool.errors import DeployError, MissingTool, SandboxError
-from deploy_tool.sandbox_handle import FORMAT, MARKER, NSENTER_FLAGS, Proc, SandboxHandle, alive
 
 LOCK = ".deploytool-sandbox.lock"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -284,7 +284,7 @@ class Sandbox(SandboxHandle):
         else:
             mounts = "".join(("unified" if opts == "unified" else f"{mp} {opts}") + "\n" for mp, _, opts in hier)
         _write_atomic(self.dir / "cgroup-mounts", mounts)
-        script = resources.files("deploy_tool").joinpath("sandbox_init.sh").read_text()
+        script = resources.files("deploy_tool.rehearsal").joinpath("sandbox_init.sh").read_text()
         _write_atomic(self.dir / "init.sh", script)
         created = []
         try:

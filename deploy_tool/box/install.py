@@ -14,7 +14,7 @@ with no half-installed units.
 
 `install_plan` and `recover_plan` build those steps as data (`Step`s, from the config, the state and what the
 verified bundle and the box report); `--dry-run` prints them and the run walks them, one handler per step.
-An operation of another kind found interrupted is finished by whoever hands `finish` in (deploy_tool.operations).
+An operation of another kind found interrupted is finished by whoever hands `finish` in (deploy_tool.box.operations).
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import archive, binaries, bootstrap, fingerprint, proc, venv
+from deploy_tool import archive, binaries, proc, venv
 from deploy_tool import bundle as bundle_mod
-from deploy_tool import systemd as systemd_mod
+from deploy_tool.box import bootstrap, fingerprint
+from deploy_tool.box import systemd as systemd_mod
+from deploy_tool.box.gate import api_key, run_gate
+from deploy_tool.box.state import Operation, State, Step, Store, now_iso
 from deploy_tool.config import Config, expand
 from deploy_tool.errors import (
     BundleError,
@@ -49,10 +52,8 @@ from deploy_tool.errors import (
     StateError,
 )
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
-from deploy_tool.gate import api_key, run_gate
 from deploy_tool.manifest import hash_native_libs
 from deploy_tool.render import SECRETS_ENV, render_secrets, resolved_config_json
-from deploy_tool.state import Operation, State, Step, Store, now_iso
 
 Log = Callable[[str], None]
 BUNDLE_SUFFIXES = (".tar", ".tar.zst")

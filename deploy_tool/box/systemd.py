@@ -439,7 +439,7 @@ def for_config(cfg: object) -> Systemd:
     scfg = cfg.systemd  # type: ignore[attr-defined]
     unit_dir = cfg.paths.unit_dir  # type: ignore[attr-defined]
     if scfg.sandbox:
-        from deploy_tool.sandbox_handle import SandboxHandle
+        from deploy_tool.box.sandbox_handle import SandboxHandle
 
         sb = SandboxHandle(scfg.sandbox)
         return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)

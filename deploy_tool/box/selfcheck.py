@@ -2,7 +2,7 @@
 
 `preflight(cfg)` is the check `python3 BUNDLE/bootstrap` runs before `install`: bundle.python must exist on the
 box (MissingTool), and every directory install writes to (releases, state, env files, units) must be writable,
-else one OSFailure names them all; nothing is written either way. `python -m deploy_tool.selfcheck preflight
+else one OSFailure names them all; nothing is written either way. `python -m deploy_tool.box.selfcheck preflight
 --config PATH` runs it from the command line. (The deploytool that verifies is itself pinned: fingerprint's
 tool.* items.)
 """
@@ -65,13 +65,13 @@ def preflight(cfg: Config) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m deploy_tool.selfcheck preflight --config PATH`: exit 0, or the DeployError's code."""
+    """`python -m deploy_tool.box.selfcheck preflight --config PATH`: exit 0, or the DeployError's code."""
     import argparse
 
     from deploy_tool import config as config_mod
     from deploy_tool.errors import DeployError
 
-    ap = argparse.ArgumentParser(prog="python -m deploy_tool.selfcheck")
+    ap = argparse.ArgumentParser(prog="python -m deploy_tool.box.selfcheck")
     ap.add_argument("command", choices=["preflight"])
     ap.add_argument("--config", required=True)
     args = ap.parse_args(argv)

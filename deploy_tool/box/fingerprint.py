@@ -9,7 +9,7 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
   release   the release `current` points at [release], and every entry under it, whatever it is and whoever
             uses it (the backend venv, deploytool's own venv, templates, NCCL, the release's units and env files,
             MANIFEST, wheels): a file by type, mode and SHA-256, a symlink by its target string, a directory by
-            its mode [release/PATH] (deploy_tool.treepin). Anything added after the pin is drift as well
+            its mode [release/PATH] (deploy_tool.box.treepin). Anything added after the pin is drift as well
             (expected "absent"): a new .pth, sitecustomize or usercustomize module, a planted .pyc in a
             __pycache__, any new file in any directory. A venv outside the release (a backend's executable
             elsewhere [venv/PATH], or paths.deploytool's venv [tool/PATH], see _collect_tool) is pinned the same way.
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from deploy_tool import treepin
+from deploy_tool.box import treepin
 from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend, expand
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
@@ -922,7 +922,7 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
 
     `fresh`: an in-memory HashCache shared by the pins of several backends in one run (install pins every
     backend: the release they share is read once); only values computed in this process are in it."""
-    from deploy_tool.state import Store
+    from deploy_tool.box.state import Store
 
     b = _resolve(cfg, backend)
     reason = (reason or "").strip()

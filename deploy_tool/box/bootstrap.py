@@ -4,7 +4,7 @@
 
     python3 BUNDLE_DIR/bootstrap [--config PATH] [--keys DIR] [--staging-dir DIR] [INSTALL OPTIONS...]
 
-`pack` writes this file (deploy_tool/bootstrap.py) to the root of every bundle as `bootstrap`, mode 0755,
+`pack` writes this file (deploy_tool/box/bootstrap.py) to the root of every bundle as `bootstrap`, mode 0755,
 listed in the MANIFEST like every other file. It runs in this order and stops at the first problem:
 
 1. The interpreter must be CPython 3.11 or newer. This file parses on Python 2.7 and every 3.x (no f-strings,
@@ -651,7 +651,7 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
         code = subprocess.call(verify, env=child_env(), stdout=sys.stderr)
         if code != 0:
             return code
-        code = subprocess.call([vpy, "-I", "-m", "deploy_tool.selfcheck", "preflight", "--config", config],
+        code = subprocess.call([vpy, "-I", "-m", "deploy_tool.box.selfcheck", "preflight", "--config", config],
                                env=child_env(), stdout=sys.stderr)
         if code != 0:
             return code
