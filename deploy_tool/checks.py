@@ -25,10 +25,18 @@ from pathlib import Path
 from typing import Literal
 
 from deploy_tool import gguf_header, portwait
-from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend, expand
+from deploy_tool.config import (
+    BUNDLED_NCCL,
+    BUNDLED_TEMPLATE,
+    Backend,
+    Config,
+    FtllmBackend,
+    LlamacppBackend,
+    expand,
+)
 from deploy_tool.errors import DeployError, InputError
 from deploy_tool.gguf_header import GgufHeader
-from deploy_tool.render import BUNDLED_NCCL, BUNDLED_TEMPLATE, backend_env, launch_argv, render_backend
+from deploy_tool.render import backend_env, launch_argv, render_backend
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}

@@ -28,6 +28,9 @@ DEFAULT_CONFIG_PATH = Path("/etc/deploytool/deploytool.yaml")
 BACKEND_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 EXAMPLES = ("two-2080ti", "cpu-demo")
+# where a release carries the bundled chat template and NCCL (relative to the release, {current})
+BUNDLED_TEMPLATE = "templates/chat_template.jinja"
+BUNDLED_NCCL = "nccl/libnccl.so.2"
 
 Device = Literal["cuda", "cpu"]
 ArchPolicy = Literal["exact", "compatible"]

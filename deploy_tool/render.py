@@ -24,6 +24,8 @@ import deploy_tool.templates as tpl_pkg
 from deploy_tool import __version__
 from deploy_tool.config import (
     BACKEND_NAME_RE,
+    BUNDLED_NCCL,
+    BUNDLED_TEMPLATE,
     ENV_NAME_RE,
     USER_NAME_RE,
     Backend,
@@ -36,8 +38,6 @@ from deploy_tool.errors import ConfigError
 from deploy_tool.textsafe import describe, q, unsafe_char
 
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
-BUNDLED_TEMPLATE = "templates/chat_template.jinja"
-BUNDLED_NCCL = "nccl/libnccl.so.2"
 SECRETS_ENV = "secrets.env"
 API_KEY_VAR = "DEPLOYTOOL_API_KEY"
 

@@ -55,11 +55,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from deploy_tool.box import treepin
-from deploy_tool.config import Backend, Config, FtllmBackend, LlamacppBackend, expand
+from deploy_tool.config import BUNDLED_NCCL, Backend, Config, FtllmBackend, LlamacppBackend, expand
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, settled, sha256_fd, stat_key
-from deploy_tool.render import BUNDLED_NCCL
 from deploy_tool.textsafe import q, safe
 
 PINS_FORMAT = 1
