@@ -500,6 +500,18 @@ def test_recover_an_interrupted_first_install(box: Box, point: str) -> None:
     assert box.history()[-1]["outcome"] == "undone"
 
 
+def test_rollback_with_an_interrupted_operation_and_nothing_before_it_names_recover(box: Box) -> None:
+    """Nothing to roll back to while an install is pending: exit 13, the operation left as it was, and the
+    refusal says what to run."""
+    pending = Operation(kind="install", op_id="x", started="t", step="units-written", to_backend=L, release="r2")
+    box.store.save(State(operation=pending))
+    out = box.run("rollback")
+    assert out.code == ExitCode.STATE and out.error is not None
+    assert "interrupted install" in out.error.message and "deploytool recover" in (out.error.hint or "")
+    assert box.state()["operation"]["step"] == "units-written"
+    assert box.run("recover").action == "recovered"
+
+
 @pytest.mark.parametrize("name", ["crash-at-start", "never-ready", "dies-during-smoke", "wrong-model"])
 def test_recover_whose_previous_backend_does_not_come_back_exits_11(box: Box, name: str) -> None:
     box.installed(F, fs.OK, fs.BEHAVIOURS[name])
@@ -677,8 +689,9 @@ class Operations(RuleBasedStateMachine):
             return
         if out.code == ExitCode.STATE and self.pending is not None:
             # `rollback` with no previous backend refuses before it takes the lock: the interrupted operation is
-            # left for `recover` (exit 13 is also "an interrupted operation needs recover")
+            # left for `recover`, which the refusal names (exit 13 is also "an interrupted operation needs recover")
             assert self.box.state()["operation"] == before["operation"]
+            assert out.error is not None and "deploytool recover" in f"{out.error.message} {out.error.hint}"
             return
         self.pending = None
         if out.action == "error":

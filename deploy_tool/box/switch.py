@@ -224,6 +224,10 @@ def rollback_target(cfg: Config, st: State) -> str:
         others = [b.name for b in cfg.other_backends(st.active_backend or "")]
         if st.active_backend and len(others) == 1:
             prev = others[0]
+        elif st.operation is not None:  # what ran before it is in the interrupted operation: finish that first
+            raise StateError(f"no previous backend to roll back to while an interrupted {st.operation.kind} is "
+                             f"pending (step {st.operation.step})",
+                             hint="finish it first: deploytool recover; then roll back or switch")
         else:
             raise StateError("no previous backend to roll back to", hint="name one: deploytool switch BACKEND")
     return prev
