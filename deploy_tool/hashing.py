@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+from deploy_tool.fsutil import atomic_write
+
 CHUNK = 1 << 20
 RACY_MARGIN_S = 0.1  # > one coarse-clock tick (1-10 ms) on file systems with sub-second timestamps
 COARSE_MARGIN_S = 2.0  # whole-second ctimes: covers 1 s (ext3) and 2 s (FAT) timestamp granularity
@@ -310,8 +312,6 @@ class HashCache:
         doc: dict[str, Any] = {**merged, "format": CACHE_FORMAT,
                                "entries": {p: self.entries[p] for p in self.used}}
         data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        from deploy_tool.fsutil import atomic_write
-
         with contextlib.suppress(Exception):
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
             atomic_write(self.path, data, 0o644)

@@ -39,6 +39,9 @@ first). A cache in `<state_dir>/cache/fingerprint-<backend>.json` (hashing.HashC
 changed only stats files. Why that can be trusted, and its limits (where `verify --no-cache` is the answer), is
 in deploy_tool.hashing's module doc. The cache file is trusted only when owned by root or the user running
 verify and not group- or world-writable; `--no-cache` ignores it; `pin` always hashes afresh.
+
+Imports kept inside functions, because the units' ExecStartPre imports this module before every start: binaries
+(~45 ms; only when a fatbin or the llama-server build must be read afresh), state, datetime and pwd (only a pin).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from deploy_tool import __version__
 from deploy_tool.box import treepin
 from deploy_tool.config import BUNDLED_NCCL, Backend, Config, FtllmBackend, LlamacppBackend, expand
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
@@ -140,8 +144,6 @@ class PinSet:
     trees: dict[str, TreePin] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        from deploy_tool import __version__
-
         return {"format": PINS_FORMAT, "backend": self.backend, "kind": self.kind, "pinned_at": self.pinned_at,
                 "release": self.release, "reason": self.reason, "by": self.by, "deploytool": __version__,
                 "items": [i.to_json() for i in self.items],
