@@ -62,9 +62,11 @@ def test_no_prefetch_a_missing_root_and_forget_leave_no_child(tmp_path: Path) ->
     assert w is not None and w.rels == [] and w.files == 0  # an empty walk, as walk() gives
     assert w.key == treepin.snapshot_key(treepin.walk(str(tmp_path / "gone")))
     treepin.prefetch(str(tmp_path))
+    pid = treepin._PENDING[str(tmp_path)][0]
     treepin.forget()
+    assert not treepin._PENDING
     with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)  # every child was reaped
+        os.waitpid(pid, os.WNOHANG)  # the child was reaped: no zombie is left
 
 
 def test_only_a_tool_running_from_a_release_prefetches_that_release(tmp_path: Path,
