@@ -376,10 +376,11 @@ def test_drifted_target_is_refused_before_anything_changes(installed, systemd_sa
     assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
 
 
-@pytest.mark.parametrize("step", ["intent", "preflight", "stopping-current", "starting-target", "gate",
-                                  "committing"])
+# Every switch kill point is killed on the fake driver (tests/test_state_machine.py, seconds); here, on a real
+# systemd, the two where units are in motion: the current one stopping, the target started and not yet committed.
+@pytest.mark.parametrize("step", ["stopping-current", "gate"])
 def test_kill_during_switch_is_recovered(installed, systemd_sandbox, step):
-    """kill -9 at each step leaves a state status reports; recover ends with exactly one healthy backend."""
+    """kill -9 at a step leaves a state status reports; recover ends with exactly one healthy backend."""
     r = dt(installed, "switch", "llamacpp", env={"DEPLOYTOOL_FAULT": f"kill:{step}"})
     assert r.returncode == -9, r.stdout + r.stderr
     st = state(installed)

@@ -8,9 +8,11 @@ mount namespace); a bundle signed by a key the box does not trust. No GPU exists
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,21 @@ from tests.support.sandbox import free_port, new_run_dir
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[1]
-ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
+ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written",
+             "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
+#: Each kill point costs a real install up to it (verify, unpack, start), so each is killed where it says most and
+#: every one at least once: "pinned" on an upgrade (A's pins must come back), "started" with install run again.
+FRESH_KILLS = tuple(s for s in ALL_STEPS if s not in ("pinned", "started"))
+UPGRADE_KILLS = ("venv-ready", "units-written", "current-flipped", "pinned", "healthy")
+
+
+def test_every_install_step_is_killed_somewhere():
+    """A step added to install's journal fails here until one of the kill lists above covers it ("verified" is
+    the kill before anything is written: the untrusted-key and full-disk cases cover that ground)."""
+    from deploy_tool.box.install import JOURNALED
+
+    assert set(ALL_STEPS) == set(JOURNALED) - {"verified"}
+    assert set(FRESH_KILLS) | set(UPGRADE_KILLS) | {"started"} == set(ALL_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +58,8 @@ def box(sbx):
     b = pack(cfg_b, d / "artifacts-b")
     r = dt(cfg, "keygen", "--out", str(d / "rogue-keys"))
     assert r.returncode == 0, r.stderr
-    rogue = pack(cfg, d / "artifacts-rogue", key=d / "rogue-keys" / "deploytool.key")
     assert len({a.name, b.name}) == 2
-    yield {"cfg": cfg, "cfg_b": cfg_b, "a": a, "b": b, "rogue": rogue, "box": Box(cfg), "dir": d}
+    yield {"cfg": cfg, "cfg_b": cfg_b, "a": a, "b": b, "rogue_keys": d / "rogue-keys", "box": Box(cfg), "dir": d}
     Box(cfg).reset(sbx.systemd)
     if not os.environ.get("DEPLOYTOOL_E2E_KEEP"):
         shutil.rmtree(root, ignore_errors=True)
@@ -96,7 +111,7 @@ def _status_reports(cfg: Path, step: str) -> None:
     assert "install" in s.stdout and step in s.stdout, s.stdout
 
 
-@pytest.mark.parametrize("step", ALL_STEPS)
+@pytest.mark.parametrize("step", FRESH_KILLS)
 def test_fresh_box_kill_then_recover_leaves_nothing(fresh, sbx, step):
     """kill -9 of install on a fresh box at STEP: status names it; recover leaves no units, env, current, release."""
     bx: Box = fresh["box"]
@@ -113,7 +128,7 @@ def test_fresh_box_kill_then_recover_leaves_nothing(fresh, sbx, step):
     assert not list(sbx.unit_dir.glob("*.wants/ftllm-dflash.service"))
 
 
-@pytest.mark.parametrize("step", ["venv-ready", "units-written", "started"])
+@pytest.mark.parametrize("step", ["started"])
 def test_fresh_box_kill_then_install_again_completes(fresh, sbx, step):
     """kill -9 of install on a fresh box at STEP; running install again finishes the job: ftllm-dflash serves."""
     bx: Box = fresh["box"]
@@ -136,8 +151,7 @@ def _env_of_running(sbx, unit: str) -> str:
     return Path(f"/proc/{host}/environ").read_bytes().decode(errors="replace")
 
 
-@pytest.mark.parametrize("step", ["venv-ready", "release-laid-down", "units-written", "current-flipped", "pinned",
-                                  "daemon-reloaded", "started", "healthy"])
+@pytest.mark.parametrize("step", UPGRADE_KILLS)
 def test_previous_release_serves_after_kill_and_recover(with_a, sbx, step):
     """kill -9 of an upgrade A->B at STEP: status names it; recover brings A back: current -> A, A's units, A
     serving (its process runs A's environment), B's release dir gone."""
@@ -176,10 +190,29 @@ def test_upgrade_killed_then_install_again_completes(with_a, sbx):
     assert chat(_port(with_a["cfg"]))["choices"][0]["message"]["content"]
 
 
+@contextlib.contextmanager
+def _trusting_only(bx: Box, keys: Path) -> Iterator[None]:
+    """The box trusts only the public keys in `keys` (not the one its bundles are signed with), then its own again.
+    Same check as a bundle signed by a foreign key, without packing a third bundle."""
+    own = {p.name: p.read_bytes() for p in bx.keys.glob("*.pub")}
+    for name in own:
+        (bx.keys / name).unlink()
+    for p in keys.glob("*.pub"):
+        shutil.copy(p, bx.keys / f"rogue-{p.name}")
+    try:
+        yield
+    finally:
+        for p in bx.keys.glob("rogue-*.pub"):
+            p.unlink()
+        for name, data in own.items():
+            (bx.keys / name).write_bytes(data)
+
+
 def test_untrusted_key_is_refused_before_anything_is_written(fresh, sbx):
     """A bundle signed by a key the box does not trust: exit 6 naming the signature, nothing laid down."""
     bx: Box = fresh["box"]
-    r = dt(fresh["cfg"], "install", str(fresh["rogue"]))
+    with _trusting_only(bx, fresh["rogue_keys"]):
+        r = dt(fresh["cfg"], "install", str(fresh["a"]))
     assert r.returncode == 6, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert "key" in r.stderr.lower() or "signature" in r.stderr.lower(), r.stderr
@@ -189,11 +222,13 @@ def test_untrusted_key_is_refused_before_anything_is_written(fresh, sbx):
 
 
 def test_untrusted_key_leaves_a_serving_release_alone(with_a, sbx):
-    """The untrusted bundle on a box with A serving: exit 6; A's units, current, process untouched."""
+    """An untrusted bundle (B, whose key the box no longer trusts) on a box with A serving: exit 6; A's units,
+    current, process untouched."""
     bx: Box = with_a["box"]
     before = {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")}
     pid = sbx.systemd.show("ftllm-dflash.service").main_pid
-    r = dt(with_a["cfg"], "install", str(with_a["rogue"]))
+    with _trusting_only(bx, with_a["rogue_keys"]):
+        r = dt(with_a["cfg_b"], "install", str(with_a["b"]))
     assert r.returncode == 6, r.stdout + r.stderr
     assert {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")} == before
     assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
