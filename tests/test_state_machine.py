@@ -307,6 +307,9 @@ def test_failing_target_is_rolled_back(box: Box, name: str, conflicts: bool) -> 
              "dies-while-loading": "out of memory", "exits-0": "Unsupport graph model type"}.get(name)
     if words:
         assert words in h["journal_tail"] and words in out.error.message
+    # the target's journal lines are shown once, whether the gate's message carried them already or not
+    shown = [ln.strip() for ln in out.error.message.splitlines() if ln.strip() in h["journal_tail"] and ln.strip()]
+    assert len(shown) == len(set(shown)), out.error.message
     reasons = {"wrong-model": "serves model 'some-other-model'", "never-ready": "not ready after 10s",
                "empty-completion": "empty content", "refused-by-check": "refused to start",
                "exits-0": "status 0 before ready is still a failure"}

@@ -589,8 +589,11 @@ class _SwitchRun:
                                  f"and `journalctl -u {cur.unit}`") from None
         self.store.record(self.action, ok=False, from_backend=cur.name, to_backend=target.name,
                           outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release)
-        tail = "\n  ".join(journal.splitlines()[-8:])
-        raise RolledBack(f"switch to {target.name} failed: {exc.message}\n{cur.name} was restored and is serving "
-                         f"again" + (f"\n  {target.name} journal tail:\n  {tail}" if tail else ""),
+        # the gate's message may carry the target's journal tail already: the same lines are not printed twice
+        lines = journal.splitlines()[-8:]
+        tail = "" if not lines or lines[-1] in exc.message else "\n  ".join(lines)
+        raise RolledBack(f"switch to {target.name} failed: {exc.message}"
+                         + (f"\n  {target.name} journal tail:\n  {tail}" if tail else "")
+                         + f"\n{cur.name} was restored and is serving again",
                          hint=f"see `deploytool history` and `journalctl -u {target.unit}`",
                          details={"reason": reason, "restored": cur.name})
