@@ -4,7 +4,10 @@ Writer: entries sorted by name, mtime fixed (SOURCE_DATE_EPOCH or 0), uid/gid 0,
 normalized (0755 with any exec bit, else 0644; directories 0755; symlinks 0777), GNU tar headers (no pax
 atime/ctime records), files streamed in 1 MiB reads, compressed with zstd level 3 through the `zstandard`
 library on every core. Its output does not depend on the worker count, so two writes of the same tree give the
-same bytes on any machine with the same zstandard version. Symlinks are stored as symlinks when their target is
+same bytes on any machine with the same zstandard version. The zstd stream is cut into frames at member boundaries
+chosen by content alone (before and after every big file, and before a member whose name hashes to a fixed residue),
+so two archives of trees that differ in one file share every frame away from it byte for byte: rsync's delta
+transfer (shipping a release to a box that has the previous one) resends only the frames around the change. Symlinks are stored as symlinks when their target is
 relative and stays inside the tree (a venv's bin/python -> python3); anything else is refused.
 
 Extractor: reads plain tar or tar.zst (zstd frames checked complete before anything is written) with its own
@@ -26,6 +29,7 @@ import stat
 import tarfile
 import tempfile
 import threading
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +58,8 @@ WRITE_AHEAD = 64 << 20  # ... with at most this many bytes read but not yet writ
 WRITERS = 4
 SINK_BATCH = 4 << 20
 SINK_DIRECT = 256 << 10
+FRAME_BIG = 1 << 20  # a file this big gets frames of its own (a frame boundary before and after it)
+FRAME_EVERY = 64  # ... and a boundary before every member whose name's CRC-32 is 0 modulo this (~1 in 64)
 
 
 def normal_mode(st_mode: int) -> int:
@@ -170,6 +176,7 @@ class _Sink:
         self.f = f
         self.written = 0
         self._buf = bytearray()
+        self._frame_start = 0
         self._zw = None
         if compression == "zstd":
             # threads >= 1 always: zstd's multithreaded format is the same for any worker count, but differs
@@ -201,11 +208,17 @@ class _Sink:
             self._put(self._buf)
             self._buf = bytearray()
 
+    def end_frame(self) -> None:
+        """End the zstd frame here (nothing when uncompressed, or when nothing was written since the last end)."""
+        self._drain()
+        if self._zw is not None and self.written != self._frame_start:
+            self._zw.flush(zstandard.FLUSH_FRAME)
+            self._frame_start = self.written
+
     def close(self) -> None:
         self._drain()
         if self._zw is not None:
-            self._zw.flush(zstandard.FLUSH_FRAME)
-            self._zw.close()
+            self._zw.close()  # ends the last frame (a flush first would add an empty one)
 
 
 def _pad(n: int) -> bytes:
@@ -263,8 +276,12 @@ def _write_stream(items: Sequence[Member], sizes: dict[str, int], f: BinaryIO, *
                   mtime: int, counter: ByteCounter) -> None:
     """The tar byte stream of checked, ordered members, into f (optionally through zstd)."""
     sink = _Sink(f, compression, threads)
+    big_before = False
     for m in items:
         size = sizes.get(m.name, 0)
+        if frame_boundary_before(m.name, size, big_before):
+            sink.end_frame()
+        big_before = size >= FRAME_BIG
         sink.write(_tarinfo(m, size, mtime).tobuf(tarfile.GNU_FORMAT, "utf-8", "strict"))
         if m.kind != "file":
             continue
@@ -274,9 +291,17 @@ def _write_stream(items: Sequence[Member], sizes: dict[str, int], f: BinaryIO, *
         else:
             _copy_file_into(Path(m.source), size, sink, counter)  # type: ignore[arg-type]
         sink.write(_pad(size))
+    sink.end_frame()  # the trailer's padding depends on the total size: a frame of its own keeps it from the rest
     sink.write(b"\0" * (2 * BLOCK))
     sink.write(b"\0" * (-sink.written % RECORD))
     sink.close()
+
+
+def frame_boundary_before(name: str, size: int, after_big: bool) -> bool:
+    """Whether a zstd frame ends before the member `name` (of `size` bytes; `after_big`: the member before it was a
+    big file). Content-defined: it depends on this member and the one before it only, never on the offset, so a
+    change in one file moves no boundary elsewhere."""
+    return size >= FRAME_BIG or after_big or zlib.crc32(name.encode("utf-8", "surrogateescape")) % FRAME_EVERY == 0
 
 
 def _copy_file_into(src: Path, size: int, sink: _Sink, counter: ByteCounter) -> None:
@@ -312,12 +337,14 @@ def archive_tree(root: str | os.PathLike[str], out_path: str | os.PathLike[str],
 
 # ---------------------------------------------------------------------------------------------- reading
 
-def check_zstd_frames(f: BinaryIO) -> None:
-    """Walk zstd frame and block headers to the end of the file; raise archive-truncated if it stops short."""
+def check_zstd_frames(f: BinaryIO) -> list[tuple[int, int]]:
+    """Walk zstd frame and block headers to the end of the file; raise archive-truncated if it stops short.
+    Returns the (start, end) offsets of the data frames."""
     f.seek(0, os.SEEK_END)
     end = f.tell()
     pos = 0
     frames = 0
+    spans: list[tuple[int, int]] = []
 
     def need(n: int) -> bytes:
         nonlocal pos
@@ -344,6 +371,7 @@ def check_zstd_frames(f: BinaryIO) -> None:
             if frames == 0:
                 raise reject("unsupported-compression", "archive is neither tar nor tar.zst")
             raise reject("trailing-data", "archive has data after its last zstd frame")
+        start = pos - 4
         fhd = need(1)[0]
         if fhd & 0x08:
             raise reject("archive-malformed", "zstd frame header has its reserved bit set")
@@ -366,6 +394,8 @@ def check_zstd_frames(f: BinaryIO) -> None:
         if checksum:
             need(4)
         frames += 1
+        spans.append((start, pos))
+    return spans
 
 
 @contextlib.contextmanager

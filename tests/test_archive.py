@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tarfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import zstandard
@@ -347,3 +348,85 @@ def test_extract_many_small_files_and_big_ones_in_order(tmp_path: Path, monkeypa
         q = tmp_path / "out" / p.relative_to(src)
         if p.is_file():
             assert q.read_bytes() == p.read_bytes() and q.stat().st_mode & 0o777 == p.stat().st_mode & 0o777, p
+
+
+# ---------------------------------------------------------------------------------------------- frames
+
+_names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_", min_size=1, max_size=12)
+_BIG = 4096  # FRAME_BIG for these tests: the same rule at a size that keeps examples small
+
+
+def _frames(path: Path) -> list[bytes]:
+    with open(path, "rb") as f:
+        out = []
+        for s, e in archive.check_zstd_frames(f):
+            f.seek(s)
+            out.append(f.read(e - s))
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files=st.dictionaries(_names, st.integers(0, 3 * _BIG), min_size=2, max_size=30),
+       pick=st.integers(0, 10_000), at=st.integers(0, 10_000), append=st.booleans())
+def test_one_changed_file_changes_one_frame(tmp_path_factory: pytest.TempPathFactory, files: dict[str, int],
+                                            pick: int, at: int, append: bool) -> None:
+    """Two archives of trees that differ in one file (a byte flipped, or one appended without crossing the
+    big-file size) have the same frames in the same order except the one holding that file, and both extract to
+    their trees. This is what lets rsync resend only the frames around a change when a release is shipped to a
+    box that has the previous one."""
+    tmp = tmp_path_factory.mktemp("frames")
+    trees = [tmp / "a", tmp / "b"]
+    names = sorted(files)
+    for t in trees:
+        for i, n in enumerate(names):
+            p = t / n[:2] / n
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(bytes((i + k) % 251 for k in range(files[n])))
+    victim = trees[1] / names[pick % len(names)][:2] / names[pick % len(names)]
+    body = bytearray(victim.read_bytes())
+    if append or not body:
+        if len(body) + 1 == _BIG:
+            return  # one more byte would make it a big file: another case
+        body += b"!"
+    else:
+        body[at % len(body)] ^= 0xFF
+    victim.write_bytes(bytes(body))
+    got = []
+    with mock.patch.object(archive, "FRAME_BIG", _BIG), mock.patch.object(archive, "FRAME_EVERY", 4):
+        for t in trees:
+            out = archive.archive_tree(t, tmp / f"{t.name}.tar.zst")
+            got.append(_frames(out))
+            members = sorted(archive.members_from_tree(t), key=lambda m: m.name)
+            sizes = [os.path.getsize(m.source) if m.kind == "file" else 0 for m in members]  # type: ignore[arg-type]
+            cuts = sum(archive.frame_boundary_before(m.name, sizes[i], i > 0 and sizes[i - 1] >= _BIG)
+                       for i, m in enumerate(members) if i > 0)
+            assert len(got[-1]) == 1 + cuts + 1, (len(got[-1]), cuts)  # the members' frames, then the trailer's
+            back = tmp / f"{t.name}-out"
+            archive.extract_archive(out, back)
+            assert _tree_listing(back) == _tree_listing(t)
+    fa, fb = got
+    assert len(fa) == len(fb), (len(fa), len(fb))
+    differ = sum(x != y for x, y in zip(fa, fb, strict=True))
+    # plus the tar trailer's frame when the size changed (its padding follows the total size)
+    same_size = len(body) == files[names[pick % len(names)]]
+    assert differ == 1 or (differ == 2 and not same_size), [x == y for x, y in zip(fa, fb, strict=True)]
+
+
+def test_a_tree_of_many_members_is_cut_into_frames(tmp_path: Path) -> None:
+    """Frames come from content: a big file gets its own, other boundaries fall before names whose CRC-32 is 0
+    modulo FRAME_EVERY; zstd -d reads the multi-frame archive like any other."""
+    t = tmp_path / "t"
+    (t / "small").mkdir(parents=True)
+    for i in range(400):
+        (t / "small" / f"f{i:03}.py").write_text(f"x = {i}\n")
+    (t / "big.so").write_bytes(b"\x7fELF" + b"\0" * archive.FRAME_BIG)
+    out = archive.archive_tree(t, tmp_path / "t.tar.zst")
+    frames = _frames(out)
+    import zlib
+
+    expected_small = sum(zlib.crc32(f"small/f{i:03}.py".encode()) % archive.FRAME_EVERY == 0 for i in range(400))
+    # big.so sorts first: its frame, then one boundary after it, then one before each small file whose name hits
+    assert len(frames) >= 2 + expected_small - 1, (len(frames), expected_small)
+    r = subprocess.run(["zstd", "-d", "-c", str(out)], capture_output=True, check=True)  # make setup installs zstd
+    with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tf:
+        assert "big.so" in tf.getnames() and len(tf.getnames()) == 402
