@@ -48,7 +48,7 @@ from deploy_tool.textsafe import describe, q, unsafe_char
 
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
 API_KEY_FILE = "api-key"  # the root-only copy of the key in paths.env_dir, and the credential's name
-LEGACY_SECRETS_ENV = "secrets.env"  # where deploytool before 0.2 kept the key (as environment); install removes it
+LEGACY_SECRETS_ENV = "secrets.env"  # where older deploytools kept the key (as environment); install removes it
 
 
 @dataclass(frozen=True)

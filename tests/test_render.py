@@ -23,7 +23,7 @@ import pytest
 from deploy_tool import config, render
 from deploy_tool.builder import golden
 from deploy_tool.errors import ConfigError
-from tests.support.configs import example_dict, load_dict, set_key
+from tests.support.configs import example_dict, load_dict, load_example, set_key
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -324,3 +324,62 @@ def test_env_and_argv_round_trip_through_real_systemd(sandbox_env: Any, tmp_path
     got = json.loads(line.split("RT=", 1)[1])
     assert got["env"] == TRICKY_VALUES
     assert got["argv"] == args
+
+
+def _unit_text(cfg: config.Config, name: str = "llamacpp-tensor") -> str:
+    return next(f.content for f in render.render_all(cfg) if f.name == f"{name}.service")
+
+
+def _own_address() -> str | None:
+    """A non-loopback IPv4 address of this machine (the one a route out would use), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.254", 9))  # no packet is sent: this only picks the source address
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if addr.startswith("127.") else addr
+
+
+@pytest.mark.sandbox
+def test_ip_allow_list_from_the_config_is_enforced_by_real_systemd(sandbox_env: Any, tmp_path: Path) -> None:
+    """The rendered IPAddressDeny=/IPAddressAllow= lines in a real systemd: a service reaches this machine's own
+    non-loopback address only when serve.allow admits it; localhost always."""
+    import socket
+
+    addr = _own_address()
+    assert addr, "this machine has no non-loopback IPv4 address to test against"
+    srv = socket.socket()
+    srv.bind((addr, 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    lo = socket.socket()
+    lo.bind(("127.0.0.1", 0))
+    lo.listen(8)
+    results = {}
+    try:
+        for name, allow in (("none", []), ("net", [f"{addr}/24"])):
+            cfg = load_example(tmp_path / name, "cpu-demo", **{"serve.allow": allow})
+            lines = [ln for ln in _unit_text(cfg).splitlines() if ln.startswith(("IPAddressDeny=", "IPAddressAllow="))]
+            assert lines[0] == "IPAddressDeny=any" and lines[1].startswith("IPAddressAllow=localhost")
+            probe = ("import socket,sys; a=sys.argv; [print('RT', h, 'ok' if (s := socket.socket()).settimeout(2) or "
+                     "s.connect_ex((h, int(p))) == 0 else 'refused', flush=True) for h, p in ((a[1], a[2]), "
+                     "('127.0.0.1', a[3]))]")
+            unit = f"t-ipallow-{name}.service"
+            exec_start = " ".join(render.systemd_quote(a) for a in ["/usr/bin/python3", "-c", probe, addr, str(port),
+                                                                    str(lo.getsockname()[1])])
+            sandbox_env.systemd.install_file(unit, ("[Service]\nType=oneshot\nDynamicUser=yes\n" + "\n".join(lines)
+                                                    + f"\nExecStart={exec_start}\n").encode())
+            sandbox_env.systemd.daemon_reload()
+            cursor = sandbox_env.systemd.journal_cursor()
+            sandbox_env.systemd.start(unit)
+            sandbox_env.systemd.sync_journal()
+            log = sandbox_env.systemd.journal(unit, since_cursor=cursor)
+            results[name] = {ln.split("RT ", 1)[1] for ln in log.splitlines() if "RT " in ln}
+    finally:
+        srv.close()
+        lo.close()
+    assert results["none"] == {"127.0.0.1 ok", f"{addr} refused"}, results
+    assert results["net"] == {"127.0.0.1 ok", f"{addr} ok"}, results

@@ -156,7 +156,7 @@ def keyed(own_sandbox):
                     serve={"api_key_file": str(keyf)})
     box = Box(cfg)
     box.env_dir.mkdir(parents=True, exist_ok=True)
-    (box.env_dir / "secrets.env").write_text(f'DEPLOYTOOL_API_KEY="{key}"\n')  # as a deploytool before 0.2 left it
+    (box.env_dir / "secrets.env").write_text(f'DEPLOYTOOL_API_KEY="{key}"\n')  # as older deploytools left it
     os.chmod(box.env_dir / "secrets.env", 0o600)
     r = dt(cfg, "install")
     assert r.returncode == 0, r.stdout + r.stderr

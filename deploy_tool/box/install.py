@@ -637,7 +637,7 @@ class _Install:
         if sec is not None:
             _backup_file(env_dir / sec.name, undo)
             atomic_write(env_dir / sec.name, sec.content.encode(), sec.mode)
-            legacy = env_dir / LEGACY_SECRETS_ENV  # the key as environment, from a deploytool before 0.2
+            legacy = env_dir / LEGACY_SECRETS_ENV  # the key as environment, left by an older deploytool
             if legacy.exists():
                 _backup_file(legacy, undo)
                 legacy.unlink()

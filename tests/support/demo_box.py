@@ -212,7 +212,7 @@ def access_problems(paths: list[Path]) -> list[str]:
     """What keeps a DynamicUser server from reading `paths` (and everything below the directories among them), or
     lets someone other than root change them. Every parent directory up to / must be root-owned, o+x and not
     group/other-writable (a sticky, world-writable /tmp-like parent is reported too: no box path belongs there).
-    [] when all is well. (A secrets.env is not for this: systemd reads it as root, and it must stay 0600.)"""
+    [] when all is well. (The API key file env/api-key is not for this: systemd reads it as root, and it must stay 0600.)"""
     import stat as st_
 
     out: list[str] = []
