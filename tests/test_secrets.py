@@ -190,10 +190,11 @@ def _unit_processes(sandbox, unit: str) -> list[int]:
     return out
 
 
-def _processes_holding(needle: bytes) -> tuple[list[str], int]:
-    """Every (PID, file) among /proc/*/cmdline and /proc/*/environ of this machine that holds `needle`, and how
-    many processes were read. Read as root from the host's PID namespace: every process, whoever runs it."""
-    found, read = [], 0
+def _processes_holding(needle: bytes) -> tuple[list[str], int, list[int]]:
+    """Every (PID, file) among /proc/*/cmdline and /proc/*/environ of this machine that holds `needle`, how many
+    processes were read, and the PIDs root may not read (this machine's own PID 1 when it runs in a container).
+    Read as root from the host's PID namespace: every process, whoever runs it."""
+    found, read, closed = [], 0, []
     for e in os.scandir("/proc"):
         if not e.name.isdigit():
             continue
@@ -205,7 +206,9 @@ def _processes_holding(needle: bytes) -> tuple[list[str], int]:
             read += 1
         except (FileNotFoundError, ProcessLookupError):
             continue  # it exited meanwhile
-    return found, read
+        except PermissionError:
+            closed.append(int(e.name))
+    return found, read, closed
 
 
 def _check_no_key_anywhere(keyed, unit: str, argv_has: str) -> None:
@@ -219,8 +222,9 @@ def _check_no_key_anywhere(keyed, unit: str, argv_has: str) -> None:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
         assert environ and key.encode() not in cmdline + environ
     assert argv_has in Path(f"/proc/{main}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    found, read = _processes_holding(key.encode())
+    found, read, closed = _processes_holding(key.encode())
     assert found == [] and read > len(pids), found
+    assert not [p for p in closed if procfs.in_cgroup(p, sbx.sandbox.cgroup_name)], closed  # all of the box read
     log = sbx.systemd.journal(unit, lines=100000)
     assert log and key not in log, "the key reached the journal"
 
