@@ -110,6 +110,10 @@ CATALOG: tuple[CheckInfo, ...] = (
     CheckInfo("file-missing", "error", "a file the config names does not exist", "config"),
     CheckInfo("file-not-on-this-machine", "info", "the box's files are not on this machine (not checked)", "config"),
     CheckInfo("serve-public-no-api-key", "info", "bound to all interfaces without an API key", "config"),
+    CheckInfo("api-key-exposed", "error", "an API key in extra_args or env, which every local user can read",
+              "config"),
+    CheckInfo("serve-allow-local-only", "warning", "bound beyond localhost while serve.allow admits no client",
+              "config"),
     CheckInfo("device-cuda-no-gpus", "error", "device cuda with host.gpus empty", "config"),
     CheckInfo("device-cpu-cuda-flags", "warning", "device cpu with CUDA-only settings", "config"),
     CheckInfo("device-tp-gpus", "error", "tensor parallel degree larger than host.gpus", "config"),
@@ -713,6 +717,33 @@ def check_serve(ctx: _Ctx) -> Iterator[Finding]:
                  f"serve.host is {s.host} (reachable from the network) and serve.api_key_file is not set: anyone "
                  f"who reaches port {s.port} can use the model",
                  "set serve.api_key_file, or bind 127.0.0.1 behind a proxy")
+    if s.host not in ("127.0.0.1", "::1", "localhost") and not [a for a in s.allow if a != "localhost"]:
+        yield _f("serve-allow-local-only", "warning", None,
+                 f"serve.host is {s.host} but serve.allow is empty: the units drop every packet that is not from "
+                 f"localhost or {s.host} itself (IPAddressDeny=any), so no other machine reaches port {s.port}",
+                 "list the clients' addresses or networks in serve.allow (e.g. 192.168.0.0/16), or bind "
+                 "127.0.0.1")
+
+
+API_KEY_FLAGS = ("--api_key", "--api-key")  # ftllm, llama-server
+API_KEY_ENV = ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY")  # llama-server reads the key from these as well
+
+
+def check_api_key_exposed(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    """The key given some other way than serve.api_key_file: in extra_args it stands in the unit file and in
+    /proc/PID/cmdline, in env it stands in the world-readable env file; every local user can read either."""
+    flags = [_flag_name(a) for a in b.extra_args if _flag_name(a) in API_KEY_FLAGS]  # the flag, never the key
+    envs = [k for k, _ in b.env if k in API_KEY_ENV]
+    if not flags and not envs:
+        return
+    parts = ([f"extra_args pass {flags[0]}: the key would stand in the unit file and in /proc/PID/cmdline"]
+             if flags else [])
+    parts += [f"env sets {envs[0]}: the key would stand in the world-readable env file"] if envs else []
+    yield _f("api-key-exposed", "error", b.name,
+             f"backends.{b.name}.{'; '.join(parts)}, which every local user can read (serve.api_key_file keeps it "
+             f"out of both)",
+             "remove it and set serve.api_key_file: each server then gets the key as a systemd credential only "
+             "it can read")
 
 
 def check_template(ctx: _Ctx) -> Iterator[Finding]:
@@ -873,7 +904,7 @@ LLAMA_FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
     ("-m", "--model"), ("-a", "--alias"), ("-sm", "--split-mode"), ("-fa", "--flash-attn"), ("-c", "--ctx-size"),
     ("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v"), ("--spec-type",), ("--spec-draft-n-max",),
     ("-mm", "--mmproj"), ("-t", "--threads"), ("-ngl", "--gpu-layers", "--n-gpu-layers"), ("--host",),
-    ("--port",))
+    ("--port",), ("--api-key-file",))
 FTLLM_FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
     ("-p", "--path"), ("--model_name",), ("--device",), ("-t", "--threads"), ("--tp",), ("--max_batch",),
     ("--tokens",), ("--gpu_mem_ratio",), ("--kv_cache_dtype",), ("--cuda_embedding",),
@@ -884,6 +915,7 @@ FTLLM_FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
 # which config key a rendered flag comes from (for the message), by its first spelling
 FLAG_KEYS = {"--host": "serve.host", "--port": "serve.port", "-a": "serve.model_name",
              "--model_name": "serve.model_name", "-m": "model", "-p": "model", "--api_key": "serve.api_key_file",
+             "--api-key-file": "serve.api_key_file",
              "-sm": "split_mode", "-fa": "flash_attn", "-c": "ctx_size", "-ctk": "cache_type_k",
              "-ctv": "cache_type_v", "--spec-type": "spec.type", "--spec-draft-n-max": "spec.draft_n_max",
              "-mm": "mmproj", "-t": "threads", "-ngl": "device", "--device": "device", "--tp": "tp",
@@ -918,8 +950,8 @@ def _last_flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
 
 
 def _launch(cfg: Config, b: Backend) -> list[str]:
-    # an argument systemd fills from the environment (the API key) is no flag and no value a check compares
-    return [a if isinstance(a, str) else "${" + a.name + "}" for a in launch_argv(cfg, b)]
+    # an argument systemd fills in (the API key's credential path) is no flag and no value a check compares
+    return [a if isinstance(a, str) else "%d/" + a.name for a in launch_argv(cfg, b)]
 
 
 def check_extra_args_override(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
@@ -1222,13 +1254,15 @@ def check_unit_visibility(ctx: _Ctx) -> Iterator[Finding]:
         groups: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (why, fix) -> [(what, path)]
         for what, path, executable in _server_paths(cfg, b):
             path = os.path.normpath(path)
+            hidden = False
             for directive, hiding, tops, instead in _HIDDEN_BY:
                 top = _under(path, tops)
                 if top and unit.get(directive, "no") in hiding:
+                    hidden = True
                     groups.setdefault((f"{directive}={unit[directive]} gives the server {instead}",
                                        f"move it out of {top} (e.g. under /srv or /var/lib; keep the whole box "
                                        f"there)"), []).append((what, path))
-            if dynamic and ctx.inspect_files and _runs_here(ctx, b) and not _installed_only(cfg, path):
+            if not hidden and dynamic and ctx.inspect_files and _runs_here(ctx, b) and not _installed_only(cfg, path):
                 closed = _closed_on_the_way(path, executable)
                 if closed:
                     where, mode = closed
@@ -1301,7 +1335,7 @@ BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_gpu_mem_ratio, check_chat_template_thinking, check_think, check_capacity, check_split_row, check_tensor,
     check_mtp_kv, check_q8_f16_context, check_gguf, check_extra_args_override, check_tensor_one_device,
     check_visible_devices_allowed, check_llama_verbosity, check_threads, check_ctx_over_training,
-    check_draft_unused,
+    check_draft_unused, check_api_key_exposed,
 )
 BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_unit_visibility,
                                     check_port_in_use, check_context_differs, check_os_libraries)

@@ -31,6 +31,7 @@ EXAMPLES = ("two-2080ti", "cpu-demo")
 # where a release carries the bundled chat template and NCCL (relative to the release, {current})
 BUNDLED_TEMPLATE = "templates/chat_template.jinja"
 BUNDLED_NCCL = "nccl/libnccl.so.2"
+BUNDLED_FTLLM_LAUNCHER = "launch/ftllm_launch.py"  # deploy_tool/box/ftllm_launch.py: ftllm with the API key
 
 Device = Literal["cuda", "cpu"]
 ArchPolicy = Literal["exact", "compatible"]
@@ -166,6 +167,29 @@ class Host:
                          default=22528)
 
 
+# IPAddressAllow= (systemd.resource-control(5)): its keywords besides addresses and networks
+ALLOW_KEYWORDS = ("localhost", "link-local", "multicast", "any")
+# serve.allow's default: the networks a self-hosted box and its clients usually share (RFC 1918, RFC 4193 unique
+# local IPv6, link-local); the servers exchange packets with nothing else
+PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7", "link-local")
+
+
+def _allow(v: tuple[str, ...]) -> str | None:
+    import ipaddress  # lazy: only a config load needs it
+
+    for a in v:
+        if a in ALLOW_KEYWORDS:
+            continue
+        try:
+            if "%" in a:  # a scoped IPv6 address (fe80::1%eth0): systemd takes none
+                raise ValueError(a)
+            ipaddress.ip_network(a, strict=False)
+        except ValueError:
+            return (f"holds {a!r}, which is not an IP address, a network such as 192.168.0.0/16, or one of "
+                    f"{', '.join(ALLOW_KEYWORDS)}")
+    return None
+
+
 @dataclass(frozen=True)
 class Serve:
     """serve: the one address, port and model name both backends serve."""
@@ -175,10 +199,16 @@ class Serve:
     port: int = _doc("TCP port both backends bind", rng=PORT, default=8082)
     model_name: str = _doc("the model name clients send; both backends answer to it", _argument_value,
                            default="model")
-    api_key_file: str | None = _doc("file holding the API key (kept out of unit files; written 0600)",
-                                    default=None)
+    api_key_file: str | None = _doc("file holding the API key: install copies it into a root-only file that "
+                                    "systemd hands each server as a credential (LoadCredential=), never on a "
+                                    "command line or in an environment", default=None)
     user: str = _doc("who the services run as: 'dynamic' (DynamicUser=yes, the safest; model files must be "
                      "world-readable) or a user name such as 'root'", _user, default="dynamic")
+    allow: tuple[str, ...] = _doc("who else the servers may exchange packets with (IPAddressAllow=; "
+                                  "IPAddressDeny=any drops the rest): addresses, networks such as 192.168.0.0/16, "
+                                  "or link-local, multicast, any. localhost and serve.host are always allowed; "
+                                  "[] means nothing else. Default: the private networks",
+                                  _allow, default=PRIVATE_NETWORKS)
 
 
 @dataclass(frozen=True)

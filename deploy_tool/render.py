@@ -7,6 +7,13 @@ start imports this module for its paths and placeholders, and renders nothing.
 The launch lines are built here as argv lists (one option beside its value), then quoted for systemd's
 ExecStart= syntax; environment values are quoted for EnvironmentFile= syntax. Output is deterministic: the
 same config gives the same bytes.
+
+The API key (serve.api_key_file) never appears on a command line or in an environment, where any local user
+could read it (/proc/PID/cmdline; ProtectProc= hides a service's /proc only from other services' users): install
+copies it into a root-only file ({env_dir}/api-key), the unit hands it to the server as a systemd credential
+(LoadCredential=api-key:..., readable by the service alone under /run/credentials/UNIT/), llama-server reads it
+with `--api-key-file %d/api-key`, and ftllm (which only takes `--api_key KEY`) starts through the release's
+launcher (deploy_tool/box/ftllm_launch.py), which reads the credential and hands ftllm the key in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from urllib.parse import quote
 import deploy_tool.templates as tpl_pkg
 from deploy_tool import __version__
 from deploy_tool.config import (
+    ALLOW_KEYWORDS,
     BACKEND_NAME_RE,
+    BUNDLED_FTLLM_LAUNCHER,
     BUNDLED_NCCL,
     BUNDLED_TEMPLATE,
     ENV_NAME_RE,
@@ -38,8 +47,8 @@ from deploy_tool.errors import ConfigError
 from deploy_tool.textsafe import describe, q, unsafe_char
 
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
-SECRETS_ENV = "secrets.env"
-API_KEY_VAR = "DEPLOYTOOL_API_KEY"
+API_KEY_FILE = "api-key"  # the root-only copy of the key in paths.env_dir, and the credential's name
+LEGACY_SECRETS_ENV = "secrets.env"  # where older deploytools kept the key (as environment); install removes it
 
 
 @dataclass(frozen=True)
@@ -57,13 +66,14 @@ class Escaped(str):
 
 
 @dataclass(frozen=True)
-class EnvRef:
-    """An ExecStart= argument systemd replaces with the value of an environment variable (`${NAME}`, one word)."""
+class Credential:
+    """An ExecStart= argument systemd replaces with the path of one of the unit's credentials (`%d/NAME`: %d is
+    $CREDENTIALS_DIRECTORY, /run/credentials/UNIT)."""
 
     name: str
 
 
-Arg = str | EnvRef
+Arg = str | Credential
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -138,14 +148,38 @@ def user_name(value: str, key: str) -> Escaped:
     return Escaped(value)
 
 
+def ip_allow(cfg: Config) -> Escaped:
+    """IPAddressAllow=: localhost, serve.host when it names one address (not a wildcard), then serve.allow, each
+    address or network in the canonical form Python's ipaddress gives it (which systemd parses alike)."""
+    import ipaddress  # lazy: see the module's docstring
+
+    out = ["localhost"]
+    try:
+        host = ipaddress.ip_address(cfg.serve.host)
+    except ValueError:
+        host = None  # a host name: resolved by the server at start, not known here
+    if host is not None and not host.is_unspecified and not host.is_loopback:
+        out.append(str(host))
+    for i, a in enumerate(cfg.serve.allow):
+        try:
+            word = (a if a in ALLOW_KEYWORDS else str(ipaddress.ip_network(a, strict=False)) if "/" in a
+                    else str(ipaddress.ip_address(a)))
+        except ValueError:
+            raise _refuse(f"serve.allow[{i}]", a, "is not an IP address, a network or one of "
+                          + ", ".join(ALLOW_KEYWORDS)) from None
+        if word not in out:
+            out.append(word)
+    return Escaped(" ".join(out))
+
+
 def systemd_quote(arg: Arg, key: str = "argument") -> str:
     """One word of an ExecStart= command line (systemd.service(5) "Command lines"): `%` and `$` doubled (no
     specifier, no variable), then, unless the word is plain, double-quoted with backslash and double quote
-    C-escaped. An EnvRef becomes `${NAME}`, which systemd replaces with the variable's value as one word."""
-    if isinstance(arg, EnvRef):
-        if not ENV_NAME_RE.match(arg.name):
-            raise _refuse(key, arg.name, "is not an environment variable name")
-        return "${" + arg.name + "}"
+    C-escaped. A Credential becomes `%d/NAME`, which systemd replaces with the path of the unit's credential."""
+    if isinstance(arg, Credential):
+        if not re.fullmatch(r"[a-z][a-z0-9-]*", arg.name):
+            raise _refuse(key, arg.name, "is not a credential name")
+        return "%d/" + arg.name
     esc = _clean(arg, key).replace("%", "%%").replace("$", "$$")
     if _SAFE_ARG.match(arg):
         return esc
@@ -155,7 +189,7 @@ def systemd_quote(arg: Arg, key: str = "argument") -> str:
 def exec_line(argv: list[Arg], key: str) -> Escaped:
     """A whole ExecStart= command line: an absolute, normalized executable path, then the arguments."""
     exe = argv[0]
-    if isinstance(exe, EnvRef):
+    if isinstance(exe, Credential):
         raise _refuse(key, exe.name, "cannot be the executable")
     _abs_path(exe, key)
     return Escaped(" ".join(systemd_quote(a, key) for a in argv))
@@ -172,8 +206,18 @@ def env_quote(name: str, value: str, key: str | None = None) -> Escaped:
     return Escaped(f'{name}="{esc}"')
 
 
+def ftllm_launcher_argv(cfg: Config, b: FtllmBackend) -> list[Arg]:
+    """What runs ftllm when the box has an API key: the Python beside the ftllm console script (its venv's) on
+    the release's launcher, which reads the key from the unit's credential, appends `--api_key KEY` to ftllm's
+    argv in memory and runs the console script in the same process (see deploy_tool/box/ftllm_launch.py)."""
+    exe = expand(cfg, b.executable)
+    return [posixpath.join(posixpath.dirname(exe), "python"), f"{cfg.paths.current}/{BUNDLED_FTLLM_LAUNCHER}",
+            Credential(API_KEY_FILE), exe]
+
+
 def ftllm_argv(cfg: Config, b: FtllmBackend) -> list[Arg]:
-    argv: list[Arg] = [expand(cfg, b.executable), "server", "-p", b.model, "--model_name", cfg.serve.model_name]
+    head = ftllm_launcher_argv(cfg, b) if cfg.serve.api_key_file else [expand(cfg, b.executable)]
+    argv: list[Arg] = [*head, "server", "-p", b.model, "--model_name", cfg.serve.model_name]
     if b.device == "cpu":
         argv += ["--device", "cpu"]
     if b.threads is not None:
@@ -203,8 +247,6 @@ def ftllm_argv(cfg: Config, b: FtllmBackend) -> list[Arg]:
     if b.use_bundle_chat_template:
         argv += ["--chat_template", f"{cfg.paths.current}/{BUNDLED_TEMPLATE}"]
     argv += ["--host", cfg.serve.host, "--port", str(cfg.serve.port)]
-    if cfg.serve.api_key_file:
-        argv += ["--api_key", EnvRef(API_KEY_VAR)]
     return argv + list(b.extra_args)
 
 
@@ -229,11 +271,13 @@ def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[Arg]:
     if b.device == "cpu":
         argv += ["-ngl", "0"]
     argv += ["--host", cfg.serve.host, "--port", str(cfg.serve.port)]
+    if cfg.serve.api_key_file:
+        argv += ["--api-key-file", Credential(API_KEY_FILE)]
     return argv + list(b.extra_args)
 
 
 def launch_argv(cfg: Config, b: Backend) -> list[Arg]:
-    """The backend's launch line as an argv list (placeholders expanded; ${VAR} left for systemd)."""
+    """The backend's launch line as an argv list (placeholders expanded; a Credential left for systemd)."""
     return ftllm_argv(cfg, b) if isinstance(b, FtllmBackend) else llamacpp_argv(cfg, b)
 
 
@@ -304,8 +348,10 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
         exec_start=exec_line(launch_argv(cfg, b), f"{key} (ExecStart=)"),
         exec_start_pre=exec_line(verify_argv(cfg, b), f"{key} (ExecStartPre=)"),
         env_file=unit_path(f"{cfg.paths.env_dir}/{b.name}.env", "paths.env_dir"),
-        secrets_file=(unit_path(f"{cfg.paths.env_dir}/{SECRETS_ENV}", "paths.env_dir")
+        api_key_file=(unit_path(f"{cfg.paths.env_dir}/{API_KEY_FILE}", "paths.env_dir")
                       if cfg.serve.api_key_file else None),
+        ip_allow=ip_allow(cfg),
+        netlink=b.device == "cuda",
         gpus=[int(g) for g in cfg.host.gpus] if b.device == "cuda" else [],
         timeout_start=int(b.start_timeout_s or cfg.health.start_timeout_s),
         user=None if cfg.serve.user == "dynamic" else user_name(cfg.serve.user, "serve.user"),
@@ -324,11 +370,16 @@ def render_all(cfg: Config) -> list[RenderedFile]:
     return sorted(out, key=lambda f: f.name)
 
 
-def render_secrets(cfg: Config, api_key: str) -> RenderedFile:
-    """The 0600 env file holding the API key (written at install time on the box, never bundled)."""
-    key = f"the API key in {q(cfg.serve.api_key_file)} (serve.api_key_file)"
-    return RenderedFile(SECRETS_ENV, "env", env_quote(API_KEY_VAR, api_key, key) + "\n"
-                        + env_quote("LLAMA_API_KEY", api_key, key) + "\n", 0o600)
+def render_api_key(cfg: Config, api_key: str) -> RenderedFile:
+    """The root-only (0600) copy of the API key the units load as their credential: the key on one line (what
+    llama-server's --api-key-file and the ftllm launcher read). Written at install time on the box, never bundled.
+    A key with a control character or white space at either end is refused: a line cannot carry the first, and the
+    servers would compare the second differently from the clients."""
+    where = f"the API key in {q(cfg.serve.api_key_file)} (serve.api_key_file)"
+    if not api_key or unsafe_char(api_key) is not None or api_key != api_key.strip():
+        raise ConfigError(f"{where} is empty, spans lines, holds a control character or begins or ends with white "
+                          f"space", hint="write the key alone on the file's first line")
+    return RenderedFile(API_KEY_FILE, "credential", api_key + "\n", 0o600)
 
 
 def _plain(o: Any) -> Any:

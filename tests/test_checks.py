@@ -151,6 +151,14 @@ CASES: list[Case] = [
      ["MuSR", "8,192"]),
     ("public-no-key", "cpu-demo", [("serve.host", "0.0.0.0")], "serve-public-no-api-key", "info",
      ["0.0.0.0", "18082"]),
+    ("allow-local-only", "cpu-demo", [("serve.host", "0.0.0.0"), ("serve.allow", [])], "serve-allow-local-only",
+     "warning", ["0.0.0.0", "serve.allow is empty", "IPAddressDeny=any", "18082"]),
+    ("key-in-extra-args", "cpu-demo", [(f"{FT}.extra_args", ["--api_key", "s3cret"])], "api-key-exposed", "error",
+     ["extra_args pass --api_key", "/proc/PID/cmdline", "serve.api_key_file"]),
+    ("key-in-extra-args-llama", "cpu-demo", [(f"{LL}.extra_args", ["--api-key=s3cret"])], "api-key-exposed", "error",
+     ["extra_args pass --api-key:", "/proc/PID/cmdline"]),
+    ("key-in-env", "cpu-demo", [(f"{LL}.env", {"LLAMA_API_KEY": "s3cret"})], "api-key-exposed", "error",
+     ["env sets LLAMA_API_KEY", "world-readable env file"]),
     ("cuda-no-gpus", "two-2080ti", [("host.gpus", [])], "device-cuda-no-gpus", "error", ["host.gpus is empty"]),
     ("tp-gpus", "two-2080ti", [("host.gpus", [1])], "device-tp-gpus", "error", ["--tp 2 needs 2 GPUs", "lists 1 (1)"]),
     ("cpu-cuda-flags", "cpu-demo", [(f"{FT}.tp", 2), (f"{FT}.env", {"FASTLLM_CUDA_GRAPH": "0"})],
@@ -662,12 +670,25 @@ def test_dynamic_user_cannot_read_a_private_model(cpu_demo_files: Path) -> None:
     assert _hidden(cpu_demo_files) == []
 
 
-def test_a_box_in_a_closed_home_is_reported_with_protecthome_named(cpu_demo_files: Path) -> None:
-    """The box under a 0700 home (as /root is): reported for each backend, naming the home and ProtectHome's
-    read-only view (visible, not open); the box is this directory, so paths.root and the models are listed."""
+def test_a_box_in_a_home_is_reported_with_protecthome_named(cpu_demo_files: Path) -> None:
+    """The box under /root: the units' ProtectHome=yes leaves the servers an empty /root, whatever its mode;
+    reported for each backend, naming the directive and where to move the box."""
+    found = _hidden(cpu_demo_files, ("paths.root", "/root/deploytool-box/opt"))
+    assert {f.backend for f in found} == {"ftllm-dflash", "llamacpp-tensor"}
+    for f in found:
+        assert "ProtectHome=yes gives the server empty or inaccessible home directories" in f.message
+        assert "paths.root" in f.message and f.fix.startswith("move it out of /root")
+
+
+def test_a_box_in_a_closed_home_is_reported_with_protecthome_named(cpu_demo_files: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a drop-in's ProtectHome=read-only, the box under a 0700 home (as /root is): reported for each backend,
+    naming the home and the read-only view (visible, not open); paths.root and the models are listed."""
     home = Path("/root")
     if os.stat(home).st_mode & 0o001:
         pytest.skip("/root is world-traversable on this machine")
+    real = checks._unit_settings
+    monkeypatch.setattr(checks, "_unit_settings", lambda cfg, b: {**real(cfg, b), "ProtectHome": "read-only"})
     found = _hidden(cpu_demo_files, ("paths.root", "/root/deploytool-box/opt"))
     assert {f.backend for f in found} == {"ftllm-dflash", "llamacpp-tensor"}
     for f in found:

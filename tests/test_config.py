@@ -56,7 +56,7 @@ BAD: list[tuple[str, str, str, str | None, int]] = [
     ("wrong-type-list", _b("    aliases: ftllm\n"), "backends.a.aliases: 'ftllm' is not a list (expected a list of "
      "a string)", None, 3),
     ("wrong-type-mapping", MIN + "serve: 8082\n", "serve: 8082 is not a mapping (expected keys: host, port, "
-     "model_name, api_key_file, user)", None, 3),
+     "model_name, api_key_file, user, allow)", None, 3),
     ("unknown-key", _b("    tokenz: 5\n"), "backends.a: unknown key 'tokenz'", "did you mean 'tokens'?", 3),
     ("unknown-key-nested", _b("    speculative:\n      num_draft_token: 8\n"),
      "backends.a.speculative: unknown key 'num_draft_token'", "did you mean 'num_draft_tokens'?", 3),

@@ -174,19 +174,19 @@ def _exec_words(value: str) -> list[str]:
         words.append("".join(w))
 
 
-def _resolve_word(w: str) -> str | render.EnvRef:
-    """Specifiers (`%%` -> `%`; any other specifier is a test failure) and, at exec, variables (`$$` -> `$`,
-    a whole word `${NAME}` -> the variable; anything else with `$` is a test failure)."""
-    m = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", w)
+def _resolve_word(w: str) -> str | render.Credential:
+    """Specifiers (`%%` -> `%`, a whole word `%d/NAME` -> the unit's credential NAME; any other specifier is a
+    test failure) and, at exec, variables (`$$` -> `$`; anything else with `$` is a test failure)."""
+    m = re.fullmatch(r"%d/([a-z][a-z0-9-]*)", w)
     if m:
-        return render.EnvRef(m.group(1))
+        return render.Credential(m.group(1))
     assert re.fullmatch(r"([^%]|%%)*", w), f"an unescaped specifier in {w!r}"
     w = w.replace("%%", "%")
     assert re.fullmatch(r"([^$]|\$\$)*", w), f"an unescaped variable in {w!r}"
     return w.replace("$$", "$")
 
 
-def _exec_argv(value: str) -> tuple[str, list[str | render.EnvRef]]:
+def _exec_argv(value: str) -> tuple[str, list[str | render.Credential]]:
     """(prefix characters, argv) of an Exec*= value."""
     m = re.match(r"^([-+@:!]*)(.*)$", value)
     assert m
@@ -245,7 +245,10 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
         for k in ("Description", "Documentation", "Type", "User", "DynamicUser", "TimeoutStartSec"):
             assert keys.count(k) == (0 if (k, cfg.serve.user) in (("User", "dynamic"),) or (
                 k == "DynamicUser" and cfg.serve.user != "dynamic") else 1), (k, keys)
-        assert keys.count("EnvironmentFile") == (2 if cfg.serve.api_key_file else 1)
+        assert keys.count("EnvironmentFile") == 1
+        assert keys.count("LoadCredential") == (1 if cfg.serve.api_key_file else 0)
+        if cfg.serve.api_key_file:
+            assert dict(ds)["LoadCredential"].replace("%%", "%") == f"api-key:{cfg.paths.env_dir}/api-key"
         vals = dict(ds)
         for k, want in argv.items():
             prefix, got = _exec_argv(vals[k])
@@ -353,8 +356,10 @@ def test_templates_print_only_escaped_values() -> None:
 
 STUB = """#!/usr/bin/python3
 import json, os, sys
-print("RT=" + json.dumps({"argv": sys.argv, "env": {k: v for k, v in os.environ.items() if k.startswith("RT_")
-      or k in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "DEPLOYTOOL_API_KEY", "LLAMA_API_KEY")}}), flush=True)
+creds = {a: open(a, encoding="utf-8").read() for a in sys.argv if a.startswith("/run/credentials/")}
+print("RT=" + json.dumps({"argv": sys.argv, "creds": creds, "env": {k: v for k, v in os.environ.items()
+      if k.startswith("RT_") or k in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "DEPLOYTOOL_API_KEY", "LLAMA_API_KEY")}}),
+      flush=True)
 """
 DROP_IN = b"[Service]\nType=oneshot\nUser=\nDynamicUser=no\nPrivateTmp=no\nRestart=no\nProtectHome=no\n"
 ENV_RT = st.dictionaries(st.from_regex(r"\ART_[A-Z0-9_]{0,6}\Z"), SAFE_TEXT, max_size=3)
@@ -364,13 +369,13 @@ ENV_RT = st.dictionaries(st.from_regex(r"\ART_[A-Z0-9_]{0,6}\Z"), SAFE_TEXT, max
 @settings(max_examples=10, deadline=20000,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(changes=SAFE_CHANGES, env=ENV_RT, args=st.lists(st.one_of(SAFE_TEXT, TEXT), max_size=4),
-       api_key=st.one_of(st.none(), SAFE_TEXT.filter(bool)), desc=SAFE_TEXT.map(lambda t: "d " + t + " d"))
+       api_key=st.one_of(st.none(), SAFE_TEXT.filter(lambda t: bool(t) and t == t.strip())), desc=SAFE_TEXT.map(lambda t: "d " + t + " d"))
 def test_real_systemd_runs_the_rendered_units_with_exactly_the_intended_argv_and_env(
         sandbox_env: Any, changes: dict[str, Any], env: dict[str, str], args: list[str], api_key: str | None,
         desc: str) -> None:
     """A bounded sample: the rendered units (with a oneshot/root drop-in) loaded and started by a real
     sandboxed systemd; the programs they start print argv and environment, exactly the intended ones (the
-    API key reaches --api_key through ${DEPLOYTOOL_API_KEY})."""
+    API key reaches the server as the credential file its argv names, and stands in no argv or environment)."""
     sd = sandbox_env.systemd
     names = ("rtprop-ft", "rtprop-ll")
     changes = {k.replace(F, names[0]).replace(L, names[1]): v for k, v in changes.items()}
@@ -396,8 +401,9 @@ def test_real_systemd_runs_the_rendered_units_with_exactly_the_intended_argv_and
         event("ran in systemd")
         units = _check_rendered(cfg, root, STUB)
         if api_key is not None:
-            secrets = render.render_secrets(cfg, api_key)
+            secrets = render.render_api_key(cfg, api_key)
             (Path(cfg.paths.env_dir) / secrets.name).write_text(secrets.content)
+            os.chmod(Path(cfg.paths.env_dir) / secrets.name, secrets.mode)
         for u in units:
             sd.install_file(u.name, u.read_bytes())
             (sandbox_env.unit_dir / f"{u.name}.d").mkdir(exist_ok=True)
@@ -416,13 +422,15 @@ def test_real_systemd_runs_the_rendered_units_with_exactly_the_intended_argv_and
                 time.sleep(0.1) if len(got) < 2 else None
             assert len(got) == 2, log
             want_env = dict(render.backend_env(cfg, b))
-            if api_key is not None:
-                want_env |= {"DEPLOYTOOL_API_KEY": api_key, "LLAMA_API_KEY": api_key}
+            cred = f"/run/credentials/{name}.service/api-key"
             shown = sandbox_env.run("systemctl", "show", "-p", "Description", "--value", f"{name}.service").stdout
             assert shown.rstrip("\n") == (b.description or f"{b.kind} inference server {name}")
             for rec, argv in zip(got, (render.verify_argv(cfg, b), render.launch_argv(cfg, b)), strict=True):
-                assert rec["argv"] == [api_key if isinstance(a, render.EnvRef) else a for a in argv]
+                assert rec["argv"] == [cred if isinstance(a, render.Credential) else a for a in argv]
                 assert rec["env"] == want_env
+                has_cred = any(isinstance(a, render.Credential) for a in argv)
+                assert rec["creds"] == ({cred: f"{api_key}\n"} if has_cred else {})
+            assert any(isinstance(a, render.Credential) for a in render.launch_argv(cfg, b)) == (api_key is not None)
     finally:
         for name in names:
             for p in (sandbox_env.unit_dir / f"{name}.service.d", sandbox_env.unit_dir / f"{name}.service"):

@@ -30,7 +30,7 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
             its first 1 MiB (the header: architecture, hyper-parameters, tokenizer, chat template)
             [model.header], plus the sizes of the other parts of a split GGUF [model.split/NAME]; the
             speculative draft directory likewise [draft.*].
-Not fingerprinted: secrets.env (a hash of a short API key in a world-readable pins file could be guessed),
+Not fingerprinted: the API key file env/api-key (a hash of a short key in a world-readable pins file could be guessed),
 drop-ins outside the unit dir (/run/systemd/system, system.control), the system libraries (libc, CUDA driver).
 
 Speed. Files are hashed by deploy_tool.hashing (the one SHA-256 engine: 1 MiB reads, parallel threads, largest

@@ -53,7 +53,13 @@ from deploy_tool.errors import (
 )
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
 from deploy_tool.manifest import hash_native_libs
-from deploy_tool.render import SECRETS_ENV, render_secrets, resolved_config_json
+from deploy_tool.render import (
+    API_KEY_FILE,
+    LEGACY_SECRETS_ENV,
+    RenderedFile,
+    render_api_key,
+    resolved_config_json,
+)
 
 Log = Callable[[str], None]
 BUNDLE_SUFFIXES = (".tar", ".tar.zst")
@@ -177,7 +183,7 @@ def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: Insta
         steps.append(Step("release-laid-down", f"move it to {final}", (str(final),)))
     else:
         steps.append(Step("release-kept", f"{final} is laid down already: keep it", (str(final),)))
-    secrets = f", the API key's {SECRETS_ENV}" if cfg.serve.api_key_file else ""
+    secrets = f", the API key as the units' root-only credential {API_KEY_FILE}" if cfg.serve.api_key_file else ""
     steps += [Step("units-written", f"write units to {paths.unit_dir}, env files to {paths.env_dir}{secrets}",
                    (paths.unit_dir, paths.env_dir)),
               Step("current-flipped", f"flip {paths.current}", (paths.current,)),
@@ -286,6 +292,18 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             shutil.rmtree(staging_root, ignore_errors=True)
 
 
+def api_key_credential(cfg: Config) -> RenderedFile | None:
+    """The root-only copy of serve.api_key_file's key the units load as their credential; None without a key.
+    A missing, empty or unusable key is refused before the install changes anything."""
+    if not cfg.serve.api_key_file:
+        return None
+    key = api_key(cfg)
+    if not key:
+        raise InputError(f"serve.api_key_file {cfg.serve.api_key_file} is missing or empty",
+                         hint="write the API key into that file (root-only, mode 0600), or unset serve.api_key_file")
+    return render_api_key(cfg, key)
+
+
 def _verify(cfg: Config, path: Path, keys: str, staging_root: Path, log: Log) -> bundle_mod.VerifiedBundle:
     """The first step: the bundle verified into a private copy, packed for this config."""
     log(f"verifying {path}")
@@ -300,6 +318,7 @@ def _verify(cfg: Config, path: Path, keys: str, staging_root: Path, log: Log) ->
 def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, path: Path, keys: str,
                       staging_root: Path, *, rebuild: bool, start: bool, log: Log, progress, t0: float) -> InstallResult:
     vb = _verify(cfg, path, keys, staging_root, log)
+    api_key_credential(cfg)  # a missing or unusable key fails here, before anything changes
     rid = vb.manifest.bundle_id
     final = Path(cfg.paths.releases_dir) / rid
     installed = st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \
@@ -614,13 +633,14 @@ class _Install:
         for f in sorted((final / "env").iterdir()):
             _backup_file(env_dir / f.name, undo)
             atomic_write(env_dir / f.name, f.read_bytes(), 0o644)
-        if cfg.serve.api_key_file:
-            key = api_key(cfg)
-            if not key:
-                raise InputError(f"serve.api_key_file {cfg.serve.api_key_file} is missing or empty")
-            sec = render_secrets(cfg, key)
+        sec = api_key_credential(cfg)
+        if sec is not None:
             _backup_file(env_dir / sec.name, undo)
             atomic_write(env_dir / sec.name, sec.content.encode(), sec.mode)
+            legacy = env_dir / LEGACY_SECRETS_ENV  # the key as environment, left by an older deploytool
+            if legacy.exists():
+                _backup_file(legacy, undo)
+                legacy.unlink()
         for f in sorted((final / "units").iterdir()):
             _backup_file(unit_dir / f.name, undo)
             self.sd.install_file(f.name, f.read_bytes(), 0o644)
@@ -849,7 +869,7 @@ def _remove_units(cfg: Config, sd: systemd_mod.Systemd, release: Path | None) ->
         names |= {f.name for f in (release / "env").iterdir()} if (release / "env").is_dir() else set()
         units |= {f.name for f in (release / "units").iterdir()} if (release / "units").is_dir() else set()
     if cfg.serve.api_key_file:
-        names.add(SECRETS_ENV)
+        names |= {API_KEY_FILE, LEGACY_SECRETS_ENV}
     for unit in sorted(units):
         with contextlib.suppress(DeployError):
             sd.stop(unit)

@@ -22,7 +22,7 @@ from typing import Any
 import deploy_tool
 from deploy_tool import archive, bundle, proc, render
 from deploy_tool.binaries import arch_supported, read_fatbin
-from deploy_tool.config import Config
+from deploy_tool.config import BUNDLED_FTLLM_LAUNCHER, Config
 from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
 from deploy_tool.manifest import hash_file, hash_files, hash_native_libs
@@ -299,9 +299,16 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
             inputs["tool_wheels"] = sorted(p.name for p in tool)
         # `python3 BUNDLE/bootstrap` on a box with no deploytool (deploy_tool/box/bootstrap.py, stdlib only)
         ents.append(bundle.Entry("bootstrap", bootstrap_script(), 0o755))
+        # what an ftllm unit runs when the box has an API key (render.ftllm_launcher_argv)
+        ents.append(bundle.Entry(BUNDLED_FTLLM_LAUNCHER, ftllm_launcher(), 0o644))
         log("bundle: hashing, signing and archiving")
         return bundle.write_bundle(ents, out_dir, name=cfg.bundle.name, inputs=inputs, native_libs=native,
                                    key_path=key_path, archive=True, progress=progress)
+
+
+def ftllm_launcher() -> bytes:
+    """The release's launch/ftllm_launch.py: deploy_tool/box/ftllm_launch.py as shipped in deploytool's wheel."""
+    return files("deploy_tool.box").joinpath("ftllm_launch.py").read_bytes()
 
 
 def bootstrap_script() -> bytes:

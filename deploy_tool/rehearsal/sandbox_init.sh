@@ -79,6 +79,11 @@ inner() {
   done
   mount --bind "$B/etc-systemd-system" /etc/systemd/system
   mount --bind "$B/vendor-units" /usr/lib/systemd/system
+  # shared propagation, as systemd sets it when the kernel boots it (under a container manager it leaves that to
+  # the manager): what systemd mounts for a service in a namespace of its own, such as the service's credentials
+  # (LoadCredential= -> /run/credentials/UNIT), reaches PID 1's view and the service only this way. Within this
+  # namespace only: unshare above made every mount here a private copy, so nothing propagates to the host.
+  mount --make-rshared /
   SYSTEMD=/usr/lib/systemd/systemd
   [ -x "$SYSTEMD" ] || SYSTEMD=/lib/systemd/systemd
   exec env -i container=deploytool-sandbox PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

@@ -45,8 +45,10 @@ def _ok(r: subprocess.CompletedProcess[str], what: str) -> None:
     assert r.returncode == 0, f"{what} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
 
 
-def make_demo(d: Path, *, sandbox_dir: Path | None, unit_dir: Path, port: int) -> Path:
-    """A fresh cpu-demo directory at `d`, packed and signed; returns its config. Wheels come from .cache/wheels-demo."""
+def make_demo(d: Path, *, sandbox_dir: Path | None, unit_dir: Path, port: int,
+              serve: dict | None = None) -> Path:
+    """A fresh cpu-demo directory at `d`, packed and signed; returns its config. Wheels come from .cache/wheels-demo.
+    `serve`: keys set in the config's serve section before it is packed (e.g. api_key_file)."""
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     cfg = d / "deploytool.yaml"
@@ -56,6 +58,7 @@ def make_demo(d: Path, *, sandbox_dir: Path | None, unit_dir: Path, port: int) -
     data["systemd"]["sandbox"] = str(sandbox_dir) if sandbox_dir else None
     data["paths"]["unit_dir"] = str(unit_dir)
     data["serve"]["port"] = port
+    data["serve"].update(serve or {})
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     cache = REPO / ".cache" / "wheels-demo"
     cache.mkdir(parents=True, exist_ok=True)
@@ -209,7 +212,7 @@ def access_problems(paths: list[Path]) -> list[str]:
     """What keeps a DynamicUser server from reading `paths` (and everything below the directories among them), or
     lets someone other than root change them. Every parent directory up to / must be root-owned, o+x and not
     group/other-writable (a sticky, world-writable /tmp-like parent is reported too: no box path belongs there).
-    [] when all is well. (A secrets.env is not for this: systemd reads it as root, and it must stay 0600.)"""
+    [] when all is well. (The API key file env/api-key is not for this: systemd reads it as root, and it must stay 0600.)"""
     import stat as st_
 
     out: list[str] = []
