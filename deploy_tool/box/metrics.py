@@ -174,7 +174,7 @@ def collect_text(cfg: Config, *, sd: Any = None) -> tuple[str, dict[str, Any]]:
     from deploy_tool.box import status
     from deploy_tool.box.state import Store
 
-    rep = status.collect(cfg, sd=sd)
+    rep = status.collect(cfg, sd=sd, boot=False)
     return render(cfg, rep, Store(cfg.paths.state_dir).history()), rep
 
 

@@ -32,9 +32,9 @@ STATES = {ExitCode.OK: "serving", ExitCode.DEGRADED: "degraded", ExitCode.PENDIN
           ExitCode.NOT_SERVING: "not-serving"}
 
 
-def collect(cfg: Config, *, deep: bool = False, sd: Any = None) -> dict[str, Any]:
+def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = True) -> dict[str, Any]:
     """Everything `status` shows, ending with its "verdict" (see the module doc). `sd`: the systemd driver
-    (default: the config's)."""
+    (default: the config's); boot=False leaves out each unit's boot enablement (the metrics do not show it)."""
     store = Store(cfg.paths.state_dir)
     st = store.load()
     cur = Path(cfg.paths.current)
@@ -54,7 +54,8 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None) -> dict[str, Any
             try:
                 u = sd.show(b.unit)
                 rep["units"][name] = {"active": u.active_state, "sub": u.sub_state, "result": u.result,
-                                      "enabled": boot_enablement(sd, b.unit), "main_pid": u.main_pid,
+                                      "enabled": boot_enablement(sd, b.unit) if boot else None,
+                                      "main_pid": u.main_pid,
                                       "restarts": u.n_restarts}
             except DeployError as exc:
                 rep["units"][name] = {"error": exc.message}
