@@ -375,8 +375,12 @@ def test_status_metrics_file_and_the_metrics_command(box: Box, tmp_path: Path) -
     assert r.exit_code == 0, "metrics exits 0: the file carries the state"
     fams = parse(out.read_text())
     assert value(fams, "serving") == 0 and value(fams, "status_code") == 22
-    r = CliRunner().invoke(main, ["--config", cfg, "metrics", "--out", str(tmp_path / "nope" / "x.prom")])
-    assert r.exit_code == 5 and "does not exist" in r.output
+    for args in (["metrics", "--out"], ["status", "--metrics-file"]):
+        r = CliRunner().invoke(main, ["--config", cfg, *args, str(tmp_path / "nope" / "x.prom")])
+        assert r.exit_code == 5 and "its directory does not exist" in r.output, r.output
+        assert not (tmp_path / "nope").exists()
+    r = CliRunner().invoke(main, ["--config", cfg, "metrics", "--write", "--out", str(out)])
+    assert r.exit_code == 5 and "both" in r.output
 
 
 # ------------------------------------------------------------------------------------ llama-server --metrics

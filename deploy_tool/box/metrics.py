@@ -185,14 +185,16 @@ def write(path: str | os.PathLike[str], text: str) -> Path:
     return p
 
 
-def refresh(cfg: Config, *, sd: Any = None) -> Path | None:
+def refresh(cfg: Config, *, sd: Any = None, quiet: bool = False) -> Path | None:
     """After an operation: rewrite paths.metrics_file if it is on and its directory exists. Never raises: a
-    failure is logged as a warning (the operation's own result stands)."""
+    failure is logged as a warning (the operation's own result stands). A missing directory is worth a warning
+    only for a path the config names, and not with `quiet` (after a failed operation, whose own error is the
+    message: an install refused before it laid anything down leaves no state directory)."""
     path = cfg.paths.metrics_file
     if not path:
         return None
     if not Path(path).parent.is_dir():
-        if path != DEFAULT_METRICS_FILE:
+        if path != DEFAULT_METRICS_FILE and not quiet:
             log.warning("metrics: not written: the directory of paths.metrics_file %s does not exist", path)
         return None
     try:

@@ -74,7 +74,7 @@ def _then_metrics(cfg: Config, sd: systemd_mod.Systemd | None, dry_run: bool) ->
         raise
     except Exception:  # a failed or rolled-back operation changed the box too (a kill or ^C writes nothing)
         if not dry_run:
-            metrics.refresh(cfg, sd=sd)
+            metrics.refresh(cfg, sd=sd, quiet=True)
         raise
     if not dry_run:
         metrics.refresh(cfg, sd=sd)

@@ -167,7 +167,7 @@ def status(ctx: Ctx, deep: bool, metrics_file: Path | None) -> None:
         from deploy_tool.box import metrics
         from deploy_tool.box.state import Store
 
-        metrics.write(metrics_file, metrics.render(cfg, rep, Store(cfg.paths.state_dir).history()))
+        _write_metrics(metrics_file, metrics.render(cfg, rep, Store(cfg.paths.state_dir).history()))
     ctx.emit(rep, st_mod.format_status(rep))
     code = rep["verdict"]["exit_code"]
     if code:
@@ -203,11 +203,18 @@ def metrics_cmd(ctx: Ctx, write_: bool, out: Path | None) -> None:
     if target is None:
         click.echo(text, nl=False)
         return
+    _write_metrics(target, text)
+    ctx.emit({"wrote": str(target)}, f"wrote {target}")
+
+
+def _write_metrics(target: Path, text: str) -> None:
+    from deploy_tool.box import metrics
+    from deploy_tool.errors import InputError
+
     if not target.parent.is_dir():
         raise InputError(f"cannot write the metrics to {target}: its directory does not exist",
                          hint="create it (node_exporter's --collector.textfile.directory), or name another path")
     metrics.write(target, text)
-    ctx.emit({"wrote": str(target)}, f"wrote {target}")
 
 
 @click.command()
