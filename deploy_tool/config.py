@@ -25,6 +25,8 @@ from deploy_tool.textsafe import key as key_part
 
 CONFIG_VERSION = 1
 DEFAULT_CONFIG_PATH = Path("/etc/deploytool/deploytool.yaml")
+# node_exporter's textfile collector directory as Debian's and Ubuntu's prometheus-node-exporter package sets it
+DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/deploytool.prom"
 BACKEND_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 EXAMPLES = ("two-2080ti", "cpu-demo")
@@ -114,6 +116,14 @@ def _abs_or_placeholder(v: str) -> str | None:
         if rest and (not rest.startswith("/") or rest.endswith("/") or posixpath.normpath(rest) != rest):
             return "is not a normalized path after its placeholder (expected e.g. '{venv}/bin/ftllm')"
     return None
+
+
+def _metrics_path(v: str) -> str | None:
+    if v == "":
+        return None  # off
+    if v.startswith("{"):
+        return "may not use a placeholder (expected a path, or empty for off)"
+    return _abs_or_placeholder(v)
 
 
 USER_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,30}$")
@@ -226,6 +236,11 @@ class Paths:
     keys_dir: str = _doc("trusted Ed25519 public keys (*.pub)", _abs_or_placeholder, default="/etc/deploytool/keys")
     deploytool: str = _doc("the deploytool the units' ExecStartPre runs (pinned inside the release)",
                            _abs_or_placeholder, default="{current}/tool/bin/deploytool")
+    metrics_file: str | None = _doc("Prometheus metrics in node_exporter's textfile format, rewritten after every "
+                                    "install, switch, rollback and recover (`deploytool metrics`); written only "
+                                    "when its directory exists (the default is the textfile directory of "
+                                    "Debian's prometheus-node-exporter); empty or null: off", _metrics_path,
+                                    default=DEFAULT_METRICS_FILE)
 
     @property
     def releases_dir(self) -> str:
@@ -837,7 +852,10 @@ def _resolve_paths(cfg: Config, raw: dict[str, Any]) -> Config:
     paths_raw = raw.get("paths") or {}
     sandbox = _abs(base, cfg.systemd.sandbox)
     paths = cfg.paths
-    paths = rp(paths, **{f.name: _abs(base, getattr(paths, f.name)) for f in dataclasses.fields(paths)})
+    paths = rp(paths, **{f.name: _abs(base, getattr(paths, f.name)) for f in dataclasses.fields(paths)
+                         if getattr(paths, f.name) != ""})
+    if paths.metrics_file == "":  # off
+        paths = rp(paths, metrics_file=None)
     if "config" not in paths_raw and cfg.source_path:
         paths = rp(paths, config=cfg.source_path)
     if sandbox and "unit_dir" not in paths_raw:

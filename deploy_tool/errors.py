@@ -29,6 +29,10 @@ class ExitCode(IntEnum):
     OS = 17  # disk full, permission denied and other operating-system errors
     RUNTIME = 18  # the running process loaded something other than what was pinned
     PERFORMANCE = 19  # the performance gate found a regression
+    # `deploytool status` only, like `systemctl is-active`: what the box is doing (0 = serving as recorded)
+    DEGRADED = 20  # serving, but a backend's fingerprints drifted, a fallback unit failed, or systemd is unreachable
+    PENDING = 21  # serving, but an interrupted operation awaits `deploytool recover`
+    NOT_SERVING = 22  # no backend serves the model: none active, its unit is down, or its health check fails
     INTERNAL = 70  # a bug in deploytool
 
 

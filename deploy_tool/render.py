@@ -270,6 +270,8 @@ def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[Arg]:
         argv += ["-t", str(b.threads)]
     if b.device == "cpu":
         argv += ["-ngl", "0"]
+    if "--metrics" not in b.extra_args:  # its own Prometheus metrics at /metrics on the serving port
+        argv += ["--metrics"]
     argv += ["--host", cfg.serve.host, "--port", str(cfg.serve.port)]
     if cfg.serve.api_key_file:
         argv += ["--api-key-file", Credential(API_KEY_FILE)]

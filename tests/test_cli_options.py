@@ -90,7 +90,7 @@ def test_real_parser_accepts_every_global_option_after_every_subcommand(path: tu
 
 def test_status_json_after_the_subcommand_is_the_same_report(tmp_path: Path) -> None:
     """`status --json` prints the same JSON as `--json status` (here: no systemd reachable, no backend active;
-    the report says so in both)."""
+    the report says so in both, and both exit 22: not serving)."""
     data = example_dict("cpu-demo")
     for key in ("state_dir", "root", "unit_dir", "env_dir", "keys_dir"):
         set_key(data, f"paths.{key}", str(tmp_path / key))
@@ -101,7 +101,7 @@ def test_status_json_after_the_subcommand_is_the_same_report(tmp_path: Path) -> 
     runner = CliRunner()
     before = runner.invoke(main, ["--config", str(cfg), "--json", "status"])
     after = runner.invoke(main, ["status", "--json", "--config", str(cfg)])
-    assert before.exit_code == after.exit_code == 0, (before.output, after.output)
+    assert before.exit_code == after.exit_code == 22, (before.output, after.output)
     a, b = json.loads(before.output), json.loads(after.output)
     assert a.keys() == b.keys() and a["active_backend"] is None and a["config"] == b["config"]
     c1 = runner.invoke(main, ["--config", str(cfg), "--json", "check", "--no-files"])

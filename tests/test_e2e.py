@@ -178,6 +178,50 @@ def test_status_names_the_boot_enabled_backend_after_switches(installed, systemd
         assert {n: sd.is_enabled(f"{n}.service") for n in units} == {n: u["enabled"] for n, u in units.items()}
 
 
+def test_status_exit_code_and_metrics_follow_the_box(installed, systemd_sandbox):
+    """status exits 0 while a backend serves; each switch rewrites the metrics file (valid exposition format)
+    naming the backend it left serving; llama-server serves its own /metrics; the serving backend stopped behind
+    deploytool's back: status exits 22 (not serving) and `deploytool metrics` says deploytool_serving 0."""
+    import urllib.request
+
+    from tests.test_metrics import parse, value
+
+    prom = installed.parent / "demo-root/var/lib/deploytool/deploytool.prom"
+    port = yaml.safe_load(installed.read_text())["serve"]["port"]
+    r = dt(installed, "status")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("verdict   SERVING (exit 0)"), r.stdout
+    t0 = time.time()
+    r = dt(installed, "switch", "llamacpp")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stdout + r.stderr
+    fams = parse(prom.read_text())
+    assert value(fams, "active_backend", backend="llamacpp-tensor") == 1
+    assert value(fams, "active_backend", backend="ftllm-dflash") == 0
+    assert value(fams, "serving") == 1 and value(fams, "status_code") == 0
+    assert value(fams, "last_gate_success") == 1
+    assert t0 - 1 <= value(fams, "last_gate_timestamp_seconds") <= time.time()
+    assert value(fams, "release_info", release=state(installed)["release"]) == 1
+    assert value(fams, "drift", backend="llamacpp-tensor") == 0 and value(fams, "operation_pending") == 0
+    assert prom.stat().st_mode & 0o777 == 0o644
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        own = resp.read().decode()
+    assert "# TYPE llamacpp:" in own and "llamacpp:prompt_tokens_total" in own, own[:400]
+    systemd_sandbox.systemd.stop("llamacpp-tensor.service")
+    r = dt(installed, "status")
+    assert r.returncode == 22, r.stdout + r.stderr
+    assert "NOT-SERVING (exit 22): llamacpp-tensor is inactive/dead" in r.stdout, r.stdout
+    js = dt(installed, "--json", "status")
+    assert js.returncode == 22 and json.loads(js.stdout)["verdict"]["state"] == "not-serving"
+    m = dt(installed, "metrics")
+    assert m.returncode == 0, m.stdout + m.stderr
+    assert value(parse(m.stdout), "serving") == 0 and value(parse(m.stdout), "status_code") == 22
+    r = dt(installed, "switch", "ftllm")
+    assert r.returncode == 0, r.stdout + r.stderr
+    fams = parse(prom.read_text())
+    assert value(fams, "active_backend", backend="ftllm-dflash") == 1 and value(fams, "serving") == 1
+    assert dt(installed, "status").returncode == 0
+
+
 def test_locked_switch_names_the_holder_and_changes_nothing(installed, systemd_sandbox):
     """A switch while another deploytool holds the lock: exit 12 naming that process's operation and pid (in
     text and --json), and nothing changes."""

@@ -124,3 +124,20 @@ def test_env_pairs_are_compared_key_by_key(tmp_path: Path) -> None:
         install.check_config_matches(box, _packed(tmp_path, _cfg(tmp_path, extra_env, "packed.yaml")), "r1")
     assert ei.value.details == {"differences": ["backends.ftllm-dflash.env.DEPLOYTOOL_TEST_RELEASE"]}
     assert 'backends.ftllm-dflash.env.DEPLOYTOOL_TEST_RELEASE: bundle "b", here (unset)' in ei.value.message
+
+
+def test_the_metrics_file_is_the_boxs_own(tmp_path: Path) -> None:
+    """paths.metrics_file names no file of the bundle: a box may write its metrics elsewhere, and a bundle packed
+    before the key existed (no paths.metrics_file in its config.json) still installs."""
+    box = _cfg(tmp_path)
+    packed = json.loads(resolved_config_json(box))
+    packed["paths"]["metrics_file"] = "/var/lib/node_exporter/textfile_collector/deploytool.prom"
+    (tmp_path / "other.json").write_text(json.dumps(packed))
+    install.check_config_matches(box, tmp_path / "other.json", "r1")
+    del packed["paths"]["metrics_file"]
+    (tmp_path / "older.json").write_text(json.dumps(packed))
+    install.check_config_matches(box, tmp_path / "older.json", "r1")
+    packed["paths"]["root"] = "/srv/elsewhere"  # the other paths are still compared
+    (tmp_path / "moved.json").write_text(json.dumps(packed))
+    with pytest.raises(BundleError):
+        install.check_config_matches(box, tmp_path / "moved.json", "r1")

@@ -429,9 +429,11 @@ def check_os_libraries(cfg: Config, release: Path) -> None:
 # Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
 # packing machine and the box without changing anything the box runs. Every other key reaches the box (unit and
 # env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
+# (paths.metrics_file is the box's own: no unit or env file names it, and a bundle packed before it existed
+# must still install.)
 PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
                   "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
-                  "bundle.nccl.library", "bundle.nccl.force", "systemd")
+                  "bundle.nccl.library", "bundle.nccl.force", "systemd", "paths.metrics_file")
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:

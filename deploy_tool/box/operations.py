@@ -5,20 +5,26 @@ This is the one module that knows both install and switch: it hands each the `fi
 kind, so neither imports the other (the lock and the finishing are `Store.locked`). With dry_run, each returns
 its plan (lock, finishing, then its own steps) instead of acting.
 
+After each operation that ran (whatever its outcome, unless another operation held the lock), the metrics file is
+rewritten (deploy_tool.box.metrics.refresh: best effort, never fails the operation).
+
 Imports: install (the bundle, archive and venv machinery: ~55 ms on top of what a switch loads) is imported
 only for an install or to undo an interrupted one, so that a switch does not pay for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from deploy_tool.box import metrics
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.state import State, Step, Store
 from deploy_tool.box.switch import Switcher, SwitchResult, planned
 from deploy_tool.config import Config
+from deploy_tool.errors import LockedError
 
 if TYPE_CHECKING:
     from deploy_tool.box.install import InstallResult
@@ -58,17 +64,36 @@ def _switcher(cfg: Config, sd: systemd_mod.Systemd, log: Log) -> Switcher:
     return Switcher(cfg, log=log, sd=sd, finish=lambda st: finish(cfg, st, sd=sd, log=log))
 
 
+@contextlib.contextmanager
+def _then_metrics(cfg: Config, sd: systemd_mod.Systemd | None, dry_run: bool) -> Iterator[None]:
+    """Rewrite the metrics file once the operation ran (not after a dry run, nor when the lock was refused:
+    the holder writes them when it is done)."""
+    try:
+        yield
+    except LockedError:
+        raise
+    except Exception:  # a failed or rolled-back operation changed the box too (a kill or ^C writes nothing)
+        if not dry_run:
+            metrics.refresh(cfg, sd=sd, quiet=True)
+        raise
+    if not dry_run:
+        metrics.refresh(cfg, sd=sd)
+
+
 def switch(cfg: Config, backend: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
            log: Log = _quiet, sd: systemd_mod.Systemd | None = None) -> SwitchResult:
     """`deploytool switch BACKEND`: exit 0 switched (or already active), 10 rolled back, 11 rollback failed."""
-    return _switcher(cfg, sd or systemd_mod.for_config(cfg), log).switch(backend, dry_run=dry_run, wait=wait,
-                                                                       reason=reason)
+    sd = sd or systemd_mod.for_config(cfg)
+    with _then_metrics(cfg, sd, dry_run):
+        return _switcher(cfg, sd, log).switch(backend, dry_run=dry_run, wait=wait, reason=reason)
 
 
 def rollback(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log = _quiet,
              sd: systemd_mod.Systemd | None = None) -> SwitchResult:
     """`deploytool rollback`: switch back to the previous backend through the same gate."""
-    return _switcher(cfg, sd or systemd_mod.for_config(cfg), log).rollback(dry_run=dry_run, wait=wait)
+    sd = sd or systemd_mod.for_config(cfg)
+    with _then_metrics(cfg, sd, dry_run):
+        return _switcher(cfg, sd, log).rollback(dry_run=dry_run, wait=wait)
 
 
 def recover(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log = _quiet,
@@ -82,7 +107,8 @@ def recover(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log =
             return planned(st, st.active_backend or "", [Step("noop", "nothing to recover")])
         steps = store.lock_steps(replace(st, operation=None)) + recover_steps(cfg, st, sd=sd, log=log)
         return planned(st, st.operation.to_backend or "", steps)
-    return _switcher(cfg, sd, log).recover(wait=wait)  # its `finish` knows every kind
+    with _then_metrics(cfg, sd, dry_run):
+        return _switcher(cfg, sd, log).recover(wait=wait)  # its `finish` knows every kind
 
 
 def install(cfg: Config, bundle: str | None, *, keys_dir: str | None = None, rebuild: bool = False,
@@ -94,6 +120,7 @@ def install(cfg: Config, bundle: str | None, *, keys_dir: str | None = None, reb
     if dry_run:
         return install_mod.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, dry_run=True, start=start)
     sd = sd or systemd_mod.for_config(cfg)
-    return install_mod.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, start=start, log=log,
-                               progress=progress, sd=sd, wait=wait,
-                               finish=lambda st: finish(cfg, st, sd=sd, log=log))
+    with _then_metrics(cfg, sd, dry_run):
+        return install_mod.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, start=start, log=log,
+                                   progress=progress, sd=sd, wait=wait,
+                                   finish=lambda st: finish(cfg, st, sd=sd, log=log))

@@ -1,4 +1,16 @@
-"""`deploytool status` and `history`: what runs, how it is, and what happened, for people and for machines."""
+"""`deploytool status` and `history`: what runs, how it is, and what happened, for people and for machines.
+
+`status` ends with a verdict and exits with its code, like `systemctl is-active`, so a monitor can act on the
+code alone (the worst situation found wins):
+  0   serving as recorded: the active backend's unit is active, it answers its health check, every backend's
+      fingerprints match their pins, no operation is pending
+  20  degraded: it serves, but a backend's fingerprints drifted (or cannot be read), another backend's unit is
+      failed (the fallback would not come), the running process loaded something unpinned (--deep), or systemd
+      cannot be asked
+  21  pending: an interrupted install, switch or rollback awaits `deploytool recover` (an operation running now,
+      its holder alive, is not pending)
+  22  not serving: no active backend is recorded, its unit is not active, or it fails its health check
+"""
 
 from __future__ import annotations
 
@@ -13,10 +25,16 @@ from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.gate import api_key, base_url, runtime_truth
 from deploy_tool.box.state import Store
 from deploy_tool.config import Config
-from deploy_tool.errors import DeployError
+from deploy_tool.errors import DeployError, ExitCode
+
+# the verdict's states, by exit code
+STATES = {ExitCode.OK: "serving", ExitCode.DEGRADED: "degraded", ExitCode.PENDING: "pending",
+          ExitCode.NOT_SERVING: "not-serving"}
 
 
-def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
+def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = True) -> dict[str, Any]:
+    """Everything `status` shows, ending with its "verdict" (see the module doc). `sd`: the systemd driver
+    (default: the config's); boot=False leaves out each unit's boot enablement (the metrics do not show it)."""
     store = Store(cfg.paths.state_dir)
     st = store.load()
     cur = Path(cfg.paths.current)
@@ -25,17 +43,19 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
         "release": st.release, "previous_release": st.previous_release,
         "current": os.readlink(cur) if cur.is_symlink() else None,
         "interrupted": st.operation.__dict__ if st.operation else None,
+        "operation_running": bool(st.operation) and _holder_alive(store),
         "endpoint": base_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
         "events": store.history(5),
     }
     try:
-        sd = systemd_mod.for_config(cfg)
+        sd = sd or systemd_mod.for_config(cfg)
         for name in sorted(cfg.backends):
             b = cfg.backends[name]
             try:
                 u = sd.show(b.unit)
                 rep["units"][name] = {"active": u.active_state, "sub": u.sub_state, "result": u.result,
-                                      "enabled": boot_enablement(sd, b.unit), "main_pid": u.main_pid,
+                                      "enabled": boot_enablement(sd, b.unit) if boot else None,
+                                      "main_pid": u.main_pid,
                                       "restarts": u.n_restarts}
             except DeployError as exc:
                 rep["units"][name] = {"error": exc.message}
@@ -50,7 +70,55 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
             rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
+    code, reasons = verdict(rep)
+    rep["verdict"] = {"exit_code": int(code), "state": STATES[code], "reasons": reasons}
     return rep
+
+
+def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
+    """The exit code of `status` for the report `rep` (the worst situation found wins) and every reason found,
+    worst first. Pure: the report's fields only."""
+    active = rep.get("active_backend")
+    units = rep.get("units") or {}
+    down: list[str] = []
+    if not active:
+        down.append("no active backend is recorded")
+    else:
+        u = units.get(active)
+        if u is not None and "error" not in u and u.get("active") != "active":
+            down.append(f"{active} is {u.get('active')}/{u.get('sub')}")
+        if not (rep.get("health") or {}).get("ok"):
+            down.append(f"{active} fails its health check: {(rep.get('health') or {}).get('detail')}")
+    pending: list[str] = []
+    op = rep.get("interrupted")
+    if op and not rep.get("operation_running"):
+        pending.append(f"an interrupted {op.get('kind')} (step {op.get('step')}) awaits `deploytool recover`")
+    degraded: list[str] = []
+    if rep.get("systemd_error"):
+        degraded.append(f"systemd cannot be asked: {rep['systemd_error']}")
+    for name, u in sorted(units.items()):
+        if "error" in u:
+            degraded.append(f"{name}: {u['error']}")
+        elif name != active and u.get("active") == "failed":
+            degraded.append(f"{name} is failed ({u.get('result')}): it cannot take over")
+    for name, fp in sorted((rep.get("fingerprints") or {}).items()):
+        if not fp.get("ok"):
+            what = fp.get("error") or ", ".join(d.get("label", "?") for d in fp.get("drift") or []) or "drifted"
+            degraded.append(f"{name} drifted from its pins: {what}")
+    rt = rep.get("runtime")
+    if rt and rt.get("failures"):
+        degraded.append(f"{active} loaded something unpinned: {rt['failures'][0]}")
+    code = (ExitCode.NOT_SERVING if down else ExitCode.PENDING if pending else ExitCode.DEGRADED if degraded
+            else ExitCode.OK)
+    return code, down + pending + degraded
+
+
+def _holder_alive(store: Store) -> bool:
+    """Whether a live deploytool holds the lock (an operation running now, not one a kill left behind)."""
+    try:
+        return store.holder() is not None
+    except DeployError:
+        return False
 
 
 def boot_enablement(sd: Any, unit: str) -> str:
@@ -99,15 +167,25 @@ def format_status(rep: dict[str, Any]) -> str:
     def ok(flag: bool) -> str:
         return click.style("ok", fg="green") if flag else click.style("FAIL", fg="red", bold=True)
 
-    lines = [f"config    {rep['config']}",
+    v = rep.get("verdict")
+    lines = []
+    if v:
+        color = "green" if v["exit_code"] == 0 else "red" if v["exit_code"] == ExitCode.NOT_SERVING else "yellow"
+        head = click.style(f"{v['state'].upper()} (exit {v['exit_code']})", fg=color, bold=v["exit_code"] != 0)
+        lines.append(f"verdict   {head}" + (f": {'; '.join(v['reasons'])}" if v["reasons"] else ""))
+    lines += [f"config    {rep['config']}",
              f"serving   {rep['model_name']!r} at {rep['endpoint']}  health: {ok(rep['health']['ok'])} "
              f"({rep['health']['detail']})",
              f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}",
              f"release   {rep['release'] or '(none)'}   current -> {rep['current'] or '-'}"]
     if rep.get("interrupted"):
         op = rep["interrupted"]
-        lines.append(click.style(f"INTERRUPTED {op['kind']} {op.get('from_backend')} -> {op.get('to_backend')} at "
-                                 f"step {op['step']} (pid {op['pid']}): run `deploytool recover`", fg="yellow"))
+        if rep.get("operation_running"):
+            lines.append(click.style(f"IN PROGRESS {op['kind']} {op.get('from_backend')} -> {op.get('to_backend')} "
+                                     f"at step {op['step']} (pid {op['pid']})", fg="yellow"))
+        else:
+            lines.append(click.style(f"INTERRUPTED {op['kind']} {op.get('from_backend')} -> {op.get('to_backend')} "
+                                     f"at step {op['step']} (pid {op['pid']}): run `deploytool recover`", fg="yellow"))
     if rep.get("systemd_error"):
         lines.append(click.style(f"systemd: {rep['systemd_error']}", fg="red"))
     lines.append("units")

@@ -79,12 +79,14 @@ def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: 
       deploytool pack                        a signed, reproducible, offline bundle in artifacts/
       deploytool install                     set up this box from the bundle, start the default backend
       deploytool switch llamacpp             swap backends behind a health gate, rolling back on failure
-      deploytool status / history            what runs, what happened
+      deploytool status / history            what runs (exit 0 only when serving), what happened
+      deploytool metrics                     the same for Prometheus (node_exporter textfile format)
 
     \b
     Exit codes: 0 ok, 2 usage, 3 config, 4 check failed, 5 input file, 6 bundle, 7 drift, 8 systemd,
     9 health, 10 rolled back, 11 rollback failed, 12 locked, 13 state, 14 install, 15 sandbox,
-    16 missing tool, 17 OS, 18 runtime truth, 19 performance, 70 internal bug.
+    16 missing tool, 17 OS, 18 runtime truth, 19 performance, 70 internal bug; `status` alone: 20 degraded,
+    21 interrupted operation pending, 22 not serving.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     _set_logging(verbose, debug)  # only ours: the `sh` library logs every line at DEBUG

@@ -144,14 +144,77 @@ def _emit_switch(ctx: Ctx, res) -> None:
 
 @click.command()
 @click.option("--deep", is_flag=True, help="Also read what the running process loaded and its capacity log lines.")
+@click.option("--metrics-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write the Prometheus metrics of this report to this file (atomically).")
 @pass_ctx
-def status(ctx: Ctx, deep: bool) -> None:
-    """Active backend, release, unit states, health, fingerprints, interrupted operation, last events."""
+def status(ctx: Ctx, deep: bool, metrics_file: Path | None) -> None:
+    """Active backend, release, unit states, health, fingerprints, interrupted operation, last events.
+
+    \b
+    Exits with the box's state, like `systemctl is-active` (the worst found wins):
+      0   serving as recorded (active unit up, health check ok, no drift, nothing pending)
+      20  degraded: serving, but fingerprints drifted, another backend's unit is failed, the process loaded
+          something unpinned (--deep), or systemd cannot be asked
+      21  pending: serving, but an interrupted operation awaits `deploytool recover`
+      22  not serving: no active backend, its unit is not active, or its health check fails
+    Errors keep their own codes (3 config, 5 input, 13 state, ...).
+    """
     from deploy_tool.box import status as st_mod
 
     cfg = ctx.load_config()
     rep = st_mod.collect(cfg, deep=deep)
+    if metrics_file is not None:
+        from deploy_tool.box import metrics
+        from deploy_tool.box.state import Store
+
+        _write_metrics(metrics_file, metrics.render(cfg, rep, Store(cfg.paths.state_dir).history()))
     ctx.emit(rep, st_mod.format_status(rep))
+    code = rep["verdict"]["exit_code"]
+    if code:
+        sys.exit(code)
+
+
+@click.command("metrics")
+@click.option("--write", "write_", is_flag=True, help="Write them to paths.metrics_file instead of printing.")
+@click.option("--out", "-o", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Write them to this file instead of printing.")
+@pass_ctx
+def metrics_cmd(ctx: Ctx, write_: bool, out: Path | None) -> None:
+    """The box's Prometheus metrics (node_exporter textfile format): print, or write them atomically.
+
+    \b
+    Install, switch, rollback and recover rewrite paths.metrics_file themselves; run `deploytool metrics --write`
+    from a timer to keep deploytool_serving fresh between operations. Exit 0 whatever the box's state (the
+    metrics carry it: deploytool_serving, deploytool_status_code).
+    """
+    from deploy_tool.box import metrics
+    from deploy_tool.errors import InputError
+
+    cfg = ctx.load_config()
+    if write_ and out is not None:
+        raise InputError("--write and --out both name where to write", hint="pass one of them")
+    target = out
+    if write_:
+        if not cfg.paths.metrics_file:
+            raise InputError(f"paths.metrics_file is off in {cfg.source_path}",
+                             hint="set paths.metrics_file, or pass --out PATH")
+        target = Path(cfg.paths.metrics_file)
+    text, _ = metrics.collect_text(cfg)
+    if target is None:
+        click.echo(text, nl=False)
+        return
+    _write_metrics(target, text)
+    ctx.emit({"wrote": str(target)}, f"wrote {target}")
+
+
+def _write_metrics(target: Path, text: str) -> None:
+    from deploy_tool.box import metrics
+    from deploy_tool.errors import InputError
+
+    if not target.parent.is_dir():
+        raise InputError(f"cannot write the metrics to {target}: its directory does not exist",
+                         hint="create it (node_exporter's --collector.textfile.directory), or name another path")
+    metrics.write(target, text)
 
 
 @click.command()
@@ -184,4 +247,4 @@ def rebuild(ctx: Ctx, bundle: str, offline: bool, keys_dir: str | None, python: 
         sys.exit(7)
 
 
-COMMANDS = [lock, pack, install, switch, rollback, recover, status, history, rebuild]
+COMMANDS = [lock, pack, install, switch, rollback, recover, status, metrics_cmd, history, rebuild]
