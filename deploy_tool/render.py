@@ -39,6 +39,7 @@ from deploy_tool.textsafe import describe, q, unsafe_char
 
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
 SECRETS_ENV = "secrets.env"
+FAILOVER_TEMPLATE = "deploytool-failover@.service"  # the template unit each backend's OnFailure= starts
 API_KEY_VAR = "DEPLOYTOOL_API_KEY"
 
 
@@ -292,6 +293,7 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
     """The unit and the env file of one backend. Every value the templates print went through the escaping
     function of the syntax it lands in, with the key path it came from (see Escaped)."""
     key = f"backends.{b.name}"
+    fo = cfg.supervision.failover
     own = dict(b.env)
     env_lines = [env_quote(k, v, f"{key}.env.{k}" if k in own else f"{key} (environment {k})")
                  for k, v in backend_env(cfg, b)]
@@ -309,6 +311,9 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
         gpus=[int(g) for g in cfg.host.gpus] if b.device == "cuda" else [],
         timeout_start=int(b.start_timeout_s or cfg.health.start_timeout_s),
         user=None if cfg.serve.user == "dynamic" else user_name(cfg.serve.user, "serve.user"),
+        start_limit_burst=int(fo.start_limit_burst), start_limit_interval=int(fo.start_limit_interval_s),
+        # %N: this unit's name without ".service" (the backend's name) becomes the failover unit's instance
+        on_failure=Escaped(FAILOVER_TEMPLATE.replace("@", "@%N")) if fo.enabled else None,
     )
     unit = _render("backend.service.j2", **ctx)
     envf = _render("backend.env.j2", version=ctx["version"], unit=ctx["unit"], lines=env_lines)
@@ -316,11 +321,29 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
             RenderedFile(f"{b.name}.env", "env", envf, 0o644)]
 
 
+def failover_argv(cfg: Config) -> list[Arg]:
+    """`deploytool failover`'s command line in the failover unit, but its `--from %i` (see render_failover)."""
+    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "failover"]
+
+
+def render_failover(cfg: Config) -> RenderedFile:
+    """The template unit `deploytool-failover@.service` the backends' OnFailure= start (instance: the backend)."""
+    slowest = max(int(b.start_timeout_s or cfg.health.start_timeout_s) for b in cfg.backends.values())
+    ctx = dict(version=unit_text(__version__, "version"),
+               documentation=file_url(cfg.paths.config, "paths.config"),
+               # %i: the instance, i.e. the failed backend's name (a backend name needs no unescaping)
+               exec_start=Escaped(exec_line(failover_argv(cfg), "paths.deploytool (failover unit)") + " --from %i"),
+               timeout_start=slowest + int(cfg.health.smoke_timeout_s) + 300)
+    return RenderedFile(FAILOVER_TEMPLATE, "unit", _render("failover.service.j2", **ctx), 0o644)
+
+
 def render_all(cfg: Config) -> list[RenderedFile]:
-    """Every unit and env file for every backend, sorted by name."""
+    """Every unit and env file for every backend, and the failover unit when failover is on; sorted by name."""
     out: list[RenderedFile] = []
     for name in sorted(cfg.backends):
         out += render_backend(cfg, cfg.backends[name])
+    if cfg.supervision.failover.enabled:
+        out.append(render_failover(cfg))
     return sorted(out, key=lambda f: f.name)
 
 

@@ -1,4 +1,4 @@
-"""The box's operations, as `deploytool install/switch/rollback/recover` run them: each takes the state lock,
+"""The box's operations, as `deploytool install/switch/rollback/recover/failover` run them: each takes the state lock,
 finishes what an interrupted operation left (whatever its kind), then runs its own plan.
 
 This is the one module that knows both install and switch: it hands each the `finish` that recovers either
@@ -83,6 +83,17 @@ def recover(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log =
         steps = store.lock_steps(replace(st, operation=None)) + recover_steps(cfg, st, sd=sd, log=log)
         return planned(st, st.operation.to_backend or "", steps)
     return _switcher(cfg, sd, log).recover(wait=wait)  # its `finish` knows every kind
+
+
+def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocation: str | None = None,
+             log: Log = _quiet, sd: systemd_mod.Systemd | None = None) -> SwitchResult:
+    """`deploytool failover --from BACKEND` (the failover unit runs it): exit 0 failed over or skipped, 9 the
+    fallback failed too (both stay stopped)."""
+    from deploy_tool.box import failover as failover_mod  # only the failover unit runs it
+
+    sd = sd or systemd_mod.for_config(cfg)
+    return failover_mod.failover(cfg, from_backend, dry_run=dry_run, invocation=invocation, log=log, sd=sd,
+                                 finish=lambda st: finish(cfg, st, sd=sd, log=log))
 
 
 def install(cfg: Config, bundle: str | None, *, keys_dir: str | None = None, rebuild: bool = False,

@@ -11,7 +11,7 @@ import click
 from deploy_tool.box import fingerprint, health
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.gate import api_key, base_url, runtime_truth
-from deploy_tool.box.state import Store
+from deploy_tool.box.state import State, Store
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError
 
@@ -27,6 +27,7 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
         "interrupted": st.operation.__dict__ if st.operation else None,
         "endpoint": base_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
         "events": store.history(5),
+        "nothing_serving": nothing_serving(st),
     }
     try:
         sd = systemd_mod.for_config(cfg)
@@ -51,6 +52,16 @@ def collect(cfg: Config, *, deep: bool = False) -> dict[str, Any]:
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
     return rep
+
+
+def nothing_serving(st: State) -> str | None:
+    """The plain line after a failover that failed, while nothing is recorded active (deploy_tool.box.failover
+    keeps its last attempt in state.json's extra.failover)."""
+    last = st.extra.get("failover")
+    if st.active_backend is not None or not isinstance(last, dict) or last.get("result") != "failed":
+        return None
+    return (f"nothing serving: {last.get('from')} failed, failover to {last.get('to')} failed at {last.get('at')}"
+            + (f" ({last['error']})" if last.get("error") else ""))
 
 
 def boot_enablement(sd: Any, unit: str) -> str:
@@ -104,6 +115,8 @@ def format_status(rep: dict[str, Any]) -> str:
              f"({rep['health']['detail']})",
              f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}",
              f"release   {rep['release'] or '(none)'}   current -> {rep['current'] or '-'}"]
+    if rep.get("nothing_serving"):
+        lines.append(click.style(rep["nothing_serving"], fg="red", bold=True))
     if rep.get("interrupted"):
         op = rep["interrupted"]
         lines.append(click.style(f"INTERRUPTED {op['kind']} {op.get('from_backend')} -> {op.get('to_backend')} at "
