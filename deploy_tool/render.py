@@ -333,7 +333,8 @@ def render_failover(cfg: Config) -> RenderedFile:
                documentation=file_url(cfg.paths.config, "paths.config"),
                # %i: the instance, i.e. the failed backend's name (a backend name needs no unescaping)
                exec_start=Escaped(exec_line(failover_argv(cfg), "paths.deploytool (failover unit)") + " --from %i"),
-               timeout_start=slowest + int(cfg.health.smoke_timeout_s) + 300)
+               timeout_start=slowest + int(cfg.health.smoke_timeout_s) + 300,
+               state_dir=unit_path(cfg.paths.state_dir, "paths.state_dir"))
     return RenderedFile(FAILOVER_TEMPLATE, "unit", _render("failover.service.j2", **ctx), 0o644)
 
 

@@ -20,7 +20,7 @@ from deploy_tool.box.failover import decide, last_gate_passed, stopped_by_a_job
 from deploy_tool.box.state import State
 from deploy_tool.errors import DeployError, ExitCode
 from tests.support import fake_systemd as fs
-from tests.test_state_machine import F, FU, LU, Box, L, Outcome, assert_settled, no_real_sleep
+from tests.test_state_machine import FU, LU, Box, F, L, Outcome, assert_settled, no_real_sleep
 
 
 @pytest.fixture
@@ -216,10 +216,10 @@ def test_a_failover_of_a_failover_does_not_loop(box: Box) -> None:
 
 
 def test_the_window_is_configurable() -> None:
+    import tempfile
+
     from deploy_tool.box.failover import Failure
     from tests.support.configs import example_dict, load_dict, set_key
-
-    import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         data = example_dict("cpu-demo")

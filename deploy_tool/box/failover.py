@@ -27,6 +27,7 @@ extra.failover, which the window is counted from.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -152,10 +153,26 @@ def failover_steps(cfg: Config, st: State, f: Failure, fallback: Backend | None,
     return [guard, Step("journal-kept", f"keep {f.unit}'s last {JOURNAL_LINES} journal lines for history")] + steps
 
 
+def as_seen_from_here(cfg: Config) -> Config:
+    """`cfg` for this process: run by a unit of the sandbox the config targets (the failover unit is one), that
+    sandbox's systemd is this process's own (plain systemctl and journalctl, its PIDs as this process sees them)."""
+    sandbox = cfg.systemd.sandbox
+    if not sandbox:
+        return cfg
+    try:  # the sandbox's unit dir is bind-mounted over /etc/systemd/system inside it
+        a, b = os.stat("/etc/systemd/system"), os.stat(cfg.paths.unit_dir)
+    except OSError:
+        return cfg
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        return cfg
+    return replace(cfg, systemd=replace(cfg.systemd, sandbox=None))
+
+
 def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocation: str | None = None,
              log: Log = _quiet, sd: systemd_mod.Systemd | None = None,
              finish: Callable[[State], object] | None = None) -> SwitchResult:
-    """`deploytool failover --from BACKEND`: exit 0 failed over or skipped (recorded), 9 the fallback failed too."""
+    """`deploytool failover --from BACKEND`: exit 0 failed over or skipped (recorded), 9 the fallback failed too.
+    (`cfg` as_seen_from_here, `sd` and `finish` made of it: see deploy_tool.box.operations.)"""
     b = cfg.backend(from_backend.removesuffix(".service"))
     sd = sd or systemd_mod.for_config(cfg)
     store = Store(cfg.paths.state_dir)

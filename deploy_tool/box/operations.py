@@ -91,6 +91,7 @@ def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocatio
     fallback failed too (both stay stopped)."""
     from deploy_tool.box import failover as failover_mod  # only the failover unit runs it
 
+    cfg = failover_mod.as_seen_from_here(cfg)
     sd = sd or systemd_mod.for_config(cfg)
     return failover_mod.failover(cfg, from_backend, dry_run=dry_run, invocation=invocation, log=log, sd=sd,
                                  finish=lambda st: finish(cfg, st, sd=sd, log=log))
