@@ -198,21 +198,29 @@ def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocatio
 def _failover_locked(sw: Switcher, st: State, b: Backend, *, invocation: str | None) -> SwitchResult:
     cfg, sd, store, log = sw.cfg, sw.sd, sw.store, sw.log
     t0 = wall()
-    f = look(cfg, sd, b, invocation=invocation)
-    fallback, why = decide(cfg, st, f, store.history(), now=t0)
-    if fallback is None:
-        store.record(EVENT, result="skipped", from_backend=b.name, to_backend=st.previous_backend, reason=why,
-                     unit_state=f.active_state, unit_result=f.result)
-        log(f"no failover: {why}")
-        return SwitchResult(True, "skipped", b.name, "", message=f"no failover from {b.name}: {why}")
-    reason = f"failover: {f.unit} failed for good ({f.result or 'unknown'})"
-    log(f"{reason}; failing over to {fallback.name}")
-    steps = [s for s in failover_steps(cfg, st, f, fallback, "") if s.name not in ("guard", "journal-kept")]
-    attempt = {"at": now_iso(), "epoch": t0, "from": b.name, "to": fallback.name}
-    facts = SwitchFacts(cur=None, overlap=False, noop=False)
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="failover") as pool:
+        # the likely fallback's preflight only reads: it runs while the failed unit's journal is read (the guard's
+        # last look), and is waited for (or dropped) like a switch's
+        likely = cfg.backends.get(st.previous_backend or "")
+        early = (pool.submit(sw._preflight, likely) if likely is not None and st.active_backend == b.name
+                 and likely.name != b.name and cfg.supervision.failover.enabled else None)
+        f = look(cfg, sd, b, invocation=invocation)
+        fallback, why = decide(cfg, st, f, store.history(), now=t0)
+        if fallback is None:
+            if early is not None:
+                wait_all([early])
+            store.record(EVENT, result="skipped", from_backend=b.name, to_backend=st.previous_backend, reason=why,
+                         unit_state=f.active_state, unit_result=f.result)
+            log(f"no failover: {why}")
+            return SwitchResult(True, "skipped", b.name, "", message=f"no failover from {b.name}: {why}")
+        reason = f"failover: {f.unit} failed for good ({f.result or 'unknown'})"
+        log(f"{reason}; failing over to {fallback.name}")
+        steps = [s for s in failover_steps(cfg, st, f, fallback, "") if s.name not in ("guard", "journal-kept")]
+        facts = SwitchFacts(cur=None, overlap=False, noop=False)
         run = _FailoverRun(sw, pool, st, fallback, facts, action=EVENT, reason=reason)
-        run.failure, run.attempt = f, attempt
+        run.failure, run.attempt = f, {"at": now_iso(), "epoch": t0, "from": b.name, "to": fallback.name}
+        if early is not None and likely is fallback:
+            run.preflight = early
         return run.run(steps)
 
 

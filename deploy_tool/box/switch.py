@@ -508,8 +508,10 @@ class _SwitchRun:
         op = Operation(kind=self.action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
                        from_backend=self.cur_name, to_backend=self.target.name, release=self.st.release,
                        pid=os.getpid())
-        # the preflight only reads: it runs while the intent and its step are written (and fsynced)
-        self.preflight = self.pool.submit(self.sw._preflight, self.target)
+        # the preflight only reads: it runs while the intent and its step are written (and fsynced), unless the
+        # caller started it earlier still (a failover, while it reads the failed unit's journal)
+        if self.preflight is None:
+            self.preflight = self.pool.submit(self.sw._preflight, self.target)
         self.st = self.store.begin(self.st, op)
 
     def check(self) -> None:
