@@ -153,7 +153,8 @@ def main() -> int:
                    "failover_run_s": ev[-1].get("seconds"), "gate_ready_s": ev[-1].get("ready_s")}
             runs.append(row)
             say(f"  run {i + 1}: final failure to {F} serving {row['failure_to_serving_s']:.3f}s, its own ready "
-                f"{own:.3f}s, overhead {row['overhead_s']:.3f}s; from the last crash {row['last_crash_to_serving_s']:.1f}s")
+                f"{own:.3f}s, overhead {row['overhead_s']:.3f}s; from the last crash "
+                f"{row['last_crash_to_serving_s']:.1f}s")
     finally:
         if (d / "deploytool.yaml").exists() and sb.status().state == "up":
             Box(d / "deploytool.yaml").reset(Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir))

@@ -94,7 +94,8 @@ def last_gate_passed(history: list[dict[str, Any]], name: str) -> bool | None:
     return None
 
 
-def decide(cfg: Config, st: State, f: Failure, history: list[dict[str, Any]], *, now: float) -> tuple[Backend | None, str]:
+def decide(cfg: Config, st: State, f: Failure, history: list[dict[str, Any]], *,
+           now: float) -> tuple[Backend | None, str]:
     """The fallback to fail over to, or None and why not (the guard; pure)."""
     fo = cfg.supervision.failover
     if not fo.enabled:

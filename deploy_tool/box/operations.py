@@ -1,5 +1,5 @@
-"""The box's operations, as `deploytool install/switch/rollback/recover/failover` run them: each takes the state lock,
-finishes what an interrupted operation left (whatever its kind), then runs its own plan.
+"""The box's operations, as `deploytool install/switch/rollback/recover/failover` run them: each takes the state
+lock, finishes what an interrupted operation left (whatever its kind), then runs its own plan.
 
 This is the one module that knows both install and switch: it hands each the `finish` that recovers either
 kind, so neither imports the other (the lock and the finishing are `Store.locked`). With dry_run, each returns

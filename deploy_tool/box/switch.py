@@ -488,14 +488,14 @@ class _SwitchRun:
             if not changed:  # nothing was changed yet: the current backend keeps serving
                 self.store.save(replace(self.st, operation=None))
                 self.record(ok=False, from_backend=self.cur_name, to_backend=self.target.name,
-                                  outcome="refused", reason=exc.message, release=self.st.release)
+                            outcome="refused", reason=exc.message, release=self.st.release)
                 raise
             return self.roll_back(refused_by_check(exc, self.target.unit))
         assert self.gate is not None
         secs = time.monotonic() - self.t0
         self.record(ok=True, from_backend=self.cur_name, to_backend=self.target.name,
-                          outcome="switched", seconds=round(secs, 3), release=self.st.release, reason=self.reason,
-                          ready_s=round(self.gate.ready_s, 3))
+                    outcome="switched", seconds=round(secs, 3), release=self.st.release, reason=self.reason,
+                    ready_s=round(self.gate.ready_s, 3))
         return SwitchResult(True, "switched", self.cur_name, self.target.name, seconds=secs,
                             gate=self.gate.to_json(), message=f"{self.target.name} is serving "
                             f"{self.cfg.serve.model_name!r} on port {self.cfg.serve.port} ({secs:.1f}s)")
@@ -584,19 +584,19 @@ class _SwitchRun:
                     self.sd.disable(target.unit, reload=False)
             self.store.save(replace(st, operation=None, active_backend=None))
             self.record(ok=False, from_backend=None, to_backend=target.name, outcome="failed",
-                              reason=reason, journal_tail=journal[-4000:])
+                        reason=reason, journal_tail=journal[-4000:])
             raise HealthError(f"{target.name} did not become healthy: {exc.message}", hint=exc.hint)
         # the previous backend is enabled for boot again (if the gate had flipped it): it is what served
         exc2 = self.sw._restore(st, cur, self.pool, enable=restore_enablement)
         if exc2 is not None:
             self.record(ok=False, from_backend=cur.name, to_backend=target.name,
-                              outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],
-                              journal_tail=journal[-4000:])
+                        outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],
+                        journal_tail=journal[-4000:])
             raise RollbackFailed(f"{target.name} failed ({reason}) and the rollback to {cur.name} failed too: "
                                  f"{exc2.message}", hint="the box has no working backend: read `deploytool status` "
                                  f"and `journalctl -u {cur.unit}`") from None
         self.record(ok=False, from_backend=cur.name, to_backend=target.name,
-                          outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release)
+                    outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release)
         tail = "\n  ".join(journal.splitlines()[-8:])
         raise RolledBack(f"switch to {target.name} failed: {exc.message}\n{cur.name} was restored and is serving "
                          f"again" + (f"\n  {target.name} journal tail:\n  {tail}" if tail else ""),
