@@ -311,3 +311,15 @@ def test_the_last_gate_of_a_backend() -> None:
     assert last_gate_passed([ok, rolled], F) is False  # its last switch was rolled back
     assert last_gate_passed([ok, rolled], L) is True  # restored through the gate
     assert last_gate_passed([ok, rolled, skipped], F) is False
+
+
+def test_the_fallbacks_start_limit_is_reset_before_its_start(box: Box) -> None:
+    """A fallback started a few times within StartLimitIntervalSec= (switches back and forth, earlier failovers)
+    is reset before its start, as a switch resets its target: no refused start setting off its own OnFailure=."""
+    switched_to_l(box, fs.DIES_LOADING)
+    crash_loop(box, LU)
+    n = len(box.world.calls)
+    assert failover(box, L).action == "failed-over"
+    calls = [(c.method, c.args[:1]) for c in box.world.calls[n:] if c.method in ("reset_failed", "start")]
+    assert calls.index(("reset_failed", (FU,))) < calls.index(("start", (FU,)))
+    assert box.world.failed_for_good[-1][1] == LU

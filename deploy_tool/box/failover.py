@@ -38,7 +38,15 @@ from typing import Any
 
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.state import State, Step, Store, now_iso
-from deploy_tool.box.switch import Switcher, SwitchFacts, SwitchResult, _SwitchRun, planned, switch_plan
+from deploy_tool.box.switch import (
+    Switcher,
+    SwitchFacts,
+    SwitchResult,
+    _SwitchRun,
+    planned,
+    switch_plan,
+    together,
+)
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import DeployError, HealthError, LockedError
 
@@ -258,6 +266,12 @@ class _FailoverRun(_SwitchRun):
                        f"which serves {self.cfg.serve.model_name!r} on port {self.cfg.serve.port} "
                        f"({res.seconds:.1f}s)")
         return res
+
+    def check(self) -> None:
+        # meanwhile: clear the fallback's failed state and start-limit counter, as a switch does while it stops the
+        # current backend (a fallback started a few times within StartLimitIntervalSec= would otherwise be refused
+        # once, fail, and set off its own OnFailure= before the driver's retry)
+        together(self.pool, super().check, lambda: self.sw._quiet_reset(self.target.unit))
 
     def _settle(self, *, ok: bool, error: str = "") -> None:
         """state.json: the attempt (the window counts from it); after a failure, nothing recorded active."""
