@@ -94,6 +94,12 @@ TP = Range(1, 32, "GPUs one backend spans; a host has at most 32 (NV_MAX_DEVICES
 THREADS = Range(1, 4096, "CPU threads; 0 and negative values mean different things to each server (leave the "
                          "key out for the default)")
 MAX_BATCH = Range(1, 4096, "requests decoded together")
+FAILOVER_WINDOW_S = Range(0, 604800, "seconds during which a failover is not followed by another (0: no limit); a week "
+                                     "is the longest a box goes unwatched")
+START_LIMIT_BURST = Range(1, 100, "failed starts the unit's StartLimitBurst= allows before it fails for good (1: "
+                                  "the first crash already fails over)")
+START_LIMIT_INTERVAL_S = Range(1, 86400, "seconds; whole seconds become StartLimitIntervalSec= (0 would turn the "
+                                         "limit off, so a crash loop would never end in a failover)")
 CONTEXT = Range(64, 1 << 24, "tokens of KV cache: below 64 no chat fits, above 16777216 no model was trained (a "
                              "digit too many asks for terabytes)")
 
@@ -276,6 +282,30 @@ class HealthCfg:
                                             "baseline's tokens/s (`deploytool bench --save-baseline`), else the "
                                             "switch rolls back; null: off", rng=FRACTION,
                                             default=None)
+
+
+@dataclass(frozen=True)
+class FailoverCfg:
+    """supervision.failover: what happens when the active backend fails for good."""
+
+    enabled: bool = _doc("when the active backend fails for good (its restarts gave up: start_limit_burst starts "
+                         "within start_limit_interval_s), systemd runs `deploytool failover` (OnFailure=), which "
+                         "switches through the same health gate to the last backend that passed it; false: the "
+                         "units carry no OnFailure= and a failed backend stays failed", default=True)
+    window_s: float = _doc("at most one failover within this many seconds: a failover of a failover is not "
+                           "attempted (both stay stopped, and status says so)", rng=FAILOVER_WINDOW_S,
+                           default=3600.0)
+    start_limit_burst: int = _doc("starts a backend unit may make within start_limit_interval_s (StartLimitBurst=); "
+                                  "Restart=on-failure restarts it until then", rng=START_LIMIT_BURST, default=3)
+    start_limit_interval_s: float = _doc("the window of start_limit_burst (StartLimitIntervalSec=)",
+                                         rng=START_LIMIT_INTERVAL_S, default=1800.0)
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """supervision: what keeps the box serving between operations."""
+
+    failover: FailoverCfg = _doc("failover to the last good backend", default_factory=FailoverCfg)
 
 
 @dataclass(frozen=True)
@@ -479,6 +509,7 @@ class Config:
     systemd: SystemdCfg = _doc("how systemd is reached", default_factory=SystemdCfg)
     health: HealthCfg = _doc("the health gate", default_factory=HealthCfg)
     bundle: BundleCfg = _doc("what `pack` bundles", default_factory=BundleCfg)
+    supervision: Supervision = _doc("what keeps the box serving between operations", default_factory=Supervision)
     # not from YAML:
     source_path: str | None = None
     source_sha256: str | None = None
@@ -500,7 +531,8 @@ class Config:
         return [b for n, b in sorted(self.backends.items()) if n != name]
 
 
-_RAW_TOP = {"version", "default_backend", "backends", "host", "serve", "paths", "systemd", "health", "bundle"}
+_RAW_TOP = {"version", "default_backend", "backends", "host", "serve", "paths", "systemd", "health", "bundle",
+            "supervision"}
 
 
 def resolve_backend_name(cfg: Config, name: str) -> str:
@@ -767,7 +799,8 @@ def from_dict(raw: Any, *, source_path: str | None = None, source_sha256: str | 
             seen[a] = name
     cfg = Config(version=CONFIG_VERSION, default_backend=default, backends=types.MappingProxyType(backends),
                  host=parts.host, serve=parts.serve, paths=parts.paths, systemd=parts.systemd,
-                 health=parts.health, bundle=parts.bundle, source_path=source_path, source_sha256=source_sha256)
+                 health=parts.health, bundle=parts.bundle, supervision=parts.supervision, source_path=source_path,
+                 source_sha256=source_sha256)
     _refuse_unsafe_text(cfg, "")  # as written (before paths are resolved, which could fail on such text)
     cfg = _resolve_paths(cfg, raw)
     _refuse_unsafe_text(cfg, "")  # as resolved: the config's own directory is part of relative paths
@@ -891,6 +924,7 @@ class _ConfigRest:
     systemd: SystemdCfg = _doc("how systemd is reached", default_factory=SystemdCfg)
     health: HealthCfg = _doc("the health gate", default_factory=HealthCfg)
     bundle: BundleCfg = _doc("what `pack` bundles", default_factory=BundleCfg)
+    supervision: Supervision = _doc("what keeps the box serving between operations", default_factory=Supervision)
 
 
 # --------------------------------------------------------------------------------------------------------------

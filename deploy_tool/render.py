@@ -49,6 +49,7 @@ from deploy_tool.textsafe import describe, q, unsafe_char
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
 API_KEY_FILE = "api-key"  # the root-only copy of the key in paths.env_dir, and the credential's name
 LEGACY_SECRETS_ENV = "secrets.env"  # where older deploytools kept the key (as environment); install removes it
+FAILOVER_TEMPLATE = "deploytool-failover@.service"  # the template unit each backend's OnFailure= starts
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,7 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
     """The unit and the env file of one backend. Every value the templates print went through the escaping
     function of the syntax it lands in, with the key path it came from (see Escaped)."""
     key = f"backends.{b.name}"
+    fo = cfg.supervision.failover
     own = dict(b.env)
     env_lines = [env_quote(k, v, f"{key}.env.{k}" if k in own else f"{key} (environment {k})")
                  for k, v in backend_env(cfg, b)]
@@ -357,6 +359,9 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
         gpus=[int(g) for g in cfg.host.gpus] if b.device == "cuda" else [],
         timeout_start=int(b.start_timeout_s or cfg.health.start_timeout_s),
         user=None if cfg.serve.user == "dynamic" else user_name(cfg.serve.user, "serve.user"),
+        start_limit_burst=int(fo.start_limit_burst), start_limit_interval=int(fo.start_limit_interval_s),
+        # %N: this unit's name without ".service" (the backend's name) becomes the failover unit's instance
+        on_failure=Escaped(FAILOVER_TEMPLATE.replace("@", "@%N")) if fo.enabled else None,
     )
     unit = _render("backend.service.j2", **ctx)
     envf = _render("backend.env.j2", version=ctx["version"], unit=ctx["unit"], lines=env_lines)
@@ -364,11 +369,30 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
             RenderedFile(f"{b.name}.env", "env", envf, 0o644)]
 
 
+def failover_argv(cfg: Config) -> list[Arg]:
+    """`deploytool failover`'s command line in the failover unit, but its `--from %i` (see render_failover)."""
+    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "failover"]
+
+
+def render_failover(cfg: Config) -> RenderedFile:
+    """The template unit `deploytool-failover@.service` the backends' OnFailure= start (instance: the backend)."""
+    slowest = max(int(b.start_timeout_s or cfg.health.start_timeout_s) for b in cfg.backends.values())
+    ctx = dict(version=unit_text(__version__, "version"),
+               documentation=file_url(cfg.paths.config, "paths.config"),
+               # %i: the instance, i.e. the failed backend's name (a backend name needs no unescaping)
+               exec_start=Escaped(exec_line(failover_argv(cfg), "paths.deploytool (failover unit)") + " --from %i"),
+               timeout_start=slowest + int(cfg.health.smoke_timeout_s) + 300,
+               state_dir=unit_path(cfg.paths.state_dir, "paths.state_dir"))
+    return RenderedFile(FAILOVER_TEMPLATE, "unit", _render("failover.service.j2", **ctx), 0o644)
+
+
 def render_all(cfg: Config) -> list[RenderedFile]:
-    """Every unit and env file for every backend, sorted by name."""
+    """Every unit and env file for every backend, and the failover unit when failover is on; sorted by name."""
     out: list[RenderedFile] = []
     for name in sorted(cfg.backends):
         out += render_backend(cfg, cfg.backends[name])
+    if cfg.supervision.failover.enabled:
+        out.append(render_failover(cfg))
     return sorted(out, key=lambda f: f.name)
 
 

@@ -273,3 +273,43 @@ def test_a_bare_switcher_leaves_an_interrupted_install_to_recover(cfg: Config) -
     with pytest.raises(StateError, match="deploytool recover") as exc:
         switch.Switcher(cfg, sd=object()).recover_locked(st)  # type: ignore[arg-type]
     assert exc.value.exit_code == 13
+
+
+def test_failover(cfg: Config) -> None:
+    from deploy_tool.box import failover
+
+    st = State(active_backend=LL, previous_backend=FT, release="r1")
+    f = failover.Failure(LL, f"{LL}.service", "failed", "signal", False, "")
+    fallback, why = failover.decide(cfg, st, f, [], now=1e9)
+    assert fallback is not None and fallback.name == FT and why == ""
+    steps = Store(cfg.paths.state_dir).lock_steps(st) + failover.failover_steps(cfg, st, f, fallback, why)
+    assert rows(steps) == [
+        ("lock", "lock /var/lib/deploytool/lock"),
+        ("guard", f"check {LL}.service failed for good (the active backend, failed, no stop job, no failover "
+                  f"within 3600 s) and pick the last backend that passed the health gate"),
+        ("journal-kept", f"keep {LL}.service's last 40 journal lines for history"),
+        ("intent", f"record intent: failover {LL} -> {FT}"),
+        ("preflight", f"preflight {FT}: config checks, fingerprints (deploytool verify {FT})"),
+        ("starting-target", f"start {FT}.service once nothing answers on port 8082"),
+        ("gate", "health gate: ftllm readiness on port 8082, smoke completion as 'qwen38-27b-ud'"),
+        ("committing", f"commit: enable {FT}.service, disable the others, write state and history"),
+        ("rolling-back", f"on failure: stop {FT}.service, leave both stopped ({LL} enabled for boot again), state "
+                         "and status say nothing is serving, exit 9"),
+    ]
+    # the guard's refusals: the plan is the skip, recorded
+    stop = replace(f, stop_job=True)
+    fallback, why = failover.decide(cfg, st, stop, [], now=1e9)
+    assert fallback is None and "a deliberate stop" in why
+    assert rows(failover.failover_steps(cfg, st, stop, None, why))[-1] == (
+        "skip", f"record the failover as skipped, change nothing: {why}")
+    recent = replace(st, extra={"failover": {"epoch": 1e9 - 60, "from": FT, "to": LL, "result": "ok", "at": "t"}})
+    assert "at most one per 3600 s" in failover.decide(cfg, recent, f, [], now=1e9)[1]
+
+
+def test_recover_an_interrupted_failover(cfg: Config) -> None:
+    op = replace(_op("gate", kind="failover"))
+    st = State(active_backend=FT, release="r1", operation=op)
+    # the backend that failed for good is never started again: the fallback is stopped, nothing left running
+    assert rows(switch.recover_plan(cfg, st, target_running=True)) == [
+        ("stop-target", f"stop {LL}.service"),
+        ("leave-stopped", f"{FT} had failed: leave none running")]

@@ -1,5 +1,5 @@
-"""The box's operations, as `deploytool install/switch/rollback/recover` run them: each takes the state lock,
-finishes what an interrupted operation left (whatever its kind), then runs its own plan.
+"""The box's operations, as `deploytool install/switch/rollback/recover/failover` run them: each takes the state
+lock, finishes what an interrupted operation left (whatever its kind), then runs its own plan.
 
 This is the one module that knows both install and switch: it hands each the `finish` that recovers either
 kind, so neither imports the other (the lock and the finishing are `Store.locked`). With dry_run, each returns
@@ -109,6 +109,19 @@ def recover(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log =
         return planned(st, st.operation.to_backend or "", steps)
     with _then_metrics(cfg, sd, dry_run):
         return _switcher(cfg, sd, log).recover(wait=wait)  # its `finish` knows every kind
+
+
+def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocation: str | None = None,
+             log: Log = _quiet, sd: systemd_mod.Systemd | None = None) -> SwitchResult:
+    """`deploytool failover --from BACKEND` (the failover unit runs it): exit 0 failed over or skipped, 9 the
+    fallback failed too (both stay stopped)."""
+    from deploy_tool.box import failover as failover_mod  # only the failover unit runs it
+
+    cfg = failover_mod.as_seen_from_here(cfg)
+    sd = sd or systemd_mod.for_config(cfg)
+    with _then_metrics(cfg, sd, dry_run):  # failovers and what serves now reach the metrics at once
+        return failover_mod.failover(cfg, from_backend, dry_run=dry_run, invocation=invocation, log=log, sd=sd,
+                                     finish=lambda st: finish(cfg, st, sd=sd, log=log))
 
 
 def install(cfg: Config, bundle: str | None, *, keys_dir: str | None = None, rebuild: bool = False,

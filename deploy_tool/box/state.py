@@ -35,7 +35,7 @@ def now_iso() -> str:
 class Operation:
     """An operation in progress: written before acting, updated at each step, cleared on commit."""
 
-    kind: str  # "install" | "switch" | "rollback" | "recover"
+    kind: str  # "install" | "switch" | "rollback" | "recover" | "failover"
     op_id: str
     started: str
     step: str

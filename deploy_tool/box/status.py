@@ -23,7 +23,7 @@ import click
 from deploy_tool.box import fingerprint, health
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.gate import api_key, base_url, runtime_truth
-from deploy_tool.box.state import Store
+from deploy_tool.box.state import State, Store
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError, ExitCode
 
@@ -46,6 +46,7 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
         "operation_running": bool(st.operation) and _holder_alive(store),
         "endpoint": base_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
         "events": store.history(5),
+        "nothing_serving": nothing_serving(st),
     }
     try:
         sd = sd or systemd_mod.for_config(cfg)
@@ -121,6 +122,16 @@ def _holder_alive(store: Store) -> bool:
         return False
 
 
+def nothing_serving(st: State) -> str | None:
+    """The plain line after a failover that failed, while nothing is recorded active (deploy_tool.box.failover
+    keeps its last attempt in state.json's extra.failover)."""
+    last = st.extra.get("failover")
+    if st.active_backend is not None or not isinstance(last, dict) or last.get("result") != "failed":
+        return None
+    return (f"nothing serving: {last.get('from')} failed, failover to {last.get('to')} failed at {last.get('at')}"
+            + (f" ({last['error']})" if last.get("error") else ""))
+
+
 def boot_enablement(sd: Any, unit: str) -> str:
     """Whether systemd will start `unit` at the next boot: enabled, disabled, masked, static, not-found, ...
 
@@ -178,6 +189,8 @@ def format_status(rep: dict[str, Any]) -> str:
              f"({rep['health']['detail']})",
              f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}",
              f"release   {rep['release'] or '(none)'}   current -> {rep['current'] or '-'}"]
+    if rep.get("nothing_serving"):
+        lines.append(click.style(rep["nothing_serving"], fg="red", bold=True))
     if rep.get("interrupted"):
         op = rep["interrupted"]
         if rep.get("operation_running"):

@@ -190,7 +190,8 @@ def recover_plan(cfg: Config, st: State, *, target_running: bool) -> list[Step]:
     op = st.operation
     assert op is not None and op.kind != "install"
     target = _recover_target(cfg, op)
-    prev = cfg.backends.get(op.from_backend or "")
+    # a failover's from_backend had failed for good: it is not started again, whatever the fallback does
+    prev = None if op.kind == "failover" else cfg.backends.get(op.from_backend or "")
     state = str(Store(cfg.paths.state_dir).state_path)
     if op.step in CHANGES_NOTHING:
         return [Step("nothing-changed", f"clear the interrupted {op.kind} (step {op.step}): it had changed nothing",
@@ -202,7 +203,8 @@ def recover_plan(cfg: Config, st: State, *, target_running: bool) -> list[Step]:
         when = "if the gate fails"
     steps.append(Step("stop-target", f"stop {target.unit}", (target.unit,), when=when))
     if prev is None:
-        steps.append(Step("leave-stopped", "no backend served before: leave none running", (state,), when=when))
+        why = f"{op.from_backend} had failed" if op.kind == "failover" else "no backend served before"
+        steps.append(Step("leave-stopped", f"{why}: leave none running", (state,), when=when))
     else:
         steps.append(Step("restart-previous", f"start {prev.unit} through the health gate, enable it for boot "
                           "(the others disabled), write state", (prev.unit, state), when=when))
@@ -485,25 +487,31 @@ class _SwitchRun:
                 wait_all([self.preflight])
             if not changed:  # nothing was changed yet: the current backend keeps serving
                 self.store.save(replace(self.st, operation=None))
-                self.store.record(self.action, ok=False, from_backend=self.cur_name, to_backend=self.target.name,
-                                  outcome="refused", reason=exc.message, release=self.st.release)
+                self.record(ok=False, from_backend=self.cur_name, to_backend=self.target.name,
+                            outcome="refused", reason=exc.message, release=self.st.release)
                 raise
             return self.roll_back(refused_by_check(exc, self.target.unit))
         assert self.gate is not None
         secs = time.monotonic() - self.t0
-        self.store.record(self.action, ok=True, from_backend=self.cur_name, to_backend=self.target.name,
-                          outcome="switched", seconds=round(secs, 3), release=self.st.release, reason=self.reason,
-                          ready_s=round(self.gate.ready_s, 3))
+        self.record(ok=True, from_backend=self.cur_name, to_backend=self.target.name,
+                    outcome="switched", seconds=round(secs, 3), release=self.st.release, reason=self.reason,
+                    ready_s=round(self.gate.ready_s, 3))
         return SwitchResult(True, "switched", self.cur_name, self.target.name, seconds=secs,
                             gate=self.gate.to_json(), message=f"{self.target.name} is serving "
                             f"{self.cfg.serve.model_name!r} on port {self.cfg.serve.port} ({secs:.1f}s)")
+
+    def record(self, **fields: Any) -> None:
+        """The operation's one history event (a failover writes its own: see deploy_tool.box.failover)."""
+        self.store.record(self.action, **fields)
 
     def intent(self) -> None:
         op = Operation(kind=self.action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
                        from_backend=self.cur_name, to_backend=self.target.name, release=self.st.release,
                        pid=os.getpid())
-        # the preflight only reads: it runs while the intent and its step are written (and fsynced)
-        self.preflight = self.pool.submit(self.sw._preflight, self.target)
+        # the preflight only reads: it runs while the intent and its step are written (and fsynced), unless the
+        # caller started it earlier still (a failover, while it reads the failed unit's journal)
+        if self.preflight is None:
+            self.preflight = self.pool.submit(self.sw._preflight, self.target)
         self.st = self.store.begin(self.st, op)
 
     def check(self) -> None:
@@ -575,20 +583,20 @@ class _SwitchRun:
                 with contextlib.suppress(DeployError):
                     self.sd.disable(target.unit, reload=False)
             self.store.save(replace(st, operation=None, active_backend=None))
-            self.store.record(self.action, ok=False, from_backend=None, to_backend=target.name, outcome="failed",
-                              reason=reason, journal_tail=journal[-4000:])
+            self.record(ok=False, from_backend=None, to_backend=target.name, outcome="failed",
+                        reason=reason, journal_tail=journal[-4000:])
             raise HealthError(f"{target.name} did not become healthy: {exc.message}", hint=exc.hint)
         # the previous backend is enabled for boot again (if the gate had flipped it): it is what served
         exc2 = self.sw._restore(st, cur, self.pool, enable=restore_enablement)
         if exc2 is not None:
-            self.store.record(self.action, ok=False, from_backend=cur.name, to_backend=target.name,
-                              outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],
-                              journal_tail=journal[-4000:])
+            self.record(ok=False, from_backend=cur.name, to_backend=target.name,
+                        outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],
+                        journal_tail=journal[-4000:])
             raise RollbackFailed(f"{target.name} failed ({reason}) and the rollback to {cur.name} failed too: "
                                  f"{exc2.message}", hint="the box has no working backend: read `deploytool status` "
                                  f"and `journalctl -u {cur.unit}`") from None
-        self.store.record(self.action, ok=False, from_backend=cur.name, to_backend=target.name,
-                          outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release)
+        self.record(ok=False, from_backend=cur.name, to_backend=target.name,
+                    outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release)
         # the gate's message may carry the target's journal tail already: the same lines are not printed twice
         lines = journal.splitlines()[-8:]
         tail = "" if not lines or lines[-1] in exc.message else "\n  ".join(lines)

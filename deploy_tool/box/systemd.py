@@ -442,8 +442,19 @@ def for_config(cfg: object) -> Systemd:
         from deploy_tool.box.sandbox_handle import SandboxHandle
 
         sb = SandboxHandle(scfg.sandbox)
+        if _inside(sb.unit_dir):  # run by a unit of that sandbox (the failover unit): its systemd is ours
+            return Systemd(("systemctl",), ("journalctl",), unit_dir)
         return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)
     return Systemd(scfg.systemctl, scfg.journalctl, unit_dir)
+
+
+def _inside(sandbox_unit_dir: Path) -> bool:
+    """True in a process of the sandbox whose unit dir this is: it is bind-mounted over /etc/systemd/system there."""
+    try:
+        a, b = os.stat("/etc/systemd/system"), os.stat(sandbox_unit_dir)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _settled(read: Callable[[], str]) -> str:

@@ -1,4 +1,4 @@
-"""lock, pack, install, switch, rollback, recover, status, history, rebuild.
+"""lock, pack, install, switch, rollback, recover, failover, status, history, rebuild.
 
 Imports: each command imports what it runs inside its function, so that every command's start pays only for its
 own modules (the CLI loads all commands to parse one). install, switch, rollback and recover run through
@@ -134,6 +134,31 @@ def recover(ctx: Ctx) -> None:
     _emit_switch(ctx, operations.recover(cfg, dry_run=ctx.dry_run, log=_log(ctx)))
 
 
+@click.command()
+@click.option("--from", "from_backend", required=True, metavar="BACKEND",
+              help="The backend that failed (the failover unit passes its instance, %i).")
+@pass_ctx
+def failover(ctx: Ctx, from_backend: str) -> None:
+    """Fail over from a backend that failed for good to the last one that passed the health gate.
+
+    \b
+    Run by systemd (deploytool-failover@BACKEND.service, the backend units' OnFailure=). Guarded: it acts only
+    when BACKEND is the active one and its unit failed (not stopped by someone), no other operation holds the
+    lock and no failover ran within supervision.failover.window_s; otherwise it records why and changes nothing.
+    Exit 0 failed over or skipped, 9 the fallback failed too (both stay stopped).
+    """
+    import os
+
+    from deploy_tool.box import operations
+
+    cfg = ctx.load_config()
+    # systemd hands the OnFailure= unit the run that failed
+    unit = os.environ.get("MONITOR_UNIT", "")
+    inv = os.environ.get("MONITOR_INVOCATION_ID") if unit.removesuffix(".service") == from_backend else None
+    _emit_switch(ctx, operations.failover(cfg, from_backend, dry_run=ctx.dry_run, invocation=inv or None,
+                                          log=_log(ctx)))
+
+
 def _emit_switch(ctx: Ctx, res) -> None:
     """A switch, rollback or recover: its plan under --dry-run, else its message."""
     if res.action == "planned":
@@ -247,4 +272,4 @@ def rebuild(ctx: Ctx, bundle: str, offline: bool, keys_dir: str | None, python: 
         sys.exit(7)
 
 
-COMMANDS = [lock, pack, install, switch, rollback, recover, status, metrics_cmd, history, rebuild]
+COMMANDS = [lock, pack, install, switch, rollback, recover, failover, status, metrics_cmd, history, rebuild]

@@ -13,7 +13,9 @@ model name, dying during the smoke completion, slow or hanging on stop. A starte
 on 127.0.0.1:serve.port (llama-server: port open at once, /health 503 until ready; ftllm: port closed until
 ready), so the gate (health, portwait) runs unchanged against real sockets. Units with `--await-port` in their
 ExecStartPre run the real portwait.await_port against the world's processes; Conflicts= stops the other unit;
-Restart=on-failure restarts a crashed unit RestartSec later; TimeoutStopSec= ends a hanging stop with SIGKILL.
+Restart=on-failure restarts a crashed unit RestartSec later, until StartLimitBurst= starts within
+StartLimitIntervalSec= (then the unit fails for good, and one with OnFailure= is noted in `failed_for_good`: a
+test runs what systemd would start); TimeoutStopSec= ends a hanging stop with SIGKILL.
 
 Time is virtual: every retry policy sleeps through `World.sleep` (deploy_tool.retry test mode), which moves the
 world's clock and runs what was due (a server becoming ready, a crash, a stop finishing, a restart).
@@ -175,6 +177,7 @@ class Unit:
     invocation_id: str = ""
     proc: Process | None = None
     restart_token: int = 0  # a scheduled restart runs only if this is unchanged
+    start_times: list[float] = field(default_factory=list)  # for StartLimitBurst= (reset by reset-failed)
     stop_done: float = 0.0  # when a queued stop ends (virtual time)
 
     def next_behaviour(self) -> Behaviour:
@@ -216,6 +219,8 @@ class World:
         self.kills: list[str] = []
         #: (method, unit) -> the error systemctl prints: that driver call fails (e.g. ("enable", "x.service"))
         self.failing: dict[tuple[str, str | None], str] = {}
+        #: (when, unit) each time a unit with OnFailure= failed for good (its restarts gave up)
+        self.failed_for_good: list[tuple[float, str]] = []
 
     # ------------------------------------------------------------------ setting up
 
@@ -403,6 +408,7 @@ class World:
                         self._stop(self.units[other])
         b = u.next_behaviour()
         u.restart_token += 1
+        u.start_times.append(self.now)
         u.invocation_id = uuid.uuid4().hex
         u.result = "success"
         u.exec_main_code = u.exec_main_status = 0
@@ -470,10 +476,35 @@ class World:
 
         def restart() -> None:
             if u.restart_token == token and u.sub_state == "auto-restart":
+                self.log(u, f"Stopped {u.name} - {u.backend}.")
+                if self._start_limit_hit(u):
+                    return
                 u.n_restarts += 1
                 self._start(u, wait=False)
 
         self.at(RESTART_S, restart)
+
+    def _start_limit_hit(self, u: Unit) -> bool:
+        """StartLimitBurst= starts within StartLimitIntervalSec= (from the unit file): the restart is refused, the
+        unit fails for good, and systemd would start its OnFailure= unit now (recorded in `failed_for_good`)."""
+        burst, interval = 0, 0.0
+        for line in self.unit_text(u).splitlines():
+            k, _, v = line.partition("=")
+            if k == "StartLimitBurst":
+                burst = int(v)
+            elif k == "StartLimitIntervalSec":
+                interval = float(v)
+        recent = [t for t in u.start_times if t > self.now - interval]
+        if not burst or not interval or len(recent) < burst:
+            return False
+        self.log(u, f"{u.name}: Start request repeated too quickly.")
+        self.log(u, f"{u.name}: Failed with result '{u.result}'.")
+        self.log(u, f"Failed to start {u.name} - {u.backend}.")
+        self._set(u, "failed", "failed")
+        if "OnFailure=" in self.unit_text(u):
+            self.log(u, f"{u.name}: Triggering OnFailure= dependencies.")
+            self.failed_for_good.append((self.now, u.name))
+        return True
 
     def _die(self, u: Unit, proc: Process, *, status: int | None = None, sig: int | None = -1,
              words: str | None = None) -> None:
@@ -634,6 +665,7 @@ class FakeSystemd(Systemd):
         w = self.world
         with w.lock:
             for u in ([w.unit(validate_unit_name(unit))] if unit else list(w.units.values())):
+                u.start_times.clear()  # reset-failed resets the start-limit counter too
                 if u.active_state == "failed":
                     w._set(u, "inactive", "dead", result="success")
 
