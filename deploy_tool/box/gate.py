@@ -57,12 +57,25 @@ def snapshot(sd: Systemd, unit: str, seen: list[str] | None = None) -> health.Un
 
 
 def _snapshot(st: Any, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:
+    if getattr(st, "job", "") and st.active_state in ("inactive", "failed", "deactivating"):
+        # a start queued with --no-block that has not begun (the state, and the invocation, are still the last
+        # run's): not dead, not started yet
+        return health.UnitSnapshot(active_state="activating", sub_state="queued", name=unit)
     if seen is not None and st.invocation_id and not seen:
         seen.append(st.invocation_id)  # the first invocation the gate watched: the start it is gating
     code = {1: "exited", 2: "killed", 3: "dumped"}.get(st.exec_main_code, "")
     return health.UnitSnapshot(active_state=st.active_state, sub_state=st.sub_state, result=st.result,
                                exec_main_status=st.exec_main_status if code else None, exec_main_code=code,
                                name=unit)
+
+
+def queue_start(sd: Systemd, unit: str, *, restart: bool = False) -> None:
+    """Start `unit` for the gate to watch: the job is queued, not waited for (it lasts until the unit's
+    ExecStartPost sees the server ready, up to TimeoutStartSec=); `restart`: stop it first (and wait for that),
+    so the gate never probes the server of the run before."""
+    if restart:
+        sd.stop(unit)
+    sd.start(unit, no_block=True, past_start_limit=True)
 
 
 class UnitWatch:
@@ -204,8 +217,37 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
                                 details={"reason": "runtime-truth", "runtime": truth})
     for w in truth.get("warnings", []):
         on_event(f"{b.name}: warning: {w}")
+    await_start_job(sd, b.unit, timeout=b.start_timeout_s or cfg.health.start_timeout_s,
+                    interval=cfg.health.interval_s)
     report.total_s = time.monotonic() - t0
     return report
+
+
+class _Starting(Exception):
+    pass
+
+
+def await_start_job(sd: Systemd, unit: str, *, timeout: float, interval: float) -> None:
+    """Once the gate has passed: wait until the unit's start job has ended (its ExecStartPost saw the server ready
+    too, so the unit is active and `systemctl is-active` says so when a switch returns); HealthError if the unit
+    fails meanwhile or is still starting after `timeout`. Free for a unit that is active already."""
+    from deploy_tool import retry  # already imported by the readiness wait
+
+    def look() -> Any:
+        st = sd.show(unit)
+        if st.active_state == "activating" and st.sub_state in ("start", "start-post"):
+            raise _Starting(st.sub_state)
+        return st
+
+    try:
+        st = retry.ready(timeout, interval, retry_on=_Starting)(look)
+    except _Starting:
+        raise HealthError(f"{unit} passed the gate but its start job has not ended after {timeout:g}s (its "
+                          "ExecStartPost readiness wait is still running)", hint=f"journalctl -u {unit}",
+                          details={"reason": "timeout"}) from None
+    if st.active_state != "active":
+        raise HealthError(f"{unit} passed the gate, then its start failed: {st.active_state}/{st.sub_state}, "
+                          f"result={st.result}", hint=f"journalctl -u {unit}", details={"reason": "unit-failed"})
 
 
 def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:
