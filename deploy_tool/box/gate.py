@@ -57,9 +57,11 @@ def snapshot(sd: Systemd, unit: str, seen: list[str] | None = None) -> health.Un
 
 
 def _snapshot(st: Any, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:
-    if getattr(st, "job", "") and st.active_state in ("inactive", "failed", "deactivating"):
+    if getattr(st, "job", "") and (st.active_state in ("inactive", "failed", "deactivating")
+                                   or st.sub_state == "auto-restart"):
         # a start queued with --no-block that has not begun (the state, and the invocation, are still the last
-        # run's): not dead, not started yet
+        # run's; on a unit waiting to be restarted by Restart=, systemd holds the start until that restart):
+        # not dead, not started yet
         return health.UnitSnapshot(active_state="activating", sub_state="queued", name=unit)
     if seen is not None and st.invocation_id and not seen:
         seen.append(st.invocation_id)  # the first invocation the gate watched: the start it is gating
