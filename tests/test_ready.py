@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,41 @@ def test_the_readiness_wait_never_probes_before_the_server_runs(models_server) -
     rep = health.wait_ready("ftllm", f"http://127.0.0.1:{port}", MODEL, timeout=2, interval=0.05,
                             unit_state=lambda: health.UnitSnapshot("activating", "start-post", name="u.service"))
     assert MODEL in rep.served_models
+
+
+def test_the_gate_sees_the_server_gone_while_the_readiness_wait_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server exits while systemd still waits for the unit's ExecStartPost (activating/start-post, its exit
+    status recorded): the gate's watch reads the unit as failed at once, not once the ExecStartPost has exited."""
+    import dataclasses
+
+    from deploy_tool.box import gate
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
+                             stdin=subprocess.PIPE)
+    running = dataclasses.replace(_unit_state("activating", "start-post", "7"), main_pid=child.pid)
+    gone = dataclasses.replace(running, exec_main_code=1, exec_main_status=3)
+    answers = [running, gone, gone]
+
+    class Sd:
+        def show(self, unit: str):
+            return answers.pop(0)
+
+    monkeypatch.setattr(gate, "_pidfd", lambda pid, unit: os.pidfd_open(pid))
+    watch = gate.UnitWatch(Sd(), "u.service", seen=[])  # type: ignore[arg-type]
+    try:
+        assert watch.state() is not None and watch.fd is not None  # first look: running, pidfd open
+        assert watch.state() is None  # alive: no systemctl round trip
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        snap = watch.state()
+        assert snap is not None and snap.dead and (snap.active_state, snap.result) == ("failed", "exit-code")
+        assert snap.exec_main_status == 3
+    finally:
+        watch.close()
+    # before systemd has the exit status, the unit's own state stands (looked at again next time)
+    still = gate._snapshot(running, "u.service")
+    assert not still.dead
 
 
 # ------------------------------------------------------------------------------------------------ sandbox part

@@ -298,3 +298,31 @@ def test_env_and_argv_round_trip_through_real_systemd(sandbox_env: Any, tmp_path
     got = json.loads(line.split("RT=", 1)[1])
     assert got["env"] == TRICKY_VALUES
     assert got["argv"] == args
+
+
+def test_gpu_lines_only_in_cuda_units(tmp_path: Path) -> None:
+    """Boot-safe GPU access: a cuda unit allows the NVIDIA devices by class (no path form), creates the nodes of
+    host.gpus before start and is ordered after nvidia-persistenced; a cpu unit has none of it. Every unit ends
+    its start with the readiness wait (ExecStartPost await-ready, as root)."""
+    for ex in config.EXAMPLES:
+        cfg = load_dict(tmp_path / ex, example_dict(ex))
+        for f in render.render_all(cfg):
+            if f.kind != "unit":
+                continue
+            b = cfg.backends[f.name.removesuffix(".service")]
+            lines = f.content.splitlines()
+            allow = [ln for ln in lines if ln.startswith("DeviceAllow=")]
+            modprobe = [ln for ln in lines if "nvidia-modprobe" in ln and not ln.startswith("#")]
+            after = [ln for ln in lines if ln.startswith("After=")]
+            assert f"ExecStartPost=+{render.exec_line(render.await_ready_argv(cfg, b), 'x')}" in lines
+            assert "DevicePolicy=closed" in lines
+            if b.device == "cuda":
+                assert allow == [f"DeviceAllow={c} rwm" for c in render.NVIDIA_DEVICE_CLASSES]
+                assert modprobe == [f"ExecStartPre=-+{render.NVIDIA_MODPROBE} -u -c={g}" for g in cfg.host.gpus]
+                assert f"After={render.NVIDIA_PERSISTENCED}" in after
+                # the nodes are made before the drift check and the server
+                assert lines.index(modprobe[-1]) < next(i for i, ln in enumerate(lines)
+                                                         if ln.startswith("ExecStartPre=+"))
+            else:
+                assert allow == [] and modprobe == [] and after == ["After=network-online.target"]
+                assert "nvidia" not in f.content

@@ -4,6 +4,7 @@ After health, a switch may ask for the performance step (perf_gate): a short ben
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import time
@@ -107,6 +108,12 @@ class UnitWatch:
         st = self.sd.show(self.unit)
         self._last = time.monotonic()
         snap = _snapshot(st, self.unit, self.seen)
+        if self.fd is not None and self.exited and not snap.dead and snap.sub_state in ("start", "start-post") \
+                and snap.exec_main_code:
+            # the server's process is gone (systemd has its exit status) while systemd still waits for the unit's
+            # ExecStartPost (the readiness wait exits at once on it, but may still be starting up itself): dead
+            # now, as it will read once that has exited
+            return _main_gone(snap)
         if self.fd is None and not snap.dead and st.main_pid:
             try:
                 self.fd = _pidfd(self.to_host_pid(st.main_pid), self.unit)
@@ -125,6 +132,16 @@ class UnitWatch:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _main_gone(snap: health.UnitSnapshot) -> health.UnitSnapshot:
+    """A starting unit whose main process has exited, as it will read once systemd has failed the start."""
+    code, status = snap.exec_main_code, snap.exec_main_status
+    if code in ("killed", "dumped"):
+        return dataclasses.replace(snap, active_state="failed", sub_state="failed", result="signal")
+    if status:
+        return dataclasses.replace(snap, active_state="failed", sub_state="failed", result="exit-code")
+    return dataclasses.replace(snap, active_state="inactive", sub_state="dead", result="success")
 
 
 def _readable(fd: int, timeout: float) -> bool:
