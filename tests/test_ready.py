@@ -252,6 +252,14 @@ def _get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+def _get_refused(port: int) -> bool:
+    try:
+        _get(port, "/health")
+    except (urllib.error.URLError, ConnectionError):
+        return True
+    return False
+
+
 def _dropin(env, cfg: Path, text: str) -> Path:
     """A drop-in on llamacpp-tensor, pinned on purpose (a drop-in is drift to the units' ExecStartPre)."""
     d = env.unit_dir / f"{LU}.d"
@@ -282,6 +290,8 @@ def _sandboxed(fn):
 def test_systemctl_start_returns_once_the_port_serves(installed, systemd_sandbox) -> None:
     sd, port = systemd_sandbox.systemd, _port(installed)
     sd.stop(FU)
+    sd.stop(LU)
+    assert _get_refused(port)
     try:
         t0 = time.monotonic()
         sd.start(LU)  # plain `systemctl start`, waiting for the job
