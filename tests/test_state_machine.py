@@ -200,6 +200,10 @@ def assert_settled(box: Box, *, after_rollback_failed: bool = False) -> None:
             assert box.world.healthy() == set()
         return
     unit = f"{active}.service"
+    # the gate does not wait for the unit's own readiness wait (ExecStartPost): it ends moments later
+    assert box.world.units[unit].sub_state in ("running", "start-post")
+    with box.world.lock:
+        box.world.advance(fs.AWAIT_READY_LAG_S)
     assert box.world.active() == {unit}
     assert box.world.listening() == unit
     assert box.world.enabled() == {unit}

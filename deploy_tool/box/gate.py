@@ -236,37 +236,8 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
                                 details={"reason": "runtime-truth", "runtime": truth})
     for w in truth.get("warnings", []):
         on_event(f"{b.name}: warning: {w}")
-    await_start_job(sd, b.unit, timeout=b.start_timeout_s or cfg.health.start_timeout_s,
-                    interval=cfg.health.interval_s)
     report.total_s = time.monotonic() - t0
     return report
-
-
-class _Starting(Exception):
-    pass
-
-
-def await_start_job(sd: Systemd, unit: str, *, timeout: float, interval: float) -> None:
-    """Once the gate has passed: wait until the unit's start job has ended (its ExecStartPost saw the server ready
-    too, so the unit is active and `systemctl is-active` says so when a switch returns); HealthError if the unit
-    fails meanwhile or is still starting after `timeout`. Free for a unit that is active already."""
-    from deploy_tool import retry  # already imported by the readiness wait
-
-    def look() -> Any:
-        st = sd.show(unit)
-        if st.active_state == "activating" and st.sub_state in ("start", "start-post"):
-            raise _Starting(st.sub_state)
-        return st
-
-    try:
-        st = retry.ready(timeout, interval, retry_on=_Starting)(look)
-    except _Starting:
-        raise HealthError(f"{unit} passed the gate but its start job has not ended after {timeout:g}s (its "
-                          "ExecStartPost readiness wait is still running)", hint=f"journalctl -u {unit}",
-                          details={"reason": "timeout"}) from None
-    if st.active_state != "active":
-        raise HealthError(f"{unit} passed the gate, then its start failed: {st.active_state}/{st.sub_state}, "
-                          f"result={st.result}", hint=f"journalctl -u {unit}", details={"reason": "unit-failed"})
 
 
 def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:

@@ -121,6 +121,12 @@ def refused_by_check(exc: DeployError, unit: str, journal: str = "") -> DeployEr
     return exc
 
 
+def runs(st: systemd_mod.UnitState) -> bool:
+    """The unit's server runs: active, or still in its start with the server executed (its ExecStartPost, the
+    readiness wait, not done yet: a switch does not wait for that once its own gate has passed)."""
+    return st.is_active or (st.active_state == "activating" and st.sub_state in ("start", "start-post"))
+
+
 def together(pool: ThreadPoolExecutor, first: Callable[[], object], *others: Callable[[], object]) -> None:
     """Run the calls at the same time (the first on this thread: their waits release the GIL, so two systemctl
     round trips cost about one); once all have finished, raise the first error in argument order."""
@@ -280,7 +286,7 @@ class Switcher:
     # ------------------------------------------------------------------ plans, from what systemd reports
     def facts(self, st: State, target: Backend) -> SwitchFacts:
         # `show` only when the target is recorded active (the one round trip a plain switch does not need)
-        running = st.active_backend == target.name and self.sd.show(target.unit).is_active
+        running = st.active_backend == target.name and runs(self.sd.show(target.unit))
         return switch_facts(self.cfg, st, target, target_running=running, awaits_port=self._awaits_port(target))
 
     def plan(self, st: State, target: Backend, *, action: str = "switch") -> list[Step]:
@@ -289,7 +295,7 @@ class Switcher:
     def recover_steps(self, st: State) -> list[Step]:
         op = st.operation
         assert op is not None
-        running = op.step == "committing" and self.sd.show(_recover_target(self.cfg, op).unit).is_active
+        running = op.step == "committing" and runs(self.sd.show(_recover_target(self.cfg, op).unit))
         return recover_plan(self.cfg, st, target_running=running)
 
     # ------------------------------------------------------------------ switch
