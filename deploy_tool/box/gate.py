@@ -4,6 +4,7 @@ After health, a switch may ask for the performance step (perf_gate): a short ben
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import select
@@ -238,6 +239,25 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
         on_event(f"{b.name}: warning: {w}")
     report.total_s = time.monotonic() - t0
     return report
+
+
+class _Starting(Exception):
+    pass
+
+
+def await_start_job(sd: Systemd, unit: str, *, timeout: float, interval: float) -> None:
+    """Wait (at most `timeout`) until the unit's start job has ended: its ExecStartPost, the readiness wait, has
+    exited. The performance step waits for it so the wait's own start-up does not share the CPU with the
+    measured requests; a unit that is not starting costs one `systemctl show`."""
+    from deploy_tool import retry  # already imported by the readiness wait
+
+    def look() -> None:
+        st = sd.show(unit)
+        if st.active_state == "activating" and st.sub_state in ("start", "start-post"):
+            raise _Starting(st.sub_state)
+
+    with contextlib.suppress(_Starting):  # still starting at the timeout: measured anyway, the gate decides
+        retry.ready(timeout, interval, retry_on=_Starting)(look)
 
 
 def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:

@@ -328,8 +328,10 @@ class Switcher:
         frac = self.cfg.health.perf_gate_fraction
         if frac is None or not release:
             return
-        from deploy_tool.box.gate import perf_gate  # lazy: see the module's docstring
+        from deploy_tool.box.gate import await_start_job, perf_gate  # lazy: see the module's docstring
 
+        # the unit's own readiness wait ends moments after the gate: not measured alongside it
+        await_start_job(self.sd, target.unit, timeout=10.0, interval=self.cfg.health.interval_s)
         ok, figures, message = perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
         self.log(f"{target.name}: performance gate: {message}")
         if not ok:
