@@ -36,7 +36,14 @@ from deploy_tool.config import (
 )
 from deploy_tool.errors import DeployError, InputError
 from deploy_tool.gguf_header import GgufHeader
-from deploy_tool.render import backend_env, launch_argv, render_backend
+from deploy_tool.render import (
+    NVIDIA_DEVICE_CLASSES,
+    NVIDIA_MODPROBE,
+    NVIDIA_PERSISTENCED,
+    backend_env,
+    launch_argv,
+    render_backend,
+)
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -124,7 +131,8 @@ CATALOG: tuple[CheckInfo, ...] = (
               "field notes, pitfall 15"),
     CheckInfo("llamacpp-log-verbosity", "info", "llama-server's default verbosity logs no buffer sizes",
               "field notes, pitfall 16"),
-    CheckInfo("cuda-devices-not-allowed", "error", "CUDA_VISIBLE_DEVICES names GPUs the unit's DeviceAllow= denies",
+    CheckInfo("cuda-devices-not-allowed", "error", "CUDA_VISIBLE_DEVICES names GPUs outside host.gpus, whose nodes "
+              "the unit does not prepare",
               "config"),
     CheckInfo("extra-args-override", "error", "extra_args repeat a flag the unit already renders", "config"),
     CheckInfo("threads-beyond-cores", "warning", "more threads than this machine's CPUs", "config"),
@@ -140,6 +148,14 @@ CATALOG: tuple[CheckInfo, ...] = (
               "(PrivateTmp=, ProtectHome=) or closed to its DynamicUser", "config"),
     CheckInfo("os-library-missing", "error", "a native binary needs an OS library this machine lacks (ELF NEEDED)",
               "issue 13: llama-server needs libgomp.so.1 from the OS on a minimal Debian 12"),
+    CheckInfo("gpu-device-classes", "info", "the units allow the NVIDIA devices by class; which classes this "
+              "machine's driver registers now", "issue 16: boot can lose the GPU"),
+    CheckInfo("nvidia-uvm-not-at-boot", "warning", "nvidia-uvm is not loaded at boot, so its device class may not "
+              "resolve when a backend starts", "issue 16: boot can lose the GPU"),
+    CheckInfo("nvidia-modprobe-missing", "warning", "no nvidia-modprobe where the units run it before start",
+              "issue 16: boot can lose the GPU"),
+    CheckInfo("nvidia-persistenced-absent", "info", "no nvidia-persistenced.service for the units to start after",
+              "issue 16: boot can lose the GPU"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -1041,10 +1057,11 @@ def check_visible_devices_allowed(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
     denied = [v for v in visible if v.isdigit() and v not in allowed]
     if denied:
         yield _f("cuda-devices-not-allowed", "error", b.name,
-                 f"{where} names GPU {', '.join(denied)}, but the unit allows only /dev/nvidia{{"
-                 f"{','.join(sorted(allowed)) or ''}}} (DevicePolicy=closed, DeviceAllow= from host.gpus): the "
-                 f"server cannot open /dev/nvidia{denied[0]} (a running llama-server holds /dev/nvidiaN, "
-                 f"/dev/nvidiactl and /dev/nvidia-uvm open), so CUDA finds no such device",
+                 f"{where} names GPU {', '.join(denied)}, but the unit prepares only host.gpus /dev/nvidia{{"
+                 f"{','.join(sorted(allowed)) or ''}}} (its ExecStartPre nvidia-modprobe -c=N): /dev/nvidia"
+                 f"{denied[0]} may not exist when the server starts (after a cold boot it is made by whoever "
+                 f"opens it first, and the server's own lazy nvidia-modprobe is blocked by NoNewPrivileges=yes), "
+                 f"so CUDA can find no such device",
                  f"add {', '.join(denied)} to host.gpus, or drop CUDA_VISIBLE_DEVICES from backends.{b.name}.env")
         return
     if isinstance(b, FtllmBackend) and b.tp > len(visible):
@@ -1330,6 +1347,114 @@ def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
 BackendCheck = Callable[[_Ctx, Backend], Iterator[Finding]]
 BoxCheck = Callable[[_Ctx], Iterator[Finding]]
 
+# ----------------------------------------------------------------------------------------- boot-safe GPU access
+
+#: The root the GPU host checks read (/proc/devices, /dev, nvidia-modprobe, unit and modules-load.d dirs) under;
+#: tests point it at a fake host tree.
+HOST_ROOT = "/"
+_UNIT_DIRS = ("etc/systemd/system", "run/systemd/system", "usr/lib/systemd/system", "lib/systemd/system")
+_MODULES_LOAD = ("etc/modules-load.d", "run/modules-load.d", "usr/lib/modules-load.d", "lib/modules-load.d")
+
+
+def _host(path: str) -> Path:
+    return Path(HOST_ROOT) / path.lstrip("/")
+
+
+def _char_devices() -> set[str] | None:
+    """The character device names in /proc/devices (what systemd matches DeviceAllow=char-NAME against)."""
+    try:
+        text = _host("/proc/devices").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    names: set[str] = set()
+    section = ""
+    for line in text.splitlines():
+        if line.strip().endswith(":"):
+            section = line.strip()
+            continue
+        parts = line.split()
+        if section.startswith("Character") and len(parts) == 2 and parts[0].isdigit():
+            names.add(parts[1])
+    return names
+
+
+def _uvm_at_boot() -> str | None:
+    """Where nvidia-uvm is listed to be loaded at boot (a modules-load.d file, /etc/modules), or None."""
+    files = [p for d in _MODULES_LOAD if _host(d).is_dir() for p in sorted(_host(d).glob("*.conf"))]
+    files.append(_host("/etc/modules"))
+    for f in files:
+        try:
+            lines = f.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        if any(ln.split("#", 1)[0].strip() in ("nvidia-uvm", "nvidia_uvm") for ln in lines):
+            return "/" + str(f.relative_to(_host("/")))
+    return None
+
+
+def check_gpu_boot(ctx: _Ctx) -> Iterator[Finding]:
+    """Boot-safe GPU access of the cuda backends' units, on the machine that runs them (see the unit template):
+    the device classes the driver registers, nvidia-uvm loaded at boot, nvidia-modprobe where the units run it,
+    nvidia-persistenced to start after."""
+    cuda = sorted(b.name for b in ctx.cfg.backends.values() if b.device == "cuda")
+    if not cuda or not ctx.on_box:
+        return
+    who = ", ".join(cuda)
+    classes = " ".join(NVIDIA_DEVICE_CLASSES)
+    names = _char_devices()
+    if names is None:
+        seen = "/proc/devices cannot be read here"
+        found: list[str] = []
+    else:
+        found = [c for c in NVIDIA_DEVICE_CLASSES if c.removeprefix("char-") in names]
+        missing = [c for c in NVIDIA_DEVICE_CLASSES if c not in found]
+        seen = (f"/proc/devices lists {', '.join(c.removeprefix('char-') for c in found) or 'none of them'}"
+                + (f" (not {', '.join(c.removeprefix('char-') for c in missing)}: a name another driver "
+                   "version uses, or a module not loaded now)" if missing else ""))
+    yield _f("gpu-device-classes", "info", None,
+             f"the units of {who} allow the NVIDIA devices by class (DeviceAllow= {classes}, rwm), not by path: "
+             f"systemd resolves a path when the unit starts and silently drops one whose node does not exist yet "
+             f"(/dev/nvidia-uvm on a cold boot), while a class matches every node of that driver major; "
+             f"CUDA_VISIBLE_DEVICES (host.gpus) picks the cards. Here {seen}",
+             "nothing to do; at least the driver's main class (nvidia-frontend or nvidia) and nvidia-uvm must be "
+             "listed in /proc/devices when a backend starts")
+    uvm_now = names is not None and "nvidia-uvm" in names
+    boot = _uvm_at_boot()
+    if boot is None:
+        yield _f("nvidia-uvm-not-at-boot", "warning", None,
+                 f"nvidia-uvm is not listed in any modules-load.d file or /etc/modules, and it is "
+                 f"{'loaded now (by an earlier CUDA program or nvidia-modprobe)' if uvm_now else 'not loaded now'}: "
+                 f"systemd reads /proc/devices when it sets up the unit's cgroup, before any ExecStartPre, so on a "
+                 f"cold boot char-nvidia-uvm may resolve to nothing for {who}'s first start (the ExecStartPre's "
+                 f"nvidia-modprobe loads the module for the starts after it) and CUDA init fails",
+                 "load it at boot: echo nvidia-uvm > /etc/modules-load.d/nvidia-uvm.conf "
+                 "(systemd-modules-load.service runs before the backends)")
+    modprobe = _host(NVIDIA_MODPROBE)
+    if not (modprobe.is_file() and os.access(modprobe, os.X_OK)):
+        import shutil
+
+        elsewhere = shutil.which("nvidia-modprobe") if HOST_ROOT == "/" else None
+        nodes = ["/dev/nvidiactl", "/dev/nvidia-uvm", *(f"/dev/nvidia{int(g)}" for g in ctx.cfg.host.gpus)]
+        absent = [n for n in nodes if not _host(n).exists()]
+        yield _f("nvidia-modprobe-missing", "warning", None,
+                 f"{NVIDIA_MODPROBE} does not exist{f' ({elsewhere} does)' if elsewhere else ''}: the units of "
+                 f"{who} skip their ExecStartPre=-+{NVIDIA_MODPROBE} -u -c=N, so nothing loads nvidia-uvm and "
+                 f"creates the device nodes before the server starts, and CUDA's own lazy call of the setuid "
+                 f"nvidia-modprobe is blocked by NoNewPrivileges=yes: after a cold boot the server can fail CUDA "
+                 f"init. Now " + (f"missing: {', '.join(absent)}" if absent else f"all of {', '.join(nodes)} exist"),
+                 (f"add a drop-in ({cuda[0]}.service.d/nvidia.conf) with ExecStartPre=-+{elsewhere} -u -c=N per GPU"
+                  if elsewhere else "install nvidia-modprobe (Debian/Ubuntu: apt install nvidia-modprobe; it comes "
+                  "with NVIDIA's driver packages)") + ", or create the nodes at boot (NVIDIA's udev rules, "
+                 "nvidia-persistenced)")
+    if not any(_host(f"{d}/{NVIDIA_PERSISTENCED}").exists() for d in _UNIT_DIRS):
+        yield _f("nvidia-persistenced-absent", "info", None,
+                 f"no {NVIDIA_PERSISTENCED} is installed: the units' After={NVIDIA_PERSISTENCED} orders nothing "
+                 f"here (harmless), and without the daemon the driver is torn down whenever no program holds a GPU "
+                 f"and the device nodes are made only by whoever opens them first",
+                 "install and enable nvidia-persistenced (it ships with NVIDIA's driver packages): it keeps the "
+                 "driver initialised and creates /dev/nvidia0.. and /dev/nvidiactl at boot, before the backends")
+
+
 BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_device, check_cuda_graph, check_nccl, check_draft_tokens, check_fp8_kv_dflash, check_cuda_embedding,
     check_gpu_mem_ratio, check_chat_template_thinking, check_think, check_capacity, check_split_row, check_tensor,
@@ -1338,7 +1463,7 @@ BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_draft_unused, check_api_key_exposed,
 )
 BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_unit_visibility,
-                                    check_port_in_use, check_context_differs, check_os_libraries)
+                                    check_port_in_use, check_context_differs, check_os_libraries, check_gpu_boot)
 
 
 def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:

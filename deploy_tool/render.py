@@ -51,6 +51,16 @@ API_KEY_FILE = "api-key"  # the root-only copy of the key in paths.env_dir, and 
 LEGACY_SECRETS_ENV = "secrets.env"  # where older deploytools kept the key (as environment); install removes it
 FAILOVER_TEMPLATE = "deploytool-failover@.service"  # the template unit each backend's OnFailure= starts
 
+#: Where the NVIDIA driver installs nvidia-modprobe (Debian/Ubuntu, NVIDIA's own packages); a cuda unit's
+#: ExecStartPre runs it ("-": skipped on a host without it; `deploytool check` reports nvidia-modprobe-missing).
+NVIDIA_MODPROBE = "/usr/bin/nvidia-modprobe"
+#: The NVIDIA driver's device classes as /proc/devices names them (major 195 is "nvidia-frontend" in older drivers,
+#: "nvidia"/"nvidiactl" in newer ones; nvidia-uvm and nvidia-caps get dynamic majors when their module loads).
+NVIDIA_DEVICE_CLASSES = ("char-nvidia-frontend", "char-nvidia", "char-nvidiactl", "char-nvidia-uvm",
+                         "char-nvidia-caps")
+#: The ordering a cuda unit gets: nvidia-persistenced keeps the driver initialised and creates the nodes at boot.
+NVIDIA_PERSISTENCED = "nvidia-persistenced.service"
+
 
 @dataclass(frozen=True)
 class RenderedFile:
@@ -302,6 +312,19 @@ def verify_argv(cfg: Config, b: Backend) -> list[Arg]:
     return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "verify", b.name, "--await-port"]
 
 
+def nvidia_modprobe_argvs(cfg: Config, b: Backend) -> list[list[Arg]]:
+    """The ExecStartPre command lines that load nvidia-uvm and create /dev/nvidia-uvm, /dev/nvidiactl and the
+    node of each configured GPU before a cuda backend starts (none for a cpu backend)."""
+    if b.device != "cuda":
+        return []
+    return [[NVIDIA_MODPROBE, "-u", f"-c={int(g)}"] for g in cfg.host.gpus]
+
+
+def await_ready_argv(cfg: Config, b: Backend) -> list[Arg]:
+    # the ExecStartPost: the start job ends once the server answers (see cli await-ready)
+    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "await-ready", b.name]
+
+
 def _finalize(value: object) -> object:
     """What a template may print: Escaped text and integers; anything else is a template bug."""
     if isinstance(value, Escaped) or (type(value) is int):
@@ -351,6 +374,9 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
         conflicts=[unit_name(o.name) for o in cfg.other_backends(b.name)],
         exec_start=exec_line(launch_argv(cfg, b), f"{key} (ExecStart=)"),
         exec_start_pre=exec_line(verify_argv(cfg, b), f"{key} (ExecStartPre=)"),
+        exec_start_post=exec_line(await_ready_argv(cfg, b), f"{key} (ExecStartPost=)"),
+        nvidia_modprobe=[exec_line(a, f"{key} (ExecStartPre=)") for a in nvidia_modprobe_argvs(cfg, b)],
+        nvidia_classes=[Escaped(c) for c in NVIDIA_DEVICE_CLASSES] if b.device == "cuda" else [],
         env_file=unit_path(f"{cfg.paths.env_dir}/{b.name}.env", "paths.env_dir"),
         api_key_file=(unit_path(f"{cfg.paths.env_dir}/{API_KEY_FILE}", "paths.env_dir")
                       if cfg.serve.api_key_file else None),

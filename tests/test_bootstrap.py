@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -290,6 +291,9 @@ def test_backend_starts_with_the_bootstrapped_verifier(bootstrapped):
     r = on_box(f["box"], [tool, "--config", str(f["cfg"]), "switch", "ftllm"], netns=False)
     assert r.returncode == 0, r.stdout + r.stderr
     sd = f["env"].systemd
+    deadline = time.monotonic() + 60  # the switch's gate passed; the unit's own readiness wait ends moments later
+    while sd.show("ftllm-dflash.service").active_state == "activating" and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert sd.show("ftllm-dflash.service").active_state == "active"
     # the unit as systemd loaded it runs the bootstrapped deploytool before the server...
     show = subprocess.run(f["env"].sandbox.exec_argv("systemctl", "show", "-p", "ExecStartPre",

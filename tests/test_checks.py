@@ -179,7 +179,7 @@ CASES: list[Case] = [
      ["default verbosity (3)", "KV buffer size", "n_ctx_slot", "could not determine"]),
     ("visible-not-allowed", "two-2080ti",
      [(f"{LL}.env", {"GGML_CUDA_ALLREDUCE": "internal", "CUDA_VISIBLE_DEVICES": "0,2"})],
-     "cuda-devices-not-allowed", "error", ["GPU 2", "DeviceAllow=", "/dev/nvidia2"]),
+     "cuda-devices-not-allowed", "error", ["GPU 2", "host.gpus", "/dev/nvidia2", "nvidia-modprobe -c=N"]),
     ("tp-visible", "two-2080ti", [(f"{FT}.env", {"FASTLLM_CUDA_GRAPH": "0", "CUDA_VISIBLE_DEVICES": "0"})],
      "device-tp-gpus", "error", ["--tp 2 needs 2 GPUs", "CUDA_VISIBLE_DEVICES='0' leaves 1"]),
     ("extra-port", "cpu-demo", [(f"{LL}.extra_args", ["--port", "9000"])], "extra-args-override", "error",
@@ -270,7 +270,9 @@ def test_every_catalog_id_is_tested() -> None:
     """Every check id in the catalog appears in this file's bad cases or in a dedicated test below."""
     dedicated = {"ftllm-nccl-arch", "ftllm-nccl-unreadable", "model-config-unreadable", "template-patch-match",
                  "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable",
-                 "serve-port-in-use", "os-library-missing"}  # serve-port-in-use: test_checks_contradictions.py, a real listener
+                 "serve-port-in-use", "os-library-missing",  # serve-port-in-use: test_checks_contradictions.py, a real listener
+                 # test_checks_gpu_host.py, on a fake host tree:
+                 "gpu-device-classes", "nvidia-uvm-not-at-boot", "nvidia-modprobe-missing", "nvidia-persistenced-absent"}
     tested = {c[3] for c in CASES} | dedicated
     assert tested == checks.CHECK_IDS
 

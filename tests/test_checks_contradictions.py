@@ -124,7 +124,7 @@ def test_tensor_split_fires_exactly_when_one_device_remains(cfgs, host, env, dev
 @SETTINGS
 @given(host=GPU_IDS, env=GPU_IDS)
 def test_visible_devices_outside_device_allow_are_errors(cfgs, host, env):
-    """A backend's CUDA_VISIBLE_DEVICES naming a GPU id not in host.gpus (the unit's DeviceAllow=): an error
+    """A backend's CUDA_VISIBLE_DEVICES naming a GPU id not in host.gpus (whose nodes the unit prepares): an error
     naming exactly those; inside host.gpus: no such finding."""
     cfg = dataclasses.replace(cfgs["two-2080ti"], host=dataclasses.replace(cfgs["two-2080ti"].host,
                                                                            gpus=tuple(host)))

@@ -235,13 +235,18 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
     by_name = {f.name: f for f in render.render_all(cfg)}
     for name, b in sorted(cfg.backends.items()):
         unit = by_name[f"{name}.service"].content
-        argv = {"ExecStartPre": render.verify_argv(cfg, b), "ExecStart": render.launch_argv(cfg, b)}
+        argv = {"ExecStartPre": render.verify_argv(cfg, b), "ExecStart": render.launch_argv(cfg, b),
+                "ExecStartPost": render.await_ready_argv(cfg, b)}
         for a in argv.values():
             _stub(str(a[0]), root, stub)
         ds = _directives(unit)
         keys = [k for k, _ in ds]
         assert set(keys) <= set(TEMPLATE_KEYS), f"a directive the template does not have: {keys}"
-        assert [k for k in keys if k.startswith("Exec")] == ["ExecStartPre", "ExecStart"]
+        modprobe = render.nvidia_modprobe_argvs(cfg, b)  # first: the GPU nodes (cuda backends only)
+        assert [k for k in keys if k.startswith("Exec")] == \
+            ["ExecStartPre"] * (len(modprobe) + 1) + ["ExecStart", "ExecStartPost"]
+        pre = [v for k, v in ds if k == "ExecStartPre"]
+        assert [_exec_argv(v) for v in pre[:-1]] == [("-+", a) for a in modprobe]
         for k in ("Description", "Documentation", "Type", "User", "DynamicUser", "TimeoutStartSec"):
             assert keys.count(k) == (0 if (k, cfg.serve.user) in (("User", "dynamic"),) or (
                 k == "DynamicUser" and cfg.serve.user != "dynamic") else 1), (k, keys)
@@ -252,7 +257,7 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
         vals = dict(ds)
         for k, want in argv.items():
             prefix, got = _exec_argv(vals[k])
-            assert prefix == ("+" if k == "ExecStartPre" else "")
+            assert prefix == ("" if k == "ExecStart" else "+")
             assert got == want, f"{k}: systemd would run {got!r}, the config meant {want!r}"
         desc = vals["Description"]
         assert desc.replace("%%", "%") == (b.description or f"{b.kind} inference server {name}")
@@ -416,16 +421,17 @@ def test_real_systemd_runs_the_rendered_units_with_exactly_the_intended_argv_and
             sd.sync_journal()
             deadline = time.monotonic() + 15
             got: list[dict[str, Any]] = []
-            while len(got) < 2 and time.monotonic() < deadline:
+            while len(got) < 3 and time.monotonic() < deadline:
                 log = sd.journal(f"{name}.service", since_cursor=cursor)
                 got = [json.loads(ln.split("RT=", 1)[1]) for ln in log.splitlines() if "RT=" in ln]
-                time.sleep(0.1) if len(got) < 2 else None
-            assert len(got) == 2, log
+                time.sleep(0.1) if len(got) < 3 else None
+            assert len(got) == 3, log  # ExecStartPre, ExecStart, ExecStartPost
             want_env = dict(render.backend_env(cfg, b))
             cred = f"/run/credentials/{name}.service/api-key"
             shown = sandbox_env.run("systemctl", "show", "-p", "Description", "--value", f"{name}.service").stdout
             assert shown.rstrip("\n") == (b.description or f"{b.kind} inference server {name}")
-            for rec, argv in zip(got, (render.verify_argv(cfg, b), render.launch_argv(cfg, b)), strict=True):
+            for rec, argv in zip(got, (render.verify_argv(cfg, b), render.launch_argv(cfg, b),
+                                       render.await_ready_argv(cfg, b)), strict=True):
                 assert rec["argv"] == [cred if isinstance(a, render.Credential) else a for a in argv]
                 assert rec["env"] == want_env
                 has_cred = any(isinstance(a, render.Credential) for a in argv)

@@ -4,6 +4,8 @@ After health, a switch may ask for the performance step (perf_gate): a short ben
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import select
 import time
@@ -57,12 +59,27 @@ def snapshot(sd: Systemd, unit: str, seen: list[str] | None = None) -> health.Un
 
 
 def _snapshot(st: Any, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:
+    if getattr(st, "job", "") and (st.active_state in ("inactive", "failed", "deactivating")
+                                   or st.sub_state == "auto-restart"):
+        # a start queued with --no-block that has not begun (the state, and the invocation, are still the last
+        # run's; on a unit waiting to be restarted by Restart=, systemd holds the start until that restart):
+        # not dead, not started yet
+        return health.UnitSnapshot(active_state="activating", sub_state="queued", name=unit)
     if seen is not None and st.invocation_id and not seen:
         seen.append(st.invocation_id)  # the first invocation the gate watched: the start it is gating
     code = {1: "exited", 2: "killed", 3: "dumped"}.get(st.exec_main_code, "")
     return health.UnitSnapshot(active_state=st.active_state, sub_state=st.sub_state, result=st.result,
                                exec_main_status=st.exec_main_status if code else None, exec_main_code=code,
                                name=unit)
+
+
+def queue_start(sd: Systemd, unit: str, *, restart: bool = False) -> None:
+    """Start `unit` for the gate to watch: the job is queued, not waited for (it lasts until the unit's
+    ExecStartPost sees the server ready, up to TimeoutStartSec=); `restart`: stop it first (and wait for that),
+    so the gate never probes the server of the run before."""
+    if restart:
+        sd.stop(unit)
+    sd.start(unit, no_block=True, past_start_limit=True)
 
 
 class UnitWatch:
@@ -92,6 +109,12 @@ class UnitWatch:
         st = self.sd.show(self.unit)
         self._last = time.monotonic()
         snap = _snapshot(st, self.unit, self.seen)
+        if self.fd is not None and self.exited and not snap.dead and snap.sub_state in ("start", "start-post") \
+                and snap.exec_main_code:
+            # the server's process is gone (systemd has its exit status) while systemd still waits for the unit's
+            # ExecStartPost (the readiness wait exits at once on it, but may still be starting up itself): dead
+            # now, as it will read once that has exited
+            return _main_gone(snap)
         if self.fd is None and not snap.dead and st.main_pid:
             try:
                 self.fd = _pidfd(self.to_host_pid(st.main_pid), self.unit)
@@ -110,6 +133,16 @@ class UnitWatch:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _main_gone(snap: health.UnitSnapshot) -> health.UnitSnapshot:
+    """A starting unit whose main process has exited, as it will read once systemd has failed the start."""
+    code, status = snap.exec_main_code, snap.exec_main_status
+    if code in ("killed", "dumped"):
+        return dataclasses.replace(snap, active_state="failed", sub_state="failed", result="signal")
+    if status:
+        return dataclasses.replace(snap, active_state="failed", sub_state="failed", result="exit-code")
+    return dataclasses.replace(snap, active_state="inactive", sub_state="dead", result="success")
 
 
 def _readable(fd: int, timeout: float) -> bool:
@@ -206,6 +239,25 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
         on_event(f"{b.name}: warning: {w}")
     report.total_s = time.monotonic() - t0
     return report
+
+
+class _Starting(Exception):
+    pass
+
+
+def await_start_job(sd: Systemd, unit: str, *, timeout: float, interval: float) -> None:
+    """Wait (at most `timeout`) until the unit's start job has ended: its ExecStartPost, the readiness wait, has
+    exited. The performance step waits for it so the wait's own start-up does not share the CPU with the
+    measured requests; a unit that is not starting costs one `systemctl show`."""
+    from deploy_tool import retry  # already imported by the readiness wait
+
+    def look() -> None:
+        st = sd.show(unit)
+        if st.active_state == "activating" and st.sub_state in ("start", "start-post"):
+            raise _Starting(st.sub_state)
+
+    with contextlib.suppress(_Starting):  # still starting at the timeout: measured anyway, the gate decides
+        retry.ready(timeout, interval, retry_on=_Starting)(look)
 
 
 def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:

@@ -58,6 +58,10 @@ REASONS: dict[str, str] = {
 
 STRAY_THINK = "</think>"
 DEAD_ACTIVE_STATES = frozenset({"failed", "inactive", "deactivating"})
+#: A unit in these sub-states has not executed its server yet: its start job is queued ("queued": what
+#: deploytool's gate reports for a unit with a start job still waiting), or it runs its condition checks or
+#: ExecStartPre (systemd's "condition", "start-pre").
+NOT_STARTED_SUB_STATES = frozenset({"queued", "condition", "start-pre"})
 DEAD_SUB_STATES = frozenset({"failed", "exited", "dead", "auto-restart", "stop", "stop-sigterm",
                              "stop-sigkill", "final-sigterm", "final-sigkill"})
 
@@ -235,14 +239,26 @@ def _with_journal(message: str, journal: str | None) -> str:
 
 
 def _check_unit(kind: str, base: str, unit_state: Callable[[], UnitSnapshot | None] | None,
-                journal_tail: Callable[[], str] | None) -> None:
-    """Raise unit-failed / unit-exited (with the journal tail) if the server's unit is dead now."""
+                journal_tail: Callable[[], str] | None, *, not_started_yet: bool = True) -> None:
+    """Raise unit-failed / unit-exited (with the journal tail) if the server's unit is dead now; with
+    `not_started_yet`, _NotReady while its server has not been executed yet (a queued start job, its
+    ExecStartPre): whatever answers on the port then is not this unit's server (a switch's previous backend)."""
     if unit_state is None:
         return
     snap = unit_state()
-    if snap is None or not snap.dead:
+    if snap is None:
+        return
+    if not snap.dead and snap.sub_state in NOT_STARTED_SUB_STATES and not_started_yet:
+        raise _NotReady(f"{snap.name or 'the unit'} has not started its server yet ({snap.describe()})")
+    if not snap.dead:
         return
     who = snap.name or "the server's unit"
+    if snap.result == "timeout" and snap.exec_main_code != "exited":
+        journal = _journal(journal_tail)
+        raise _fail("timeout", _with_journal(f"{kind} at {base} not ready: {who} ran out of its start timeout "
+                                             f"(TimeoutStartSec=) and systemd stopped it: {snap.describe()}", journal),
+                    hint="raise the backend's start timeout if the model is large, or read the server's log",
+                    unit=snap.name or None, state=snap.describe(), journal_tail=journal)
     exited = snap.active_state == "inactive" or snap.sub_state in ("exited", "dead")
     clean = snap.exec_main_code in ("", "exited") and snap.exec_main_status == 0
     reason = "unit-exited" if exited and snap.result in ("", "success") else "unit-failed"
@@ -252,7 +268,8 @@ def _check_unit(kind: str, base: str, unit_state: Callable[[], UnitSnapshot | No
     raise _fail(reason, _with_journal(f"{who} stopped before {kind} at {base} was ready: "
                                       f"{snap.describe()}{note}", journal),
                 hint="read the journal tail above; fix the cause, then start it again",
-                unit=snap.name or None, state=snap.describe(), journal_tail=journal)
+                unit=snap.name or None, state=snap.describe(), journal_tail=journal,
+                exec_main=snap.exec_main_code or None)
 
 
 def _probe(kind: str, base: str, model_name: str, *, api_key: str | None, timeout: float,
@@ -327,7 +344,7 @@ def wait_ready(
                                 timeout=max(0.05, min(request_timeout, poll.left())))
     except _NotReady as exc:
         # deadline passed: one last look at the unit gives the better message if it died meanwhile
-        check_unit()
+        _check_unit(kind, base, unit_state, journal_tail, not_started_yet=False)
         journal = _journal(journal_tail)
         raise _fail("timeout", _with_journal(
             f"{kind} at {base} not ready after {timeout:g}s ({attempts} attempts; last: {exc.observed})",

@@ -38,7 +38,7 @@ from deploy_tool import archive, binaries, proc, venv
 from deploy_tool import bundle as bundle_mod
 from deploy_tool.box import bootstrap, fingerprint
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.gate import api_key, run_gate
+from deploy_tool.box.gate import api_key, queue_start, run_gate
 from deploy_tool.box.state import Operation, State, Step, Store, now_iso
 from deploy_tool.config import Config, expand
 from deploy_tool.errors import (
@@ -369,8 +369,8 @@ def _undo(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, undo: _
         sd.daemon_reload()
     prev = st.active_backend
     if prev and prev in cfg.backends and st.release:
-        with contextlib.suppress(DeployError):
-            sd.start(cfg.backends[prev].unit, past_start_limit=True)
+        with contextlib.suppress(DeployError):  # queued: it serves once its ExecStartPost sees it ready
+            sd.start(cfg.backends[prev].unit, no_block=True, past_start_limit=True)
     store.save(replace(st, operation=None))
 
 
@@ -498,9 +498,9 @@ def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: Sta
     target = cfg.backends[name]
     log(f"release {rid} is already installed but no backend is running; starting {name}")
     sd.reset_failed(target.unit)
-    sd.restart(target.unit, past_start_limit=True)
+    queue_start(sd, target.unit, restart=True)
     try:
-        gate = run_gate(cfg, sd, target, invocation=sd.show(target.unit).invocation_id or None, on_event=log)
+        gate = run_gate(cfg, sd, target, on_event=log)
     except DeployError as exc:
         with contextlib.suppress(DeployError):
             sd.stop(target.unit)
@@ -674,17 +674,17 @@ class _Install:
         for o in self.cfg.other_backends(target.name):
             if sd.show(o.unit).active_state in ("active", "activating"):
                 sd.stop(o.unit)
-                self.undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit, past_start_limit=True))
+                self.undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit, no_block=True,
+                                                                     past_start_limit=True))
         sd.reset_failed(target.unit)
         self.undo.add(f"stop {target.unit}", lambda: sd.stop(target.unit))
-        sd.restart(target.unit, past_start_limit=True)
+        queue_start(sd, target.unit, restart=True)
         self.started = True
         return {"unit": target.unit}
 
     def gate(self) -> dict[str, Any]:
         sd, target = self.sd, self.target
-        inv = sd.show(target.unit).invocation_id or None
-        gate = run_gate(self.cfg, sd, target, invocation=inv, on_event=self.log)
+        gate = run_gate(self.cfg, sd, target, on_event=self.log)  # the invocation it first sees run
         sd.enable(target.unit)
         for o in self.cfg.other_backends(target.name):
             if sd.is_enabled(o.unit) == "enabled":
@@ -843,8 +843,8 @@ class _UndoInstall:
         sd, b = self.sd, self.cfg.backends[str(self.op.from_backend)]
         try:
             sd.reset_failed(b.unit)
-            (sd.restart if self.started_new else sd.start)(b.unit, past_start_limit=True)
-            run_gate(self.cfg, sd, b, invocation=sd.show(b.unit).invocation_id or None, on_event=self.log)
+            queue_start(sd, b.unit, restart=self.started_new)
+            run_gate(self.cfg, sd, b, on_event=self.log)
         except DeployError as exc:
             self.store.save(replace(self.st, operation=None, release=self.prev, active_backend=None))
             self.store.record("recover", ok=False, interrupted="install", step=self.op.step, release=self.rid,

@@ -27,6 +27,8 @@ from deploy_tool.box.state import State, Store
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError, ExitCode
 
+# a unit whose server runs while its readiness wait (ExecStartPost) has not ended yet
+STARTING_SERVER = ("activating", "start-post")
 # the verdict's states, by exit code
 STATES = {ExitCode.OK: "serving", ExitCode.DEGRADED: "degraded", ExitCode.PENDING: "pending",
           ExitCode.NOT_SERVING: "not-serving"}
@@ -86,7 +88,10 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
         down.append("no active backend is recorded")
     else:
         u = units.get(active)
-        if u is not None and "error" not in u and u.get("active") != "active":
+        # activating/start-post: the server runs and its unit's readiness wait (ExecStartPost) has not ended yet;
+        # the health check below says whether it serves
+        if u is not None and "error" not in u and u.get("active") != "active" and \
+                (u.get("active"), u.get("sub")) != STARTING_SERVER:
             down.append(f"{active} is {u.get('active')}/{u.get('sub')}")
         if not (rep.get("health") or {}).get("ok"):
             down.append(f"{active} fails its health check: {(rep.get('health') or {}).get('detail')}")

@@ -102,18 +102,29 @@ def port_owner_answers(host: str, port: int) -> bool:
         return False
 
 
-def refused_by_check(exc: DeployError, unit: str) -> DeployError:
+def refused_by_check(exc: DeployError, unit: str, journal: str = "") -> DeployError:
     """A start the unit's own ExecStartPre refused (the port held by another process, drift found by systemd's
-    check): that check's error line is the reason, not systemd's "the control process exited"."""
-    if not isinstance(exc, SystemdError):
+    check): that check's error line is the reason, not systemd's "the control process exited" nor the gate's
+    "the unit failed". `journal`: the start's journal lines, when read apart from the error."""
+    if isinstance(exc, HealthError):
+        details = exc.details if isinstance(exc.details, dict) else {}
+        if details.get("reason") != "unit-failed":
+            return exc
+    elif not isinstance(exc, SystemdError):
         return exc
-    for line in f"{exc.details or ''}\n{exc.message}".splitlines():
+    for line in f"{exc.details or ''}\n{exc.message}\n{journal}".splitlines():
         m = re.search(r"\bdeploytool\[\d+\]: error: (.+)$", line)
         if m:
             why = m.group(1).strip()
             return HealthError(f"{unit} refused to start: {why}", hint=exc.hint,
                                details={"reason": "port-taken" if " is held by " in why else "refused-by-check"})
     return exc
+
+
+def runs(st: systemd_mod.UnitState) -> bool:
+    """The unit's server runs: active, or still in its start with the server executed (its ExecStartPost, the
+    readiness wait, not done yet: a switch does not wait for that once its own gate has passed)."""
+    return st.is_active or (st.active_state == "activating" and st.sub_state in ("start", "start-post"))
 
 
 def together(pool: ThreadPoolExecutor, first: Callable[[], object], *others: Callable[[], object]) -> None:
@@ -277,7 +288,7 @@ class Switcher:
     # ------------------------------------------------------------------ plans, from what systemd reports
     def facts(self, st: State, target: Backend) -> SwitchFacts:
         # `show` only when the target is recorded active (the one round trip a plain switch does not need)
-        running = st.active_backend == target.name and self.sd.show(target.unit).is_active
+        running = st.active_backend == target.name and runs(self.sd.show(target.unit))
         return switch_facts(self.cfg, st, target, target_running=running, awaits_port=self._awaits_port(target))
 
     def plan(self, st: State, target: Backend, *, action: str = "switch") -> list[Step]:
@@ -286,7 +297,7 @@ class Switcher:
     def recover_steps(self, st: State) -> list[Step]:
         op = st.operation
         assert op is not None
-        running = op.step == "committing" and self.sd.show(_recover_target(self.cfg, op).unit).is_active
+        running = op.step == "committing" and runs(self.sd.show(_recover_target(self.cfg, op).unit))
         return recover_plan(self.cfg, st, target_running=running)
 
     # ------------------------------------------------------------------ switch
@@ -319,8 +330,10 @@ class Switcher:
         frac = self.cfg.health.perf_gate_fraction
         if frac is None or not release:
             return
-        from deploy_tool.box.gate import perf_gate  # lazy: see the module's docstring
+        from deploy_tool.box.gate import await_start_job, perf_gate  # lazy: see the module's docstring
 
+        # the unit's own readiness wait ends moments after the gate: not measured alongside it
+        await_start_job(self.sd, target.unit, timeout=10.0, interval=self.cfg.health.interval_s)
         ok, figures, message = perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
         self.log(f"{target.name}: performance gate: {message}")
         if not ok:
@@ -330,9 +343,11 @@ class Switcher:
     def _start_and_gate(self, b: Backend) -> GateReport:
         self.sd.reset_failed(b.unit)
         since = time.time()
-        self.sd.start(b.unit, past_start_limit=True)
-        inv = self.sd.show(b.unit).invocation_id
-        return _run_gate(self.cfg, self.sd, b, invocation=inv or None, since=since, on_event=self.log)
+        # queued, not waited for: the job ends when the unit's ExecStartPost sees the server ready, while the gate
+        # watches the unit itself (a crash is seen at once, its own diagnostics kept); the gate takes the
+        # invocation it first sees run
+        self.sd.start(b.unit, no_block=True, past_start_limit=True)
+        return _run_gate(self.cfg, self.sd, b, invocation=None, since=since, on_event=self.log)
 
     def _awaits_port(self, b: Backend) -> bool:
         """Whether b's installed unit waits for the served port in its ExecStartPre (units rendered by this
@@ -490,7 +505,7 @@ class _SwitchRun:
                 self.record(ok=False, from_backend=self.cur_name, to_backend=self.target.name,
                             outcome="refused", reason=exc.message, release=self.st.release)
                 raise
-            return self.roll_back(refused_by_check(exc, self.target.unit))
+            return self.roll_back(refused_by_check(exc, self.target.unit))  # a blocking start's error: its own tail
         assert self.gate is not None
         secs = time.monotonic() - self.t0
         self.record(ok=True, from_backend=self.cur_name, to_backend=self.target.name,
@@ -539,9 +554,13 @@ class _SwitchRun:
                               details={"reason": "port-taken"})
         self.log(f"starting {self.target.unit}" + (f" (it takes the port once {self.cur.name} has exited)"
                                                    if self.facts.overlap and self.cur is not None else ""))
-        # a failed unit starts again as is, a start-limit-hit one after a reset
+        if self.cur is None:  # else reset while the current backend was stopped
+            self.sw._quiet_reset(self.target.unit)
         self.since = time.time()
-        together(self.pool, lambda: self.sd.start(self.target.unit, past_start_limit=True), _load_gate)
+        # queued, not waited for: the start job lasts until the unit's ExecStartPost sees the server ready; the gate
+        # watches the unit meanwhile (its ExecStartPre, then the server's process through a pidfd)
+        together(self.pool, lambda: self.sd.start(self.target.unit, no_block=True, past_start_limit=True),
+                 _load_gate)
 
     def run_gate(self) -> None:
         # the boot-time enablement (symlinks only) is flipped while the gate waits; a rollback, or a recover
@@ -555,6 +574,17 @@ class _SwitchRun:
         self.enabling.result()
         self.sw._commit_state(self.st, self.target)
 
+    def refused(self, exc: DeployError, inv: str | None, journal: str) -> DeployError:
+        """The ExecStartPre's own error line for a start it refused, read again once the journal has settled
+        when it is not in yet (journald takes a short-lived process's output asynchronously)."""
+        out = refused_by_check(exc, self.target.unit, journal)
+        if out is exc and isinstance(exc, HealthError) and isinstance(exc.details, dict) \
+                and exc.details.get("reason") == "unit-failed" and not exc.details.get("exec_main"):
+            # no main process ran (else a crash: its rollback is not delayed for this)
+            with contextlib.suppress(DeployError):
+                out = refused_by_check(exc, self.target.unit, self.sd.journal_settled(self.target.unit, invocation=inv))
+        return out
+
     def roll_back(self, exc: DeployError) -> SwitchResult:
         """The failure step: the target's journal tail kept, the target stopped, the previous backend started
         through the same gate (exit 10), or none when none served (exit 9); exit 11 when it does not come back."""
@@ -566,11 +596,12 @@ class _SwitchRun:
         if self.since is not None:  # it was started: its journal tail is that invocation's
             with contextlib.suppress(DeployError):
                 inv = self.sd.show(target.unit).invocation_id or None
-        reason = exc.message.splitlines()[0]
         try:
             journal = self.sd.journal(target.unit, invocation=inv, lines=30, since=self.since if inv else None)
         except DeployError:
             journal = ""
+        exc = self.refused(exc, inv, journal)
+        reason = exc.message.splitlines()[0]
         self.log(f"{target.name} failed: {reason}; rolling back")
         st = self.store.advance(st, "rolling-back")
         try:

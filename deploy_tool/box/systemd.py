@@ -30,7 +30,7 @@ _UNIT_RE = re.compile(r"[A-Za-z0-9:_.@-]+")
 _REMOTE_FLAGS = ("-M", "--machine", "-H", "--host", "--root")
 SANDBOX_HINT = ("rehearse in the sandbox: deploytool sandbox up DIR, then set systemd.sandbox: DIR in the config")
 _SHOW_PROPS = ("Id", "LoadState", "ActiveState", "SubState", "Result", "ExecMainStatus", "ExecMainCode",
-               "ExecMainPID", "MainPID", "NRestarts", "InvocationID", "UnitFileState")
+               "ExecMainPID", "MainPID", "NRestarts", "InvocationID", "UnitFileState", "Job")
 
 
 def host_systemd_available() -> bool:
@@ -80,6 +80,7 @@ class UnitState:
     n_restarts: int
     invocation_id: str
     unit_file_state: str
+    job: str = ""  # the id of the job queued or running for the unit (a start queued with --no-block), else ""
 
     @property
     def is_active(self) -> bool:
@@ -233,6 +234,11 @@ class Systemd:
             return _settled(lambda: self.journal(unit, since_cursor=since_cursor, invocation=inv, lines=lines))
         return ""
 
+    def journal_settled(self, unit: str, *, invocation: str | None = None, lines: int = 30) -> str:
+        """The journal tail of `unit`'s invocation (default: its latest) once journald has taken in the unit's own
+        last lines (see _tail_for): for a start refused by a short-lived ExecStartPre."""
+        return self._tail_for(unit, lines=lines, invocation=invocation)
+
     # ------------------------------------------------------------------ state
 
     def show(self, unit: str) -> UnitState:
@@ -250,7 +256,7 @@ class Systemd:
             exec_main_code=_int(props.get("ExecMainCode", "0")),
             exec_main_pid=_int(props.get("ExecMainPID", "0")), main_pid=_int(props.get("MainPID", "0")),
             n_restarts=_int(props.get("NRestarts", "0")), invocation_id=props.get("InvocationID", ""),
-            unit_file_state=props.get("UnitFileState", ""))
+            unit_file_state=props.get("UnitFileState", ""), job=props.get("Job", ""))
 
     def is_active(self, unit: str) -> bool:
         # is-active: 0 active; 3 inactive/failed/activating; 4 no such unit

@@ -147,7 +147,7 @@ def _register() -> None:
     from deploy_tool.cli import basic, bench, bundle, keys, ops, sandbox, verify
 
     for cmd in (*basic.COMMANDS, *ops.COMMANDS, sandbox.sandbox, keys.keygen, bundle.bundle, verify.verify,
-                verify.pin, bench.bench):
+                verify.pin, verify.await_ready, bench.bench):
         main.add_command(cmd)
     for cmd in main.commands.values():
         share_global_options(cmd)

@@ -116,4 +116,41 @@ def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) ->
     return "\n".join(lines)
 
 
-COMMANDS = (verify, pin)
+@click.command("await-ready")
+@click.argument("backend")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None,
+              help="Seconds to wait (default: the backend's start timeout, which the unit's TimeoutStartSec= is "
+                   "rendered from).")
+@pass_ctx
+def await_ready(ctx: Ctx, backend: str, timeout: float | None) -> None:
+    """Wait until BACKEND serves the configured model; the units run this as ExecStartPost.
+
+    \b
+    So `systemctl start BACKEND` returns, and units ordered After= it start, only once the server answers:
+    llama-server's /health, then /v1/models naming the model (with the API key, if one is configured).
+    Under systemd ($MAINPID set) it exits at once, non-zero, when the server's process exits first.
+    Exit codes: 0 ready, 9 not ready (process exited, timeout, wrong model, refused key).
+    """
+    from deploy_tool.box import ready
+    from deploy_tool.errors import HealthError
+
+    cfg = ctx.load_config()
+    b = cfg.backend(backend)
+    try:
+        rep = ready.await_ready(cfg, b, main_pid=ready.main_pid_from_env(), timeout=timeout)
+    except HealthError as exc:
+        # "not ready:", not "error:": a switch reads a start's "deploytool[PID]: error:" journal line as the
+        # ExecStartPre's refusal; the server's own failure is what the gate reports
+        if ctx.json:
+            _json(exc.to_json())
+        else:
+            click.echo(f"not ready: {exc.message}", err=True)
+            if exc.hint:
+                click.echo(f"hint: {exc.hint}", err=True)
+        sys.exit(int(exc.exit_code))
+    ctx.emit({"backend": b.name, "ready_s": round(rep.seconds, 3), "attempts": rep.attempts,
+              "served_models": list(rep.served_models)},
+             f"{b.name} serves {cfg.serve.model_name!r} at {rep.base_url} (ready after {rep.seconds:.1f}s)")
+
+
+COMMANDS = (verify, pin, await_ready)

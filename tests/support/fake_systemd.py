@@ -16,6 +16,12 @@ ExecStartPre run the real portwait.await_port against the world's processes; Con
 Restart=on-failure restarts a crashed unit RestartSec later, until StartLimitBurst= starts within
 StartLimitIntervalSec= (then the unit fails for good, and one with OnFailure= is noted in `failed_for_good`: a
 test runs what systemd would start); TimeoutStopSec= ends a hanging stop with SIGKILL.
+A unit with the readiness ExecStartPost (`await-ready`) stays activating/start-post after the exec until its
+server is ready (then active/running), fails when its process dies meanwhile (at once, as the real one watches
+the process), when it serves another model name, or at TimeoutStartSec=; `start` without no_block waits for
+that, as `systemctl start` does. ExecStartPre runs within the start call either way (in virtual time), but a
+no_block start reports nothing: the gate finds the failed unit. One simplification: TimeoutStartSec= counts from
+the exec, not from the job's start (the ExecStartPre's wait for a slow stop is not in it).
 
 Time is virtual: every retry policy sleeps through `World.sleep` (deploy_tool.retry test mode), which moves the
 world's clock and runs what was due (a server becoming ready, a crash, a stop finishing, a restart).
@@ -59,6 +65,7 @@ FIRST_PID = 5_000_001  # above the kernel's PID_MAX_LIMIT: never a real process
 TIMEOUT_STOP_S = 60.0  # the rendered units' TimeoutStopSec=
 RESTART_S = 10.0  # ... and RestartSec=
 AWAIT_PORT_S = 90.0  # portwait.await_port's default timeout (the ExecStartPre's)
+AWAIT_READY_LAG_S = 0.3  # the ExecStartPost's (await-ready) own start-up before its first probe
 
 
 class Killed(BaseException):  # noqa: N818 - it is what happened, not an error
@@ -251,6 +258,8 @@ class World:
             u.enabled = enabled
             self._start(u, wait=False)
             self.advance(max(0.0, u.proc.behaviour.ready_after or 0.0) if u.proc else 0.0)
+            while u.sub_state == "start-post" and self._events:  # until its ExecStartPost has seen it ready
+                self.advance(max(0.0, self._events[0][0] - self.now))
 
     def systemd(self) -> FakeSystemd:
         """A new driver handle (one per deploytool process); the newest is the one a kill point kills."""
@@ -398,8 +407,8 @@ class World:
             return f"Unit {u.name} not found."
         if u.active_state == "deactivating" and wait:  # the start job waits for the stop job
             self.advance(max(0.0, u.stop_done - self.now))
-        if u.active_state in ("active", "deactivating") and u.proc is not None and u.proc.alive:
-            return None  # already running: a start job is a no-op
+        if u.active_state in ("active", "activating", "deactivating") and u.proc is not None and u.proc.alive:
+            return None  # already running (or starting: the job joins the one running): a start job is a no-op
         text = self.unit_text(u)
         for line in text.splitlines():  # Conflicts=: the other unit is stopped, in parallel (not waited for)
             if line.startswith("Conflicts="):
@@ -430,6 +439,7 @@ class World:
             self.log(u, f"Failed to start {u.name} - {u.backend}.")
             self._set(u, "failed", "failed", result="exit-code")
             return "Job failed because the control process exited with error code."
+        started_at = self.now  # TimeoutStartSec= counts from the exec here (see the module's docstring)
         pid = next(self._pids)
         if b.exec_fails:
             self.log(u, f"{u.name}: Failed to execute /opt/deploytool/current/bin/server: No such file or directory")
@@ -438,8 +448,13 @@ class World:
             return "Job failed because the control process exited with error code."
         proc = Process(pid, u.name, u.kind, b, self.now, u.invocation_id)
         u.proc = proc
-        self._set(u, "active", "running", exec_main_pid=pid)
-        self.log(u, f"Started {u.name} - {u.backend}.")
+        post = " await-ready " in text  # the readiness ExecStartPost: activating until the server serves
+        if post:
+            self._set(u, "activating", "start-post", exec_main_pid=pid)
+            self._await_ready(u, proc, started_at, _timeout_start(text))
+        else:
+            self._set(u, "active", "running", exec_main_pid=pid)
+            self.log(u, f"Started {u.name} - {u.backend}.")
         self.log(u, f"{u.kind} server starting (pid {pid})", proc=proc)
         ready_now = proc.ready_at is not None and proc.ready_at <= self.now
         if u.kind == "llamacpp" or ready_now:  # llama-server opens its port while loading; ftllm once ready
@@ -449,6 +464,37 @@ class World:
         if b.dies_after is not None:
             self.at(b.dies_after, lambda: self._die(u, proc) if proc.alive else None)
         return None
+
+    def _await_ready(self, u: Unit, proc: Process, started_at: float, timeout: float) -> None:
+        """The ExecStartPost: the unit turns active once the server is ready (failed if it serves another model
+        name); TimeoutStartSec= after the job began, a unit still starting is killed and fails with 'timeout'."""
+        def posting() -> bool:
+            return u.proc is proc and proc.alive and u.sub_state == "start-post"
+
+        def ready() -> None:
+            if not posting():
+                return
+            if proc.behaviour.model is not None and proc.behaviour.model != self.model_name:
+                self.log(u, f"not ready: {u.kind} serves model {proc.behaviour.model!r}, expected "
+                            f"{self.model_name!r}", ident="deploytool", pid=next(self._pids))
+                self.log(u, f"{u.name}: Control process exited, code=exited, status=9/n/a")
+                self._exit(proc)
+                self._failed(u, "exit-code", code=2, status=15, pid=proc.pid)
+                return
+            self._set(u, "active", "running")
+            self.log(u, f"Started {u.name} - {u.backend}.")
+
+        def timed_out() -> None:
+            if not posting():
+                return
+            self.log(u, f"{u.name}: start-post operation timed out. Terminating.")
+            self._exit(proc)
+            self._failed(u, "timeout", code=2, status=15, pid=proc.pid)
+
+        at = None if proc.ready_at is None else max(proc.ready_at, started_at + AWAIT_READY_LAG_S)
+        if at is not None and at - started_at < timeout:
+            self.at(at - self.now, ready)
+        self.at(started_at + timeout - self.now, timed_out)
 
     def _listen(self, u: Unit, proc: Process) -> None:
         try:
@@ -572,6 +618,14 @@ class World:
                          unit_file_state="enabled" if u.enabled else "disabled")
 
 
+def _timeout_start(unit_text: str) -> float:
+    """TimeoutStartSec= of a rendered unit (seconds; systemd's default 90 s without one)."""
+    for line in unit_text.splitlines():
+        if line.startswith("TimeoutStartSec="):
+            return float(line.split("=", 1)[1])
+    return 90.0
+
+
 def _cursor_seq(cursor: str) -> int:
     return int(dict(p.split("=", 1) for p in cursor.split(";"))["i"], 16)
 
@@ -672,23 +726,29 @@ class FakeSystemd(Systemd):
     # lifecycle
     def start(self, unit: str, *, no_block: bool = False, past_start_limit: bool = False) -> None:
         self._call("start", unit, no_block=no_block, past_start_limit=past_start_limit)
-        self._run_job("start", unit)
+        self._run_job("start", unit, no_block)
 
     def restart(self, unit: str, *, no_block: bool = False, past_start_limit: bool = False) -> None:
         self._call("restart", unit, no_block=no_block, past_start_limit=past_start_limit)
         w = self.world
         with w.lock:
             w.advance(w._stop(w.unit(validate_unit_name(unit))))
-        self._run_job("restart", unit)
+        self._run_job("restart", unit, no_block)
 
-    def _run_job(self, verb: str, unit: str) -> None:
+    def _run_job(self, verb: str, unit: str, no_block: bool = False) -> None:
         validate_unit_name(unit)
         w = self.world
         with w.lock:
             u = w.unit(unit)
             why = w._start(u, wait=True)
+            if no_block:
+                return  # queued: what became of it is the unit's state
             if why is None:
-                return
+                while u.sub_state == "start-post" and w._events:  # the job ends with the ExecStartPost
+                    w.advance(max(0.0, w._events[0][0] - w.now))
+                if u.active_state != "failed" and u.sub_state != "auto-restart":
+                    return
+                why = "Job failed. See the journal for details."
             st = w.state(u)
             tail = w.journal_text(unit, invocation=u.invocation_id, lines=20)
         raise SystemdError(f"{verb} of {unit} failed (ActiveState={st.active_state}, Result={st.result}, "
@@ -715,6 +775,12 @@ class FakeSystemd(Systemd):
             if u.proc is not None and u.proc.alive:
                 name = signal if signal.startswith("SIG") else "SIG" + signal
                 w._die(u, u.proc, sig=int(signal_of[name]), words="")
+
+    def journal_settled(self, unit: str, *, invocation: str | None = None, lines: int = 30) -> str:
+        self._call("journal_settled", unit, invocation=invocation, lines=lines)
+        with self.world.lock:
+            inv = invocation or self.world.unit(validate_unit_name(unit)).invocation_id
+        return self.world.journal_text(unit, invocation=inv or None, lines=lines)
 
     # state
     def show(self, unit: str) -> UnitState:

@@ -1,0 +1,108 @@
+"""`deploytool await-ready BACKEND`: the units' ExecStartPost, so a start job ends when the server serves.
+
+systemd runs it once the server's process has been executed (Type=exec); the unit stays "activating" until it
+exits, so `systemctl start` returns, and units ordered After= the backend start, only once the server answers:
+readiness as the health gate probes it (llama-server's /health, then /v1/models naming the configured model,
+with the API key when one is configured). The unit's TimeoutStartSec= bounds the whole start: a server that
+never gets ready fails the start when it runs out, and Restart=on-failure takes over as for any failed start.
+
+The server's main process is watched through a pidfd (its PID is $MAINPID, which systemd sets for the control
+processes it runs while the main process is known): when it exits, this exits at once, non-zero, naming it.
+systemd would otherwise wait for this control process before it fails the start. The switch's own gate does
+not wait for this: it watches the unit itself and keeps its own checks (smoke completion, runtime truth).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from collections.abc import Callable
+
+from deploy_tool.box import health
+from deploy_tool.config import Backend, Config
+
+
+def base_url(cfg: Config) -> str:
+    host = cfg.serve.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{cfg.serve.port}"
+
+
+def read_api_key(cfg: Config) -> str | None:
+    if not cfg.serve.api_key_file:
+        return None
+    try:
+        with open(cfg.serve.api_key_file, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def main_pid_from_env(environ: dict[str, str] | None = None) -> int | None:
+    """$MAINPID as systemd sets it for a unit's control processes; None when unset or not a PID."""
+    raw = (os.environ if environ is None else environ).get("MAINPID", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+class MainProcess:
+    """The server's process watched through a pidfd: `state()` for health.wait_ready's unit_state (a dead
+    snapshot the moment it exited), `sleep()` for its sleep (it wakes when the process exits)."""
+
+    def __init__(self, pid: int | None, label: str) -> None:
+        self.pid, self.label = pid, label
+        self.fd: int | None = None
+        self.gone = False
+        if pid is not None:
+            try:
+                self.fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.gone = True  # it exited before we looked
+            except (AttributeError, OSError):
+                self.fd = None  # no pidfd here: fall back to checking /proc
+
+    def _exited(self, timeout: float) -> bool:
+        if self.gone:
+            return True
+        if self.fd is not None:
+            p = select.poll()
+            p.register(self.fd, select.POLLIN)
+            self.gone = bool(p.poll(max(0, int(timeout * 1000))))
+            return self.gone
+        if timeout > 0:
+            time.sleep(timeout)
+        if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
+            self.gone = True
+        return self.gone
+
+    def state(self) -> health.UnitSnapshot | None:
+        if self.pid is None or not self._exited(0):
+            return None
+        return health.UnitSnapshot(active_state="failed", sub_state="exited", result="exit-code",
+                                   name=f"{self.label}'s main process (PID {self.pid})")
+
+    def sleep(self, seconds: float) -> None:
+        self._exited(seconds)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def await_ready(cfg: Config, b: Backend, *, main_pid: int | None, timeout: float | None = None,
+                clock: Callable[[], float] | None = None) -> health.ReadyReport:
+    """Wait until `b` serves the configured model; HealthError when its process exits first or time runs out.
+
+    `timeout` defaults to the backend's start timeout (what the unit's TimeoutStartSec= is rendered from, so
+    systemd's own timeout, counted from the start of the job, normally ends the start first)."""
+    watch = MainProcess(main_pid, b.unit)
+    try:
+        return health.wait_ready(b.kind, base_url(cfg), cfg.serve.model_name, api_key=read_api_key(cfg),
+                                 timeout=timeout if timeout is not None else (b.start_timeout_s
+                                                                              or cfg.health.start_timeout_s),
+                                 interval=cfg.health.interval_s, unit_state=watch.state, sleep=watch.sleep,
+                                 clock=clock)
+    finally:
+        watch.close()

@@ -1,0 +1,382 @@
+"""Ready means ready: the units' ExecStartPost (`deploytool await-ready`) ends the start job when the server serves.
+
+Fast part: deploy_tool.box.ready against real HTTP listeners and real child processes. Sandbox part: the installed
+cpu-demo box under the real sandboxed systemd: `systemctl start` returns only once the port serves, a unit
+ordered After= the backend sees a serving port (and, without the ExecStartPost, does not), TimeoutStartSec=
+ends a start that never gets ready, and a server that dies while loading fails its start at once.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy_tool.box import ready
+from deploy_tool.errors import HealthError, SystemdError
+from tests.support.configs import example_dict, load_dict, set_key
+from tests.support.demo_box import dt
+from tests.support.sandbox import free_port
+
+LU = "llamacpp-tensor.service"
+FU = "ftllm-dflash.service"
+MODEL = "qwen38-27b-ud"
+
+
+# ------------------------------------------------------------------------------------------------ fast part
+
+def _cfg(tmp: Path, port: int, *, key_file: Path | None = None):
+    data = example_dict("cpu-demo")
+    set_key(data, "serve.port", port)
+    set_key(data, "health.interval_s", 0.05)
+    if key_file is not None:
+        set_key(data, "serve.api_key_file", str(key_file))
+    return load_dict(tmp, data)
+
+
+class _Models(http.server.BaseHTTPRequestHandler):
+    want_key: str | None = None
+    seen_auth: list[str | None] = []
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.seen_auth.append(self.headers.get("Authorization"))
+        if self.want_key and self.headers.get("Authorization") != f"Bearer {self.want_key}":
+            self.send_response(401)
+            self.end_headers()
+            return
+        body = json.dumps({"data": [{"id": MODEL}]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture()
+def models_server() -> Iterator[tuple[int, type[_Models]]]:
+    handler = type("H", (_Models,), {"want_key": None, "seen_auth": []})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv.server_address[1], handler
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_ready_when_the_model_is_listed_with_the_key(tmp_path: Path, models_server) -> None:
+    port, handler = models_server
+    handler.want_key = "s3cret"
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    cfg = _cfg(tmp_path, port, key_file=key)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        rep = ready.await_ready(cfg, cfg.backends["ftllm-dflash"], main_pid=child.pid, timeout=5)
+    finally:
+        child.kill()
+        child.wait()
+    assert MODEL in rep.served_models and rep.seconds < 2
+    assert handler.seen_auth[-1] == "Bearer s3cret"
+
+
+def test_a_dead_main_process_ends_the_wait_at_once(tmp_path: Path) -> None:
+    """Nothing listens; the server's process exits after 0.3 s: the wait ends then, not at its 30 s timeout."""
+    cfg = _cfg(tmp_path, free_port())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(HealthError) as ei:
+            ready.await_ready(cfg, cfg.backends["ftllm-dflash"], main_pid=child.pid, timeout=30)
+    finally:
+        child.wait()
+    took = time.monotonic() - t0
+    assert took < 2.0, took
+    assert ei.value.details["reason"] == "unit-failed"
+    assert f"main process (PID {child.pid})" in ei.value.message
+
+
+def test_without_a_main_pid_it_waits_to_its_timeout(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, free_port())
+    t0 = time.monotonic()
+    with pytest.raises(HealthError) as ei:
+        ready.await_ready(cfg, cfg.backends["llamacpp-tensor"], main_pid=None, timeout=0.5)
+    assert ei.value.details["reason"] == "timeout" and 0.5 <= time.monotonic() - t0 < 3
+
+
+def test_main_pid_from_env() -> None:
+    assert ready.main_pid_from_env({"MAINPID": "123"}) == 123
+    assert ready.main_pid_from_env({"MAINPID": ""}) is None
+    assert ready.main_pid_from_env({"MAINPID": "0"}) is None
+    assert ready.main_pid_from_env({"MAINPID": "x1"}) is None
+    assert ready.main_pid_from_env({}) is None
+
+
+def test_cli_exit_code_and_not_ready_line(tmp_path: Path) -> None:
+    """The CLI: exit 9 and a `not ready:` line (never `error:`, which a switch reads as the ExecStartPre's)."""
+    from tests.support.configs import write_dict
+
+    data = example_dict("cpu-demo")
+    set_key(data, "serve.port", free_port())
+    cfg = write_dict(tmp_path, data)
+    r = subprocess.run([sys.executable, "-m", "deploy_tool", "--config", str(cfg), "await-ready", "ftllm-dflash",
+                        "--timeout", "0.3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 9, r.stdout + r.stderr
+    assert r.stderr.startswith("not ready: ") and "error:" not in r.stderr
+
+
+def test_console_entry_fast_path(tmp_path: Path, models_server) -> None:
+    """The units' exact command line goes through the console entry's fast path (no click): the same lines and
+    exit codes; `click` is not imported."""
+    from tests.support.configs import write_dict
+
+    port, _handler = models_server
+    data = example_dict("cpu-demo")
+    set_key(data, "serve.port", port)
+    set_key(data, "health.start_timeout_s", 1)
+    cfg = write_dict(tmp_path, data)
+    probe = ("import sys, runpy; sys.argv = ['deploytool'] + sys.argv[1:]; from deploy_tool import entry\n"
+             "try:\n    entry.main()\nfinally:\n    print('CLICK' if 'click' in sys.modules else 'NOCLICK')")
+    r = subprocess.run([sys.executable, "-c", probe, "--config", str(cfg), "await-ready", "ftllm-dflash"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"ftllm-dflash serves {MODEL!r} at http://127.0.0.1:{port}" in r.stdout and "NOCLICK" in r.stdout
+    r = subprocess.run([sys.executable, "-c", probe, "--config", str(cfg), "await-ready", "llamacpp-tensor"],
+                       capture_output=True, text=True, timeout=60)  # llama-server's /health: 404 here
+    assert r.returncode == 9 and r.stderr.startswith("not ready: ") and "NOCLICK" in r.stdout, r
+
+
+def _unit_state(active: str, sub: str, job: str, inv: str = "a" * 32):
+    from deploy_tool.box.systemd import UnitState
+
+    return UnitState(unit="u.service", load_state="loaded", active_state=active, sub_state=sub, result="success",
+                     exec_main_status=0, exec_main_code=0, exec_main_pid=0, main_pid=0, n_restarts=0,
+                     invocation_id=inv, unit_file_state="enabled", job=job)
+
+
+def test_the_gate_reads_a_queued_start_as_not_started() -> None:
+    """A start queued with --no-block (Job= set) on a unit still showing its last run, or waiting for its
+    Restart= (systemd holds the start until then): not dead, not started, its old invocation not taken."""
+    from deploy_tool.box.gate import _snapshot
+
+    seen: list[str] = []
+    for active, sub in (("inactive", "dead"), ("failed", "failed"), ("activating", "auto-restart"),
+                        ("deactivating", "stop-sigterm")):
+        snap = _snapshot(_unit_state(active, sub, "21"), "u.service", seen)
+        assert (snap.sub_state, snap.dead) == ("queued", False), (active, sub)
+    assert seen == []
+    assert _snapshot(_unit_state("activating", "auto-restart", ""), "u.service").dead  # a crash: no job
+    assert _snapshot(_unit_state("failed", "failed", ""), "u.service").dead
+    snap = _snapshot(_unit_state("activating", "start-pre", "21", "b" * 32), "u.service", seen)
+    assert snap.sub_state == "start-pre" and not snap.dead and seen == ["b" * 32]
+
+
+def test_the_readiness_wait_never_probes_before_the_server_runs(models_server) -> None:
+    """While the unit is queued or in its ExecStartPre, whatever answers on the port (the previous backend, in a
+    switch) is not taken for the target being ready; the wait times out naming the state."""
+    from deploy_tool.box import health
+
+    port, _handler = models_server
+    for sub in ("queued", "start-pre"):
+        with pytest.raises(HealthError) as ei:
+            health.wait_ready("ftllm", f"http://127.0.0.1:{port}", MODEL, timeout=0.3, interval=0.05,
+                              unit_state=lambda sub=sub: health.UnitSnapshot("activating", sub, name="u.service"))
+        assert ei.value.details["reason"] == "timeout" and "has not started its server yet" in ei.value.message
+    rep = health.wait_ready("ftllm", f"http://127.0.0.1:{port}", MODEL, timeout=2, interval=0.05,
+                            unit_state=lambda: health.UnitSnapshot("activating", "start-post", name="u.service"))
+    assert MODEL in rep.served_models
+
+
+def test_the_gate_sees_the_server_gone_while_the_readiness_wait_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server exits while systemd still waits for the unit's ExecStartPost (activating/start-post, its exit
+    status recorded): the gate's watch reads the unit as failed at once, not once the ExecStartPost has exited."""
+    import dataclasses
+
+    from deploy_tool.box import gate
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
+                             stdin=subprocess.PIPE)
+    running = dataclasses.replace(_unit_state("activating", "start-post", "7"), main_pid=child.pid)
+    gone = dataclasses.replace(running, exec_main_code=1, exec_main_status=3)
+    answers = [running, gone, gone]
+
+    class Sd:
+        def show(self, unit: str):
+            return answers.pop(0)
+
+    monkeypatch.setattr(gate, "_pidfd", lambda pid, unit: os.pidfd_open(pid))
+    watch = gate.UnitWatch(Sd(), "u.service", seen=[])  # type: ignore[arg-type]
+    try:
+        assert watch.state() is not None and watch.fd is not None  # first look: running, pidfd open
+        assert watch.state() is None  # alive: no systemctl round trip
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        snap = watch.state()
+        assert snap is not None and snap.dead and (snap.active_state, snap.result) == ("failed", "exit-code")
+        assert snap.exec_main_status == 3
+    finally:
+        watch.close()
+    # before systemd has the exit status, the unit's own state stands (looked at again next time)
+    still = gate._snapshot(running, "u.service")
+    assert not still.dead
+
+
+# ------------------------------------------------------------------------------------------------ sandbox part
+
+sandboxed = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
+
+
+def _port(cfg: Path) -> int:
+    return int(yaml.safe_load(cfg.read_text())["serve"]["port"])
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _get_refused(port: int) -> bool:
+    try:
+        _get(port, "/health")
+    except (urllib.error.URLError, ConnectionError):
+        return True
+    return False
+
+
+def _dropin(env, cfg: Path, text: str) -> Path:
+    """A drop-in on llamacpp-tensor, pinned on purpose (a drop-in is drift to the units' ExecStartPre)."""
+    d = env.unit_dir / f"{LU}.d"
+    d.mkdir(exist_ok=True)
+    (d / "50-ready-test.conf").write_text(text)
+    env.systemd.daemon_reload()
+    r = dt(cfg, "pin", "llamacpp-tensor", "--reason", "test: readiness")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d
+
+
+def _clear(env, cfg: Path, d: Path) -> None:
+    env.systemd.stop(LU)
+    env.systemd.reset_failed(LU)
+    shutil.rmtree(d, ignore_errors=True)
+    env.systemd.daemon_reload()
+    r = dt(cfg, "pin", "llamacpp-tensor", "--reason", "test: readiness done")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _sandboxed(fn):
+    for m in sandboxed:
+        fn = m(fn)
+    return fn
+
+
+@_sandboxed
+def test_systemctl_start_returns_once_the_port_serves(installed, systemd_sandbox) -> None:
+    sd, port = systemd_sandbox.systemd, _port(installed)
+    sd.stop(FU)
+    sd.stop(LU)
+    assert _get_refused(port)
+    try:
+        t0 = time.monotonic()
+        sd.start(LU)  # plain `systemctl start`, waiting for the job
+        took = time.monotonic() - t0
+        health = _get(port, "/health")  # right after it returned
+        models = _get(port, "/v1/models")
+        st = sd.show(LU)
+        assert health[0] == 200 and MODEL in models[1], (health, models)
+        assert (st.active_state, st.sub_state, st.job) == ("active", "running", "")
+        log = sd.journal(LU, invocation=st.invocation_id, lines=200)
+        assert "await-ready" in log or "serves" in log, log
+        print(f"systemctl start {LU}: {took:.2f}s to serving")
+    finally:
+        sd.stop(LU)
+
+
+@_sandboxed
+@pytest.mark.parametrize("post", [True, False], ids=["with-readiness-wait", "without"])
+def test_a_unit_ordered_after_the_backend_sees_it_serving(installed, systemd_sandbox, post: bool) -> None:
+    """llama-server made 2 s slow to open its port (sh sleeps, then execs it: the same main process). A probe unit
+    Wants= and After= it: started, it finds /health 200; with the ExecStartPost reset (the units as they were
+    before), the probe runs right after the exec and finds the port closed."""
+    sd, port = systemd_sandbox.systemd, _port(installed)
+    unit = (systemd_sandbox.unit_dir / LU).read_text()
+    exec_line = next(ln for ln in unit.splitlines() if ln.startswith("ExecStart="))
+    assert '"' not in exec_line and "%" not in exec_line
+    slow = f'ExecStart=\nExecStart=/bin/sh -c "sleep 2; exec {exec_line.split("=", 1)[1]}"\n'
+    d = _dropin(systemd_sandbox, installed, "[Service]\n" + slow + ("" if post else "ExecStartPost=\n"))
+    probe = systemd_sandbox.unit_dir / "ready-probe.service"
+    probe.write_text(f"[Unit]\nWants={LU}\nAfter={LU}\n[Service]\nType=oneshot\n"
+                     f"ExecStart=/usr/bin/python3 -c \"import urllib.request; r = urllib.request.urlopen("
+                     f"'http://127.0.0.1:{port}/health', timeout=5); print('PROBE', r.status)\"\n")
+    sd.daemon_reload()
+    sd.stop(FU)
+    try:
+        t0 = time.monotonic()
+        if post:
+            sd.start("ready-probe.service")
+            assert time.monotonic() - t0 >= 2.0
+            assert "PROBE 200" in sd.journal("ready-probe.service", lines=20)
+        else:
+            with pytest.raises(SystemdError):
+                sd.start("ready-probe.service")
+            log = sd.journal("ready-probe.service", lines=20)
+            assert "PROBE 200" not in log and "Connection refused" in log, log
+    finally:
+        sd.stop("ready-probe.service")
+        sd.reset_failed("ready-probe.service")
+        probe.unlink()
+        _clear(systemd_sandbox, installed, d)
+
+
+@_sandboxed
+def test_start_timeout_covers_the_load(installed, systemd_sandbox) -> None:
+    """A server that never gets ready: the start fails when TimeoutStartSec= (4 s here) runs out, not at exec."""
+    sd = systemd_sandbox.systemd
+    d = _dropin(systemd_sandbox, installed, "[Service]\nTimeoutStartSec=4\nExecStart=\nExecStart=/bin/sleep 600\n")
+    sd.stop(FU)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SystemdError):
+            sd.start(LU)
+        took = time.monotonic() - t0
+        st = sd.show(LU)
+        assert 4.0 <= took < 12.0, took
+        assert st.result == "timeout", st
+        print(f"never-ready start failed after {took:.2f}s (TimeoutStartSec=4)")
+    finally:
+        _clear(systemd_sandbox, installed, d)
+
+
+@_sandboxed
+def test_a_server_dying_while_loading_fails_the_start_at_once(installed, systemd_sandbox) -> None:
+    sd = systemd_sandbox.systemd
+    d = _dropin(systemd_sandbox, installed, "[Service]\nTimeoutStartSec=60\nExecStart=\n"
+                "ExecStart=/bin/sh -c \"sleep 1; echo simulated OOM while loading >&2; exit 3\"\n")
+    sd.stop(FU)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SystemdError) as ei:
+            sd.start(LU)
+        took = time.monotonic() - t0
+        assert took < 6.0, took  # the 1 s the server lived, plus the start's own checks; not the 60 s timeout
+        text = ei.value.message + str(ei.value.details or "") + sd.journal(LU, lines=40)
+        assert "simulated OOM while loading" in text and "not ready:" in text, text
+        print(f"a server dying 1 s into its load failed its start after {took:.2f}s")
+    finally:
+        _clear(systemd_sandbox, installed, d)
