@@ -32,7 +32,8 @@ from tests.support.configs import example_dict
 
 REPO = Path(__file__).resolve().parents[1]
 MIN = "version: 1\ndefault_backend: a\nbackends:\n  a:\n    kind: ftllm\n    model: /m\n"
-TOP = ("version", "default_backend", "backends", "host", "serve", "paths", "systemd", "health", "bundle")
+TOP = ("version", "default_backend", "backends", "host", "serve", "paths", "systemd", "health", "bundle",
+       "supervision")
 PLACE = re.compile(r"^(?:" + "|".join(TOP) + r")\b|\blines? \d+\b|at the top level")
 DEADLINE = timedelta(seconds=2)  # a parse of the largest file allowed takes well under 1 s; a hang takes forever
 PEAK_BYTES = 64 << 20  # a whole 1 MiB file parsed into Python objects stays far below this
@@ -213,7 +214,7 @@ NUMERIC = _numeric_fields()
 def test_every_numeric_field_has_a_range_that_admits_its_default() -> None:
     """Every int or float setting has a range (walking the schema asserts it), with a reason, and its default
     and the examples' values lie inside."""
-    assert len(NUMERIC) == 19
+    assert len(NUMERIC) == 26  # 19, and the 7 of supervision (liveness, drain)
     names = {p.rsplit(".", 1)[-1] for p, *_ in NUMERIC}
     assert {"port", "gpus", "start_timeout_s", "interval_s", "threads", "tp", "tokens", "ctx_size", "gpu_mem_ratio",
             "num_draft_tokens", "draft_n_max", "vram_mib", "max_batch", "perf_gate_fraction"} <= names

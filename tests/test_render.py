@@ -106,6 +106,7 @@ def test_golden_units_match_render() -> None:
     d = golden.diff(REPO / "units")
     assert d == "", f"units/ drifted from the templates (run `make golden` if intended):\n{d}"
     assert sorted(p.name for p in (REPO / "units").iterdir()) == [
+        "deploytool-liveness.service", "deploytool-liveness.timer",
         "ftllm-dflash.env", "ftllm-dflash.service", "llamacpp-tensor.env", "llamacpp-tensor.service"]
 
 
@@ -161,9 +162,10 @@ def test_golden_reproduces_production_lines() -> None:
 def test_systemd_analyze_verify_clean(example: str, tmp_path: Path) -> None:
     """`systemd-analyze verify` on every rendered unit of the example: exit 0 and EMPTY stderr."""
     cfg, stubs = _cfg_with_stubs(example, tmp_path)
-    assert len(stubs) == 4  # ExecStartPre + ExecStart of both units
+    assert len(stubs) == 5  # ExecStartPre + ExecStart of both units, the liveness probe's ExecStart
     units = _write_rendered(cfg, tmp_path / "units")
-    assert len(units) == 2
+    assert sorted(u.name for u in units) == ["deploytool-liveness.service", "deploytool-liveness.timer",
+                                             "ftllm-dflash.service", "llamacpp-tensor.service"]
     r = _verify(units)
     assert r.stderr == "", r.stderr
     assert r.returncode == 0
@@ -173,7 +175,7 @@ def test_systemd_analyze_verify_catches_a_typo(tmp_path: Path) -> None:
     """A deliberately broken unit (`Restrat=`) produces stderr naming the key, so the clean test can fail."""
     cfg, _ = _cfg_with_stubs("two-2080ti", tmp_path)
     units = _write_rendered(cfg, tmp_path / "units")
-    u = units[0]
+    u = next(u for u in units if u.name == "ftllm-dflash.service")
     u.write_text(u.read_text().replace("\nRestart=on-failure\n", "\nRestrat=on-failure\n"))
     r = _verify([u])
     assert "Unknown key" in r.stderr and "Restrat" in r.stderr
@@ -204,12 +206,14 @@ def test_systemd_analyze_security_score(example: str, tmp_path: Path, record_pro
     cfg, _ = _cfg_with_stubs(example, tmp_path)
     units = _write_rendered(cfg, tmp_path / "units")
     for u in units:
+        if u.suffix != ".service":
+            continue  # a timer runs nothing itself
         score, label = _security(u)
         print(f"security {example}/{u.name}: {score} {label}")
         record_property(f"security:{example}/{u.name}", score)
         assert score <= SECURITY_TARGET, f"{u.name}: exposure {score} > {SECURITY_TARGET}"
         text = u.read_text()
-        if example == "two-2080ti":
+        if example == "two-2080ti" and u.name != "deploytool-liveness.service":
             assert "DeviceAllow=/dev/nvidiactl rw" in text and "DeviceAllow=/dev/nvidia0 rw" in text
             assert "DeviceAllow=/dev/nvidia-uvm rw" in text and "PrivateDevices=yes" not in text
 

@@ -59,16 +59,18 @@ def _switcher(cfg: Config, sd: systemd_mod.Systemd, log: Log) -> Switcher:
 
 
 def switch(cfg: Config, backend: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
-           log: Log = _quiet, sd: systemd_mod.Systemd | None = None) -> SwitchResult:
-    """`deploytool switch BACKEND`: exit 0 switched (or already active), 10 rolled back, 11 rollback failed."""
+           log: Log = _quiet, sd: systemd_mod.Systemd | None = None, drain_s: float | None = None) -> SwitchResult:
+    """`deploytool switch BACKEND`: exit 0 switched (or already active), 10 rolled back, 11 rollback failed.
+    `drain_s`: the drain bound (None: supervision.drain_timeout_s; 0: no drain)."""
     return _switcher(cfg, sd or systemd_mod.for_config(cfg), log).switch(backend, dry_run=dry_run, wait=wait,
-                                                                       reason=reason)
+                                                                       reason=reason, drain_s=drain_s)
 
 
 def rollback(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log = _quiet,
-             sd: systemd_mod.Systemd | None = None) -> SwitchResult:
-    """`deploytool rollback`: switch back to the previous backend through the same gate."""
-    return _switcher(cfg, sd or systemd_mod.for_config(cfg), log).rollback(dry_run=dry_run, wait=wait)
+             sd: systemd_mod.Systemd | None = None, drain_s: float | None = None) -> SwitchResult:
+    """`deploytool rollback`: switch back to the previous backend through the same gate (drained as a switch)."""
+    return _switcher(cfg, sd or systemd_mod.for_config(cfg), log).rollback(dry_run=dry_run, wait=wait,
+                                                                         drain_s=drain_s)
 
 
 def recover(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log = _quiet,

@@ -252,6 +252,19 @@ class Systemd:
             n_restarts=_int(props.get("NRestarts", "0")), invocation_id=props.get("InvocationID", ""),
             unit_file_state=props.get("UnitFileState", ""))
 
+    def properties(self, unit: str, *names: str) -> dict[str, str]:
+        """The named properties of `unit` as `systemctl show` prints them (one round trip), e.g. CPUUsageNSec."""
+        validate_unit_name(unit)
+        if not names or not all(re.fullmatch(r"[A-Za-z]+", n) for n in names):
+            raise InputError(f"bad property names {names!r}")
+        res = self._ctl("show", "--property=" + ",".join(names), unit)
+        props = {}
+        for line in res.stdout.splitlines():
+            k, sep, v = line.partition("=")
+            if sep:
+                props[k] = v
+        return props
+
     def is_active(self, unit: str) -> bool:
         # is-active: 0 active; 3 inactive/failed/activating; 4 no such unit
         return self._ctl("is-active", validate_unit_name(unit), ok=(0, 3, 4)).returncode == 0
@@ -442,6 +455,8 @@ def for_config(cfg: object) -> Systemd:
         from deploy_tool.box.sandbox_handle import SandboxHandle
 
         sb = SandboxHandle(scfg.sandbox)
+        if sb.contains_self():  # run by a unit of the sandbox's own systemd (the liveness timer): it is ours
+            return Systemd(("systemctl",), ("journalctl",), unit_dir)
         return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)
     return Systemd(scfg.systemctl, scfg.journalctl, unit_dir)
 
