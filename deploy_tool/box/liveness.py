@@ -50,7 +50,7 @@ from deploy_tool.fsutil import atomic_write
 STATE_FILE = "liveness.json"
 DROPIN = "zz-deploytool-liveness-gave-up.conf"  # the runtime drop-in of a give-up (removed once the unit failed)
 EVENT = "liveness"
-PROPS = ("ActiveState", "SubState", "InvocationID", "CPUUsageNSec")
+PROPS = ("ActiveState", "SubState", "InvocationID", "CPUUsageNSec", "ExecMainStartTimestampMonotonic")
 
 Log = Callable[[str], None]
 
@@ -85,6 +85,7 @@ class Observation:
     in_flight: int = 0  # client connections to the served port (the probe's own not counted)
     cpu_advanced: bool | None = None  # the unit's CPU time grew during the probe; None: not known
     completion_done: bool = False  # a tiny completion passed in this tick
+    up_s: float | None = None  # how long ago its main process started (None: not known)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ def decide(cfg: LivenessCfg, start_timeout_s: float, st: LiveState, obs: Observa
         st = replace(st, seen_ready=True, failures=0, busy=False,
                      last_completion=now if obs.completion_done else st.last_completion)
         return Verdict(st, "ok")
-    if not st.seen_ready and now - st.first_seen < start_timeout_s:
+    up = obs.up_s if obs.up_s is not None else now - st.first_seen
+    if not st.seen_ready and up < start_timeout_s:
         return Verdict(replace(st, busy=False), "starting", f"not ready yet ({obs.detail})")
     if obs.in_flight > 0 and obs.cpu_advanced is not False:
         return Verdict(replace(st, busy=True), "busy",
@@ -154,7 +156,7 @@ class Prober:
     """One tick against the box of `cfg` (`now` and `sd` injectable for tests)."""
 
     def __init__(self, cfg: Config, *, sd: systemd_mod.Systemd | None = None, log: Log = lambda s: None,
-                 now: Callable[[], float] = time.time) -> None:
+                 now: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.lcfg = cfg.supervision.liveness
         self.store = Store(cfg.paths.state_dir)
@@ -162,6 +164,7 @@ class Prober:
         self._sd = sd
         self.log = log
         self.now = now
+        self.mono = mono  # CLOCK_MONOTONIC, as systemd's *TimestampMonotonic properties count
 
     @property
     def sd(self) -> systemd_mod.Systemd:
@@ -208,6 +211,8 @@ class Prober:
 
         inv = props.get("InvocationID", "")
         cpu0 = _cpu_ns(props)
+        started = props.get("ExecMainStartTimestampMonotonic", "")
+        up = self.mono() - int(started) / 1e6 if started.isdigit() and int(started) > 0 else None
         due = self.lcfg.completion_every_s > 0 and self.now() - kept.last_completion >= self.lcfg.completion_every_s
         try:
             loading = self._probe(b, completion=due)
@@ -215,10 +220,10 @@ class Prober:
             n = drain.in_flight(self.cfg)
             cpu1 = _cpu_ns(self.sd.properties(b.unit, "CPUUsageNSec")) if n else None
             advanced = None if cpu0 is None or cpu1 is None else cpu1 > cpu0
-            return Observation(inv, False, exc.message.splitlines()[0], in_flight=n, cpu_advanced=advanced)
+            return Observation(inv, False, exc.message.splitlines()[0], in_flight=n, cpu_advanced=advanced, up_s=up)
         if loading:
-            return Observation(inv, False, "still loading (/health 503)", loading=True)
-        return Observation(inv, True, completion_done=due)
+            return Observation(inv, False, "still loading (/health 503)", loading=True, up_s=up)
+        return Observation(inv, True, completion_done=due, up_s=up)
 
     def _probe(self, b: Backend, *, completion: bool) -> bool:
         """One readiness probe within timeout_s (and a 1-token completion when due); True when the server says
