@@ -127,8 +127,8 @@ class Client:
     """A client of another process holding one connection to the served port open (a request in flight)."""
 
     def __init__(self, port: int) -> None:
-        code = ("import socket, sys; s = socket.create_connection(('127.0.0.1', %d)); print('up', flush=True); "
-                "sys.stdin.read()" % port)
+        code = (f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); print('up', flush=True); "
+                "sys.stdin.read()")
         self.p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True)
         assert self.p.stdout is not None and self.p.stdout.readline().strip() == "up"
@@ -305,14 +305,21 @@ def test_llama_server_slots_end_a_drain_held_by_idle_keepalive() -> None:
 
     now = [0.0]
     with retry.test_mode(lambda: now[0], lambda s: now.__setitem__(0, now[0] + s)):
-        rep = drain.drain(_cfg_stub(), _backend_stub("llamacpp"), 60.0, count=lambda: 2, slots=lambda: True)
+        rep = drain.drain(_cfg_stub(), _backend_stub("llamacpp"), 60.0, count=lambda: 2, slots=lambda: True,
+                          sending=lambda: 0)
         assert rep.outcome == "slots-idle" and rep.left == 2 and rep.waited_s == drain.SLOTS_IDLE_S
+        now[0] = 0.0  # an answer still on its way to a slow reader: not idle, whatever /slots says
+        rep = drain.drain(_cfg_stub(), _backend_stub("llamacpp"), 5.0, count=lambda: 1, slots=lambda: True,
+                          sending=lambda: 1)
+        assert rep.outcome == "timeout" and rep.waited_s == 5.0
         now[0] = 0.0
         seq = iter([False, False, True, True, True])
-        rep = drain.drain(_cfg_stub(), _backend_stub("llamacpp"), 60.0, count=lambda: 1, slots=lambda: next(seq))
+        rep = drain.drain(_cfg_stub(), _backend_stub("llamacpp"), 60.0, count=lambda: 1, slots=lambda: next(seq),
+                          sending=lambda: 0)
         assert rep.outcome == "slots-idle" and rep.waited_s >= 2 * drain.POLL_S + drain.SLOTS_IDLE_S
         now[0] = 0.0
-        rep = drain.drain(_cfg_stub(), _backend_stub("ftllm"), 10.0, count=lambda: 1, slots=lambda: None)
+        rep = drain.drain(_cfg_stub(), _backend_stub("ftllm"), 10.0, count=lambda: 1, slots=lambda: None,
+                          sending=lambda: 0)
         assert rep.outcome == "timeout" and rep.waited_s == 10.0
 
 

@@ -9,7 +9,9 @@ which does not count; deploytool's own probes are not counted either.
 The known limit is a keep-alive connection left open and idle by a client's connection pool: it looks like a
 request in flight. Two answers:
 * llama-server (its /slots endpoint is on by default): when connections are open but /slots says no slot is
-  processing, twice in a row `SLOTS_IDLE_S` apart, the backend is drained (the open connections are idle).
+  processing, twice in a row `SLOTS_IDLE_S` apart, and no connection has bytes left to deliver (a finished
+  answer still on its way to a slow reader keeps the drain going), the backend is drained (the open
+  connections are idle).
 * ftllm has no such endpoint: an idle keep-alive connection holds the drain until its bound (`--drain-timeout`,
   supervision.drain_timeout_s), after which the stop proceeds as before; the wait and what was left are
   recorded in the switch's history entry.
@@ -87,11 +89,14 @@ def _api_key(cfg: Config) -> str | None:
 
 
 def drain(cfg: Config, b: Backend, timeout: float, *, log: Log = lambda s: None,
-          count: Callable[[], int] | None = None, slots: Callable[[], bool | None] | None = None) -> DrainReport:
+          count: Callable[[], int] | None = None, slots: Callable[[], bool | None] | None = None,
+          sending: Callable[[], int] | None = None) -> DrainReport:
     """Wait until backend `b` (the one serving now) has no request in flight, at most `timeout` seconds; the
-    caller stops it afterwards whatever the outcome. `count` and `slots` default to the real readings."""
+    caller stops it afterwards whatever the outcome. `count`, `slots` and `sending` default to the real
+    readings."""
     count = count or (lambda: in_flight(cfg))
     slots = slots or (lambda: slots_idle(cfg, b))
+    sending = sending or (lambda: procfs.connections_in(cfg.serve.port, sending=True))
     clock, sleep = retry.clock_for(), retry.sleep_for()
     t0 = clock()
     first = n = count()
@@ -103,7 +108,7 @@ def drain(cfg: Config, b: Backend, timeout: float, *, log: Log = lambda s: None,
         now = clock()
         if n == 0:
             return DrainReport(b.name, first, 0, round(now - t0, 3), "drained")
-        idle = slots()
+        idle = bool(slots()) and sending() == 0
         if idle:
             if idle_since is not None and now - idle_since >= SLOTS_IDLE_S:
                 log(f"{b.unit}: {n} connection(s) open but no slot processing: idle keep-alive; stopping it")

@@ -537,9 +537,9 @@ class _SwitchRun:
 
     def drain(self) -> None:
         assert self.cur is not None
-        from deploy_tool.box import drain  # lazy: urllib for llama-server's /slots (loaded by the gate anyway)
+        from deploy_tool.box.drain import drain  # lazy: urllib for /slots (the gate loads it anyway)
 
-        self.drained = drain.drain(self.cfg, self.cur, self.drain_s, log=self.log)
+        self.drained = drain(self.cfg, self.cur, self.drain_s, log=self.log)
 
     def stop_current(self) -> None:
         assert self.cur is not None
