@@ -111,26 +111,29 @@ def test_a_stream_in_flight_completes_then_the_switch_proceeds(installed, system
     assert h["ok"] and h["drain"]["outcome"] == "drained" and h["drain"]["in_flight"] >= 1, h
     assert h["drain"]["waited_s"] > 0
     assert "request(s) in flight" in r.stderr, r.stderr
-    # the manager stopped the backend only after the stream's last byte
     stop = _manager_stamps(env, since)[f"Stopping {frm}.service"] / 1e6
-    assert stop >= s.ended - 0.05, (stop, s.ended)
+    if not s.read_delay:  # the manager stopped the backend only after the stream's last byte
+        assert stop >= s.ended - 0.05, (stop, s.ended)
+    # (a slow reader may still be reading what its kernel holds when the server, done sending, is stopped)
     assert chat(installed)["choices"][0]["message"]["content"]
 
 
 def test_no_drain_cuts_the_stream(installed, systemd_sandbox):
+    """llama-server exits on SIGTERM at once, cutting what it still has to send. (ftllm's server finishes its
+    requests on SIGTERM by itself, within TimeoutStopSec=, measured here: a --no-drain switch from it waits for
+    them in the stop instead.)"""
     env = systemd_sandbox
-    serving(installed, env, "ftllm-dflash")
-    s = Stream(port_of(installed), max_tokens=1500)  # ~30 s
+    serving(installed, env, "llamacpp-tensor")
+    s = Stream(port_of(installed), READ_DELAY["llamacpp"], **STREAM["llamacpp"])  # ~19 s for this reader
     s.start()
     assert s.first.wait(60) and not s.error, s.error
     t0 = time.monotonic()
-    r = dt(installed, "switch", "llamacpp", "--no-drain")
+    r = dt(installed, "switch", "ftllm", "--no-drain")
     assert r.returncode == 0, r.stdout + r.stderr
     s.join(60)
-    assert not s.done, "the stream was not cut"
-    assert time.monotonic() - t0 < 25
+    assert not s.done and s.chunks < 1900, "the stream was not cut"
     assert "drain" not in [e for e in history(installed) if e["event"] == "switch"][-1]
-    r = dt(installed, "--json", "--dry-run", "switch", "ftllm")
+    r = dt(installed, "--json", "--dry-run", "switch", "llamacpp")
     assert "draining" in [st["name"] for st in json.loads(r.stdout)["steps"]], r.stdout
 
 
