@@ -91,8 +91,8 @@ TP = Range(1, 32, "GPUs one backend spans; a host has at most 32 (NV_MAX_DEVICES
 THREADS = Range(1, 4096, "CPU threads; 0 and negative values mean different things to each server (leave the "
                          "key out for the default)")
 MAX_BATCH = Range(1, 4096, "requests decoded together")
-LIVENESS_INTERVAL_S = Range(1, 3600, "seconds between liveness probes (the timer's OnUnitActiveSec=): below a second "
-                                      "the probe itself costs a core's percent, above an hour a hang goes unseen")
+LIVENESS_INTERVAL_S = Range(1, 3600, "seconds between liveness probes: below a second the probe itself costs a "
+                                      "core's percent, above an hour a hang goes unseen")
 LIVENESS_TIMEOUT_S = Range(0.1, 600, "seconds a liveness probe waits for an answer; longer than ten minutes is "
                                      "no probe")
 LIVENESS_FAILURES = Range(1, 100, "failed probes in a row before the server is restarted")
@@ -246,10 +246,10 @@ class HealthCfg:
 
 @dataclass(frozen=True)
 class LivenessCfg:
-    """supervision.liveness: the probe of the active backend between switches (deploytool-liveness.timer)."""
+    """supervision.liveness: the probe of the active backend between switches (deploytool-liveness.service)."""
 
-    enabled: bool = _doc("probe the active backend and restart it when it hangs; false: the timer is installed "
-                         "but stopped and disabled", default=True)
+    enabled: bool = _doc("probe the active backend and restart it when it hangs; false: the probe's unit is "
+                         "installed but stopped and disabled", default=True)
     interval_s: float = _doc("seconds between probes (readiness: llama-server /health, ftllm /v1/models)",
                              rng=LIVENESS_INTERVAL_S, default=10.0)
     timeout_s: float = _doc("a probe that gets no answer within this many seconds has failed", rng=LIVENESS_TIMEOUT_S,

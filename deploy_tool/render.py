@@ -317,11 +317,10 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
 
 
 LIVENESS_UNIT = "deploytool-liveness.service"
-LIVENESS_TIMER = "deploytool-liveness.timer"
 
 
 def liveness_argv(cfg: Config) -> list[Arg]:
-    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "liveness"]
+    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "liveness", "--watch"]
 
 
 def _rw_path(value: str, key: str) -> Escaped:
@@ -334,23 +333,19 @@ def _rw_path(value: str, key: str) -> Escaped:
 
 
 def render_liveness(cfg: Config) -> list[RenderedFile]:
-    """The liveness probe's oneshot service and its timer (install starts the timer when
-    supervision.liveness.enabled, and stops it otherwise)."""
+    """The liveness probe's service: one process probing every interval (install enables and starts it when
+    supervision.liveness.enabled, and stops and disables it otherwise)."""
     lc = cfg.supervision.liveness
     doc = file_url(cfg.paths.config, "paths.config")
     version = unit_text(__version__, "version")
-    # a tick: readiness (two requests on llama-server) and a completion, each within timeout_s, and start-up
-    timeout = int(lc.timeout_s * 3 + 30)
     rw = [_rw_path(cfg.paths.state_dir, "paths.state_dir"), _rw_path(cfg.paths.unit_dir, "paths.unit_dir")]
     host = cfg.serve.host
     allow = [Escaped(host)] if host not in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::") \
         and re.fullmatch(r"[0-9a-fA-F.:]+", host) else []
     svc = _render("liveness.service.j2", version=version, unit=Escaped(LIVENESS_UNIT), documentation=doc,
                   exec_start=exec_line(liveness_argv(cfg), "supervision.liveness (ExecStart=)"),
-                  timeout_start=timeout, rw_paths=rw, allow=allow)
-    timer = _render("liveness.timer.j2", version=version, unit=Escaped(LIVENESS_TIMER), documentation=doc,
-                    interval=Escaped(f"{lc.interval_s:g}"))
-    return [RenderedFile(LIVENESS_UNIT, "unit", svc, 0o644), RenderedFile(LIVENESS_TIMER, "unit", timer, 0o644)]
+                  interval=Escaped(f"{lc.interval_s:g}"), rw_paths=rw, allow=allow)
+    return [RenderedFile(LIVENESS_UNIT, "unit", svc, 0o644)]
 
 
 def render_all(cfg: Config) -> list[RenderedFile]:

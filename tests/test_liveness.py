@@ -2,7 +2,7 @@
 fake processes, virtual time; tests.support.fake_systemd). A client "in flight" is a real TCP connection from a
 child process (the count reads /proc/net/tcp and leaves this process's own connections out, as a prober's).
 
-The real-backend versions (a SIGSTOPped server restarted by the liveness timer, a stream finishing during a
+The real-backend versions (a SIGSTOPped server restarted by the installed probe, a stream finishing during a
 switch) are in tests/test_liveness_e2e.py.
 """
 
@@ -115,7 +115,7 @@ def tick(box: Box, **over: Any) -> liveness.TickResult:
         lc = dataclasses.replace(cfg.supervision.liveness, **over)
         cfg = dataclasses.replace(cfg, supervision=dataclasses.replace(cfg.supervision, liveness=lc))
     res = liveness.Prober(cfg, sd=box.world.systemd(), now=lambda: box.world.now, mono=lambda: box.world.now).tick()
-    box.world.advance(10.0)  # the timer's interval
+    box.world.advance(10.0)  # the interval
     return res
 
 
@@ -232,6 +232,20 @@ def test_off_switch_and_operations_in_progress(box: Box) -> None:
         res = tick(box)
     assert res.action == "skipped" and "switch to x holds the lock" in res.detail
     assert events(box) == []
+
+
+def test_watch_ticks_every_interval(box: Box) -> None:
+    """--watch: a tick every interval_s (virtual time here), the hang found and restarted as by single ticks."""
+    box.installed(F)
+    box.world.advance(box.cfg.health.start_timeout_s)
+    box.world.systemd().kill(FU, "SIGSTOP")
+    t0 = box.world.now
+    liveness.watch(box.cfg, sd=box.world.systemd(), ticks=4, now=lambda: box.world.now, mono=lambda: box.world.now)
+    assert events(box) == [(F, "failure")] * 3 + [(F, "restart")]
+    assert 3 * LC.interval_s <= box.world.now - t0 < 3 * LC.interval_s + 1
+    off = dataclasses.replace(box.cfg, supervision=dataclasses.replace(
+        box.cfg.supervision, liveness=dataclasses.replace(LC, enabled=False)))
+    liveness.watch(off, sd=box.world.systemd())  # off: returns at once instead of looping for ever
 
 
 def test_liveness_cli_off_and_dry_run(tmp_path: Path) -> None:

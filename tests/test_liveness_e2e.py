@@ -1,11 +1,11 @@
 """Liveness and drain with real parts: the cpu-demo bundle installed into the sandboxed real systemd (the
-session's `installed` box), both real CPU backends, the CLI as a user runs it, and the liveness timer as
-install arms it.
+session's `installed` box), both real CPU backends, the CLI as a user runs it, and the liveness probe's unit
+as install arms it.
 
 * a stream in flight when `switch` begins completes (every token, [DONE]), and only then is its backend stopped
   (the manager's own "Stopping" line comes after the stream's end); from ftllm and from llama-server;
 * `--no-drain` cuts it, as before;
-* a SIGSTOPped server (systemd keeps saying "active/running") is killed by the liveness timer's probe after
+* a SIGSTOPped server (systemd keeps saying "active/running") is killed by the installed liveness probe after
   three failures in a row and restarted by Restart=on-failure; then it serves again;
 * when restarts do not help (restarts: 0 here), the probe gives up: the unit is left failed (Result=signal), the
   state OnFailure= reacts to, and restarting is not switched off for good.
@@ -29,7 +29,7 @@ from tests.test_e2e import _manager_stamps, chat, history, state
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
 FU, LU = "ftllm-dflash.service", "llamacpp-tensor.service"
-TIMER = "deploytool-liveness.timer"
+PROBE = "deploytool-liveness.service"
 MODEL = "qwen38-27b-ud"
 # streams of several seconds on this machine's CPU with the tiny model (measured: ftllm 400 tokens 2.2 s and 1500
 # tokens 30 s; llama-server 1900 tokens with 100 candidate probabilities each 4.2 s, ~5 KB a chunk: read 10 ms
@@ -82,7 +82,7 @@ class Stream(threading.Thread):
 
 
 def serving(cfg: Path, env: Any, name: str) -> None:
-    """`name` serving (switched to through the CLI when it is not), the liveness timer running."""
+    """`name` serving (switched to through the CLI when it is not), the liveness probe running."""
     if state(cfg).get("operation"):
         dt(cfg, "recover")
     unit = f"{name}.service"
@@ -90,8 +90,8 @@ def serving(cfg: Path, env: Any, name: str) -> None:
     if state(cfg)["active_backend"] != name or (st.active_state, st.sub_state) != ("active", "running"):
         r = dt(cfg, "switch", name)
         assert r.returncode == 0, r.stdout + r.stderr
-    if not env.systemd.is_active(TIMER):
-        env.systemd.start(TIMER)
+    if not env.systemd.is_active(PROBE):
+        env.systemd.start(PROBE)
 
 
 @pytest.mark.parametrize("frm,to", [("ftllm-dflash", "llamacpp"), ("llamacpp-tensor", "ftllm")])
@@ -127,7 +127,6 @@ def test_no_drain_cuts_the_stream(installed, systemd_sandbox):
     s = Stream(port_of(installed), READ_DELAY["llamacpp"], **STREAM["llamacpp"])  # ~19 s for this reader
     s.start()
     assert s.first.wait(60) and not s.error, s.error
-    t0 = time.monotonic()
     r = dt(installed, "switch", "ftllm", "--no-drain")
     assert r.returncode == 0, r.stdout + r.stderr
     s.join(60)
@@ -147,13 +146,13 @@ def _now_iso() -> str:
     return now_iso()
 
 
-def test_a_stopped_server_is_restarted_by_the_liveness_timer(installed, systemd_sandbox):
-    """SIGSTOP ftllm: systemd keeps reporting it active/running while nothing answers. The installed timer's
+def test_a_stopped_server_is_restarted_by_the_liveness_probe(installed, systemd_sandbox):
+    """SIGSTOP ftllm: systemd keeps reporting it active/running while nothing answers. The installed
     probe (every 10 s, 5 s timeout, 3 failures in a row: the defaults) kills it; Restart=on-failure brings it
     back; it serves again. Bound: 3 ticks + 3 timeouts + RestartSec + the load of the tiny model."""
     env = systemd_sandbox
     serving(installed, env, "ftllm-dflash")
-    assert env.systemd.is_enabled(TIMER) == "enabled" and env.systemd.is_active(TIMER)
+    assert env.systemd.is_enabled(PROBE) == "enabled" and env.systemd.is_active(PROBE)
     before = env.systemd.show(FU)
     mark = _now_iso()
     env.systemd.kill(FU, "SIGSTOP", who="main")
@@ -189,7 +188,7 @@ def test_a_stopped_server_is_restarted_by_the_liveness_timer(installed, systemd_
 
 
 def test_liveness_gives_up_and_leaves_the_unit_failed(installed, systemd_sandbox):
-    """restarts: 0 (a config beside the box's, driven from the CLI with the timer stopped): the first hang gives
+    """restarts: 0 (a config beside the box's, driven from the CLI with the installed probe stopped): the first hang gives
     up: the server killed with restarting off for this once, its unit failed with Result=signal (what OnFailure=
     reacts to), the runtime drop-in gone; a later start restarts on failure again."""
     env = systemd_sandbox
@@ -198,7 +197,7 @@ def test_liveness_gives_up_and_leaves_the_unit_failed(installed, systemd_sandbox
     data["supervision"] = {"liveness": {"failures": 2, "restarts": 0, "timeout_s": 2}}
     fast = installed.with_name("liveness-fast.yaml")
     fast.write_text(yaml.safe_dump(data, sort_keys=False))
-    env.systemd.stop(TIMER)
+    env.systemd.stop(PROBE)
     mark = _now_iso()
     try:
         r = dt(fast, "--json", "liveness")
@@ -220,4 +219,4 @@ def test_liveness_gives_up_and_leaves_the_unit_failed(installed, systemd_sandbox
         assert env.systemd.show(FU).sub_state == "auto-restart"
     finally:
         fast.unlink(missing_ok=True)
-        env.systemd.start(TIMER)
+        env.systemd.start(PROBE)

@@ -106,7 +106,7 @@ def test_golden_units_match_render() -> None:
     d = golden.diff(REPO / "units")
     assert d == "", f"units/ drifted from the templates (run `make golden` if intended):\n{d}"
     assert sorted(p.name for p in (REPO / "units").iterdir()) == [
-        "deploytool-liveness.service", "deploytool-liveness.timer",
+        "deploytool-liveness.service",
         "ftllm-dflash.env", "ftllm-dflash.service", "llamacpp-tensor.env", "llamacpp-tensor.service"]
 
 
@@ -164,8 +164,8 @@ def test_systemd_analyze_verify_clean(example: str, tmp_path: Path) -> None:
     cfg, stubs = _cfg_with_stubs(example, tmp_path)
     assert len(stubs) == 5  # ExecStartPre + ExecStart of both units, the liveness probe's ExecStart
     units = _write_rendered(cfg, tmp_path / "units")
-    assert sorted(u.name for u in units) == ["deploytool-liveness.service", "deploytool-liveness.timer",
-                                             "ftllm-dflash.service", "llamacpp-tensor.service"]
+    assert sorted(u.name for u in units) == ["deploytool-liveness.service", "ftllm-dflash.service",
+                                             "llamacpp-tensor.service"]
     r = _verify(units)
     assert r.stderr == "", r.stderr
     assert r.returncode == 0
@@ -206,8 +206,6 @@ def test_systemd_analyze_security_score(example: str, tmp_path: Path, record_pro
     cfg, _ = _cfg_with_stubs(example, tmp_path)
     units = _write_rendered(cfg, tmp_path / "units")
     for u in units:
-        if u.suffix != ".service":
-            continue  # a timer runs nothing itself
         score, label = _security(u)
         print(f"security {example}/{u.name}: {score} {label}")
         record_property(f"security:{example}/{u.name}", score)

@@ -1,6 +1,7 @@
-"""Liveness of the active backend between switches: one probe per tick (`deploytool liveness`, run by the
-rendered deploytool-liveness.timer every supervision.liveness.interval_s), restart when hung, give up when
-restarting does not help.
+"""Liveness of the active backend between switches: one probe per tick, every supervision.liveness.interval_s
+(`deploytool liveness --watch`, the rendered deploytool-liveness.service: one process, so the interpreter and its
+imports are paid once and a tick costs milliseconds; `deploytool liveness` is one tick), restart when hung, give
+up when restarting does not help.
 
 A tick:
   1. skip when liveness is off, an operation (install, switch, ...) holds the lock or is interrupted, or no
@@ -323,21 +324,49 @@ def _cpu_ns(props: dict[str, str]) -> int | None:
 
 
 def arm(cfg: Config, sd: systemd_mod.Systemd, *, log: Log = lambda s: None) -> None:
-    """After an install started a backend: the liveness timer enabled and started when supervision.liveness is
-    on, stopped and disabled when off (an installed box only; a failure here is logged, the install stands)."""
-    from deploy_tool.render import LIVENESS_TIMER
+    """After an install started a backend: the liveness probe's unit enabled and (re)started when
+    supervision.liveness is on (the release's deploytool and config take effect), stopped and disabled when off
+    (an installed box only; a failure here is logged, the install stands)."""
+    from deploy_tool.render import LIVENESS_UNIT
 
-    if not sd.unit_path(LIVENESS_TIMER).exists():
+    if not sd.unit_path(LIVENESS_UNIT).exists():
         return
     try:
         if cfg.supervision.liveness.enabled:
-            sd.enable(LIVENESS_TIMER, reload=False)
-            sd.restart(LIVENESS_TIMER)  # a changed interval takes effect
+            sd.enable(LIVENESS_UNIT, reload=False)
+            sd.restart(LIVENESS_UNIT, past_start_limit=True)
         else:
-            sd.stop(LIVENESS_TIMER)
-            sd.disable(LIVENESS_TIMER, reload=False)
+            sd.stop(LIVENESS_UNIT)
+            sd.disable(LIVENESS_UNIT, reload=False)
     except DeployError as exc:
-        log(f"warning: the liveness timer: {exc.message.splitlines()[0]}")
+        log(f"warning: the liveness probe's unit: {exc.message.splitlines()[0]}")
+
+
+def watch(cfg: Config, *, sd: systemd_mod.Systemd | None = None, log: Log = lambda s: None,
+          ticks: int | None = None, now: Callable[[], float] = time.time,
+          mono: Callable[[], float] = time.monotonic) -> None:
+    """`deploytool liveness --watch`: a tick every interval_s (from the start of one to the next), `ticks` of them
+    or for ever. A tick that fails (systemd unreachable, the state dir unwritable) is logged and the next one
+    runs; with liveness off, it returns at once (its unit is stopped then anyway)."""
+    from deploy_tool import retry
+
+    p = Prober(cfg, sd=sd, log=log, now=now, mono=mono)
+    every = cfg.supervision.liveness.interval_s
+    clock, sleep = retry.clock_for(), retry.sleep_for()
+    n = 0
+    while ticks is None or n < ticks:
+        t0 = clock()
+        try:
+            res = p.tick()
+        except DeployError as exc:
+            log(f"liveness tick failed: {exc.message.splitlines()[0]}")
+        else:
+            if res.action == "off":
+                log("liveness is off (supervision.liveness.enabled: false)")
+                return
+        n += 1
+        if ticks is None or n < ticks:
+            sleep(max(0.0, every - (clock() - t0)))
 
 
 def tick(cfg: Config, *, sd: systemd_mod.Systemd | None = None, log: Log = lambda s: None) -> TickResult:

@@ -455,7 +455,7 @@ def for_config(cfg: object) -> Systemd:
         from deploy_tool.box.sandbox_handle import SandboxHandle
 
         sb = SandboxHandle(scfg.sandbox)
-        if sb.contains_self():  # run by a unit of the sandbox's own systemd (the liveness timer): it is ours
+        if sb.contains_self():  # run by a unit of the sandbox's own systemd (the liveness probe): it is ours
             return Systemd(("systemctl",), ("journalctl",), unit_dir)
         return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)
     return Systemd(scfg.systemctl, scfg.journalctl, unit_dir)

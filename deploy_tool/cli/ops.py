@@ -206,9 +206,11 @@ def rebuild(ctx: Ctx, bundle: str, offline: bool, keys_dir: str | None, python: 
 
 
 @click.command()
+@click.option("--watch", is_flag=True, help="Probe every supervision.liveness.interval_s until stopped (what "
+                                            "deploytool-liveness.service runs).")
 @pass_ctx
-def liveness(ctx: Ctx) -> None:
-    """Probe the active backend once; restart it when it hangs (run by deploytool-liveness.timer).
+def liveness(ctx: Ctx, watch: bool) -> None:
+    """Probe the active backend once; restart it when it hangs (--watch: again and again).
 
     \b
     Busy (requests in flight, the server using CPU) is not hung. Failures in a row, restarts and give-ups are
@@ -217,6 +219,9 @@ def liveness(ctx: Ctx) -> None:
     from deploy_tool.box import liveness as lv
 
     cfg = ctx.load_config()
+    if watch and not ctx.dry_run:
+        lv.watch(cfg, log=lambda msg: click.echo(msg, err=True))
+        return
     if ctx.dry_run:
         lc = cfg.supervision.liveness
         ctx.emit({"would_probe": cfg.default_backend, "config": lc.__dict__},
