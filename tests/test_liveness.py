@@ -77,6 +77,15 @@ def test_a_start_never_seen_ready_has_its_start_timeout() -> None:
     assert acts == ["ok", "failure", "failure", "restart"]  # once it served, the grace is over
 
 
+def test_a_start_an_operation_gated_has_no_grace() -> None:
+    """Started by a switch (state.json committed after the process started: it passed the gate), a hang right
+    after counts at once; started by Restart= (nothing committed since), it has its start timeout."""
+    st = LiveState(backend=F)
+    gated = Observation("i2", False, "no answer", up_s=5.0, gated=True)
+    assert run(LC, [gated] * 3, st=st)[0] == ["failure", "failure", "restart"]
+    assert run(LC, [dataclasses.replace(gated, gated=False)] * 3, st=st)[0] == ["starting"] * 3
+
+
 def test_a_new_invocation_starts_counting_afresh() -> None:
     acts, st = run(LC, [obs(), obs(), obs(inv="i9")], st=None)
     assert acts == ["failure", "failure", "starting"] and st.failures == 0 and st.invocation == "i9"

@@ -87,6 +87,7 @@ class Observation:
     cpu_advanced: bool | None = None  # the unit's CPU time grew during the probe; None: not known
     completion_done: bool = False  # a tiny completion passed in this tick
     up_s: float | None = None  # how long ago its main process started (None: not known)
+    gated: bool = False  # an operation committed it after this process started: it passed the health gate
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def decide(cfg: LivenessCfg, start_timeout_s: float, st: LiveState, obs: Observa
                      last_completion=now if obs.completion_done else st.last_completion)
         return Verdict(st, "ok")
     up = obs.up_s if obs.up_s is not None else now - st.first_seen
-    if not st.seen_ready and up < start_timeout_s:
+    if not st.seen_ready and not obs.gated and up < start_timeout_s:
         return Verdict(replace(st, busy=False), "starting", f"not ready yet ({obs.detail})")
     if obs.in_flight > 0 and obs.cpu_advanced is not False:
         return Verdict(replace(st, busy=True), "busy",
@@ -199,7 +200,7 @@ class Prober:
         props = self.sd.properties(b.unit, *PROPS)
         if (props.get("ActiveState"), props.get("SubState")) != ("active", "running"):
             return TickResult("not-running", name, f"{b.unit} is {props.get('ActiveState')}/{props.get('SubState')}")
-        obs = self.observe(b, props, kept)
+        obs = self.observe(b, props, kept, committed=_epoch(st.updated))
         v = decide(self.lcfg, b.start_timeout_s or self.cfg.health.start_timeout_s, kept, obs, self.now())
         result, keep = self.act(b, v)
         if keep and v.state != kept:
@@ -207,13 +208,18 @@ class Prober:
         return result
 
     # ------------------------------------------------------------------ observing
-    def observe(self, b: Backend, props: dict[str, str], kept: LiveState) -> Observation:
+    def observe(self, b: Backend, props: dict[str, str], kept: LiveState, *,
+                committed: float | None = None) -> Observation:
+        """Probe `b`; `committed`: when state.json was last written (epoch seconds): after this process
+        started, an operation (switch, install, recover) committed it behind its health gate, so it has no
+        start-up grace left (only a start by Restart= or by hand has)."""
         from deploy_tool.box import drain  # the connection count
 
         inv = props.get("InvocationID", "")
         cpu0 = _cpu_ns(props)
         started = props.get("ExecMainStartTimestampMonotonic", "")
         up = self.mono() - int(started) / 1e6 if started.isdigit() and int(started) > 0 else None
+        gated = up is not None and committed is not None and committed >= time.time() - up
         due = self.lcfg.completion_every_s > 0 and self.now() - kept.last_completion >= self.lcfg.completion_every_s
         try:
             loading = self._probe(b, completion=due)
@@ -221,10 +227,11 @@ class Prober:
             n = drain.in_flight(self.cfg)
             cpu1 = _cpu_ns(self.sd.properties(b.unit, "CPUUsageNSec")) if n else None
             advanced = None if cpu0 is None or cpu1 is None else cpu1 > cpu0
-            return Observation(inv, False, exc.message.splitlines()[0], in_flight=n, cpu_advanced=advanced, up_s=up)
+            return Observation(inv, False, exc.message.splitlines()[0], in_flight=n, cpu_advanced=advanced, up_s=up,
+                               gated=gated)
         if loading:
-            return Observation(inv, False, "still loading (/health 503)", loading=True, up_s=up)
-        return Observation(inv, True, completion_done=due, up_s=up)
+            return Observation(inv, False, "still loading (/health 503)", loading=True, up_s=up, gated=gated)
+        return Observation(inv, True, completion_done=due, up_s=up, gated=gated)
 
     def _probe(self, b: Backend, *, completion: bool) -> bool:
         """One readiness probe within timeout_s (and a 1-token completion when due); True when the server says
@@ -316,6 +323,18 @@ class Prober:
 
 def _nothing() -> None:
     pass
+
+
+def _epoch(iso: str | None) -> float | None:
+    """state.json's `updated` (now_iso: 2026-12-01T13:00:00.123456Z) as epoch seconds."""
+    import datetime as dt
+
+    if not iso:
+        return None
+    try:
+        return dt.datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
+    except ValueError:
+        return None
 
 
 def _cpu_ns(props: dict[str, str]) -> int | None:
