@@ -178,6 +178,7 @@ def test_a_stopped_server_is_restarted_by_the_liveness_probe(installed, systemd_
                     pass
             time.sleep(0.5)
         after = env.systemd.show(FU)
+        print(f"SIGSTOP to the restart: {restarted:.1f} s; to serving again: {time.monotonic() - t0:.1f} s")
         assert after.n_restarts == before.n_restarts + 1 and after.main_pid != before.main_pid
         assert chat(installed)["choices"][0]["message"]["content"]
         assert state(installed)["active_backend"] == "ftllm-dflash"
