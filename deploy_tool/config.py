@@ -100,6 +100,17 @@ START_LIMIT_BURST = Range(1, 100, "failed starts the unit's StartLimitBurst= all
                                   "the first crash already fails over)")
 START_LIMIT_INTERVAL_S = Range(1, 86400, "seconds; whole seconds become StartLimitIntervalSec= (0 would turn the "
                                          "limit off, so a crash loop would never end in a failover)")
+LIVENESS_INTERVAL_S = Range(1, 3600, "seconds between liveness probes: below a second the probe itself costs a "
+                                      "core's percent, above an hour a hang goes unseen")
+LIVENESS_TIMEOUT_S = Range(0.1, 600, "seconds a liveness probe waits for an answer; longer than ten minutes is "
+                                     "no probe")
+LIVENESS_FAILURES = Range(1, 100, "failed probes in a row before the server is restarted")
+LIVENESS_RESTARTS = Range(0, 100, "liveness restarts within restart_window_s before it gives up and marks the unit "
+                                  "failed (0: the first hang fails the unit at once)")
+WINDOW_S = Range(1, 7 * 86400, "seconds (at most a week)")
+COMPLETION_EVERY_S = Range(0, 86400, "seconds between tiny completions (0: never; at most a day)")
+DRAIN_TIMEOUT_S = Range(0, 86400, "seconds a planned stop waits for requests in flight (0: no drain; a request "
+                                  "that takes a day is not one to wait for)")
 CONTEXT = Range(64, 1 << 24, "tokens of KV cache: below 64 no chat fits, above 16777216 no model was trained (a "
                              "digit too many asks for terabytes)")
 
@@ -302,10 +313,36 @@ class FailoverCfg:
 
 
 @dataclass(frozen=True)
-class Supervision:
-    """supervision: what keeps the box serving between operations."""
+class LivenessCfg:
+    """supervision.liveness: the probe of the active backend between switches (deploytool-liveness.service)."""
+
+    enabled: bool = _doc("probe the active backend and restart it when it hangs; false: the probe's unit is "
+                         "installed but stopped and disabled", default=True)
+    interval_s: float = _doc("seconds between probes (readiness: llama-server /health, ftllm /v1/models)",
+                             rng=LIVENESS_INTERVAL_S, default=10.0)
+    timeout_s: float = _doc("a probe that gets no answer within this many seconds has failed", rng=LIVENESS_TIMEOUT_S,
+                            default=5.0)
+    failures: int = _doc("failed probes in a row (not counting ticks where a request is in flight and the server "
+                         "uses CPU: busy is not hung) before the server is killed and systemd restarts it",
+                         rng=LIVENESS_FAILURES, default=3)
+    completion_every_s: float = _doc("seconds between tiny chat completions (1 token) on top of the readiness "
+                                     "probe; 0: never", rng=COMPLETION_EVERY_S, default=300.0)
+    restarts: int = _doc("liveness restarts within restart_window_s that may not help before it gives up: the "
+                         "next hang kills the server for good and leaves its unit failed (OnFailure= runs)",
+                         rng=LIVENESS_RESTARTS, default=2)
+    restart_window_s: float = _doc("the window the restarts are counted in", rng=WINDOW_S, default=1800.0)
+
+
+@dataclass(frozen=True)
+class SupervisionCfg:
+    """supervision: what keeps the box serving between operations (failover, liveness), and how planned stops
+    treat requests in flight."""
 
     failover: FailoverCfg = _doc("failover to the last good backend", default_factory=FailoverCfg)
+    liveness: LivenessCfg = _doc("the liveness probe", default_factory=LivenessCfg)
+    drain_timeout_s: float = _doc("a planned stop (switch, rollback) first waits this long at most until the "
+                                  "backend has no request in flight (`--drain-timeout`, `--no-drain`); 0: no drain",
+                                  rng=DRAIN_TIMEOUT_S, default=60.0)
 
 
 @dataclass(frozen=True)
@@ -509,7 +546,8 @@ class Config:
     systemd: SystemdCfg = _doc("how systemd is reached", default_factory=SystemdCfg)
     health: HealthCfg = _doc("the health gate", default_factory=HealthCfg)
     bundle: BundleCfg = _doc("what `pack` bundles", default_factory=BundleCfg)
-    supervision: Supervision = _doc("what keeps the box serving between operations", default_factory=Supervision)
+    supervision: SupervisionCfg = _doc("what keeps the box serving between operations: failover, liveness, drain",
+                                       default_factory=SupervisionCfg)
     # not from YAML:
     source_path: str | None = None
     source_sha256: str | None = None
@@ -924,7 +962,8 @@ class _ConfigRest:
     systemd: SystemdCfg = _doc("how systemd is reached", default_factory=SystemdCfg)
     health: HealthCfg = _doc("the health gate", default_factory=HealthCfg)
     bundle: BundleCfg = _doc("what `pack` bundles", default_factory=BundleCfg)
-    supervision: Supervision = _doc("what keeps the box serving between operations", default_factory=Supervision)
+    supervision: SupervisionCfg = _doc("what keeps the box serving between operations: failover, liveness, drain",
+                                       default_factory=SupervisionCfg)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -65,3 +65,73 @@ def host_pid(ns_pid: int, cgroup: str) -> int | None:
         if len(nspids) > 1 and nspids[-1] == ns_pid and in_cgroup(pid, cgroup):
             return pid
     return None
+
+
+# ------------------------------------------------------------------------------------------------ TCP
+
+TCP_ESTABLISHED = "01"
+TCP_LISTEN = "0A"
+
+
+Row = tuple[str, int, str, int, str, int, int]
+
+
+def tcp_table(pid: int | str = "self") -> list[Row]:
+    """The TCP sockets of the network namespace `pid` runs in, from /proc/PID/net/tcp and tcp6: (local address,
+    local port, remote address, remote port, state, inode, bytes queued to send and not yet acknowledged) per
+    socket; addresses as the kernel prints them (hex), states as two hex digits (01 ESTABLISHED, 0A LISTEN,
+    08 CLOSE_WAIT, ...)."""
+    out = []
+    for name in ("tcp", "tcp6"):
+        text = read(f"/proc/{pid}/net/{name}") or ""
+        for line in text.splitlines()[1:]:
+            f = line.split()
+            if len(f) < 10:
+                continue
+            try:
+                la, lp = f[1].split(":")
+                ra, rp = f[2].split(":")
+                out.append((la, int(lp, 16), ra, int(rp, 16), f[3], int(f[9]), int(f[4].split(":")[0], 16)))
+            except ValueError:
+                continue
+    return out
+
+
+def own_socket_inodes(pid: int | str = "self") -> set[int]:
+    """The inodes of the sockets process `pid` holds open (its fds that read `socket:[N]`)."""
+    out: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
+def connections_in(port: int, *, exclude_pid: int | str | None = "self", table: list[Row] | None = None,
+                   sending: bool = False) -> int:
+    """How many clients are connected to the server on `port`: ESTABLISHED sockets whose local port is `port`
+    (the server's ends; a client that went away leaves CLOSE_WAIT, not counted), minus the connections whose
+    client end belongs to process `exclude_pid` (the prober itself). Independent of the server's API; an idle
+    keep-alive connection counts like a request in flight (see deploy_tool.box.drain). `sending`: only those
+    whose server end still has bytes to deliver (an answer on its way to a slow reader)."""
+    rows = tcp_table() if table is None else table
+    mine = own_socket_inodes(exclude_pid) if exclude_pid is not None else set()
+    own_ends = {(la, lp) for la, lp, _ra, _rp, st, ino, _q in rows if ino in mine and st == TCP_ESTABLISHED}
+    return sum(1 for la, lp, ra, rp, st, _ino, txq in rows
+               if lp == port and st == TCP_ESTABLISHED and (ra, rp) not in own_ends and (txq > 0 or not sending))
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of `pid` in clock ticks (fields 14 and 15 of /proc/PID/stat); None when gone."""
+    stat = read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    f = stat.rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])

@@ -412,11 +412,45 @@ def render_failover(cfg: Config) -> RenderedFile:
     return RenderedFile(FAILOVER_TEMPLATE, "unit", _render("failover.service.j2", **ctx), 0o644)
 
 
+LIVENESS_UNIT = "deploytool-liveness.service"
+
+
+def liveness_argv(cfg: Config) -> list[Arg]:
+    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "liveness", "--watch"]
+
+
+def _rw_path(value: str, key: str) -> Escaped:
+    """A path of ReadWritePaths= (a list split at white space; quotes would be taken as quoting): no space or
+    quote in it."""
+    if any(c in value for c in " \t\"'"):
+        raise _refuse(key, value, "contains a space or a quote, which the liveness unit's ReadWritePaths= cannot "
+                                  "carry")
+    return unit_path(value, key)
+
+
+def render_liveness(cfg: Config) -> list[RenderedFile]:
+    """The liveness probe's service: one process probing every interval (install enables and starts it when
+    supervision.liveness.enabled, and stops and disables it otherwise)."""
+    lc = cfg.supervision.liveness
+    doc = file_url(cfg.paths.config, "paths.config")
+    version = unit_text(__version__, "version")
+    rw = [_rw_path(cfg.paths.state_dir, "paths.state_dir"), _rw_path(cfg.paths.unit_dir, "paths.unit_dir")]
+    host = cfg.serve.host
+    allow = [Escaped(host)] if host not in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::") \
+        and re.fullmatch(r"[0-9a-fA-F.:]+", host) else []
+    svc = _render("liveness.service.j2", version=version, unit=Escaped(LIVENESS_UNIT), documentation=doc,
+                  exec_start=exec_line(liveness_argv(cfg), "supervision.liveness (ExecStart=)"),
+                  interval=Escaped(f"{lc.interval_s:g}"), rw_paths=rw, allow=allow)
+    return [RenderedFile(LIVENESS_UNIT, "unit", svc, 0o644)]
+
+
 def render_all(cfg: Config) -> list[RenderedFile]:
-    """Every unit and env file for every backend, and the failover unit when failover is on; sorted by name."""
+    """Every unit and env file for every backend, the liveness probe's unit, and the failover unit when failover
+    is on; sorted by name."""
     out: list[RenderedFile] = []
     for name in sorted(cfg.backends):
         out += render_backend(cfg, cfg.backends[name])
+    out += render_liveness(cfg)
     if cfg.supervision.failover.enabled:
         out.append(render_failover(cfg))
     return sorted(out, key=lambda f: f.name)

@@ -10,7 +10,6 @@ tests/test_failover_e2e.py.
 from __future__ import annotations
 
 import re
-
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path

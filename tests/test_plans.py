@@ -45,6 +45,8 @@ def test_switch_ftllm_to_llamacpp(cfg: Config) -> None:
         ("lock", "lock /var/lib/deploytool/lock"),
         ("intent", f"record intent: switch {FT} -> {LL}"),
         ("preflight", f"preflight {LL}: config checks, fingerprints (deploytool verify {LL})"),
+        ("draining", f"drain {FT}.service: wait until no request is in flight on port 8082 (its TCP "
+                     "connections), at most 60s"),
         ("stopping-current", f"stop {FT}.service (it serves until here)"),
         ("starting-target", f"start {LL}.service: its ExecStartPre checks the fingerprints while the current "
                             "backend exits, then waits until it is gone and the port is free"),
@@ -52,7 +54,8 @@ def test_switch_ftllm_to_llamacpp(cfg: Config) -> None:
         ("committing", f"commit: enable {LL}.service, disable the others, write state and history"),
         ("rolling-back", f"on failure: stop {LL}.service, start {FT}.service through the same gate, exit 10"),
     ]
-    assert steps[6].touches == (f"{LL}.service", f"{FT}.service", STATE)
+    assert steps[7].touches == (f"{LL}.service", f"{FT}.service", STATE)
+    assert steps[3].touches == ()  # draining changes nothing: the current backend serves on meanwhile
     assert steps[-1].when == "on failure"
     # the journal names are the state machine's steps, in its order
     assert [s.name for s in steps[1:]] == list(switch.STEPS)
@@ -69,9 +72,21 @@ def test_switch_to_the_active_backend_is_a_noop(cfg: Config) -> None:
     assert steps[-1].text() == f"on failure: stop {FT}.service, leave no backend running, exit 9"
 
 
+def test_switch_drain_bound_and_no_drain(cfg: Config) -> None:
+    """--drain-timeout sets the bound the plan shows; --no-drain (0) plans no draining step: stopped at once."""
+    st = State(active_backend=FT, release="r1")
+    target = cfg.backends[LL]
+    facts = switch.switch_facts(cfg, st, target, target_running=False, awaits_port=True)
+    steps = switch.switch_plan(cfg, st, target, facts, drain_s=7.5)
+    assert steps[2].name == "draining" and steps[2].text().endswith("at most 7.5s")
+    steps = switch.switch_plan(cfg, st, target, facts, drain_s=0)
+    assert [s.name for s in steps] == ["intent", "preflight", "stopping-current", "starting-target", "gate",
+                                       "committing", "rolling-back"]
+
+
 def test_switch_on_a_box_whose_unit_does_not_wait_for_the_port(cfg: Config) -> None:
     steps = _switch(cfg, State(active_backend=FT), LL, awaits_port=False)
-    assert steps[3] == Step("starting-target", f"start {LL}.service once nothing answers on port 8082",
+    assert steps[4] == Step("starting-target", f"start {LL}.service once nothing answers on port 8082",
                             (f"{LL}.service",))
 
 
@@ -82,6 +97,8 @@ def test_rollback(cfg: Config) -> None:
     assert rows(_switch(cfg, st, to, action="rollback")) == [
         ("intent", f"record intent: rollback {LL} -> {FT}"),
         ("preflight", f"preflight {FT}: config checks, fingerprints (deploytool verify {FT})"),
+        ("draining", f"drain {LL}.service: wait until no request is in flight on port 8082 (its TCP "
+                     "connections), at most 60s"),
         ("stopping-current", f"stop {LL}.service (it serves until here)"),
         ("starting-target", f"start {FT}.service: its ExecStartPre checks the fingerprints while the current "
                             "backend exits, then waits until it is gone and the port is free"),
@@ -122,7 +139,7 @@ def test_recover_an_interrupted_switch(cfg: Config) -> None:
     # killed while committing with the target not running: straight back
     assert [s.name for s in switch.recover_plan(cfg, st, target_running=False)] == ["stop-target",
                                                                                     "restart-previous"]
-    for step in ("intent", "preflight"):
+    for step in ("intent", "preflight", "draining"):
         st = replace(st, operation=_op(step))
         assert rows(switch.recover_plan(cfg, st, target_running=False)) == [
             ("nothing-changed", f"clear the interrupted switch (step {step}): it had changed nothing")]
@@ -224,7 +241,7 @@ def test_every_step_of_every_plan_has_a_handler(cfg: Config) -> None:
     for f in (facts, replace(facts, laid_down=True), replace(facts, tool=False)):
         assert {s.name for s in _install(cfg, State(), f) if not s.when} - {"verified"} \
             <= set(install._Install.HANDLERS)
-    for step in ("preflight", "stopping-current", "gate", "committing"):
+    for step in ("preflight", "draining", "stopping-current", "gate", "committing"):
         for running in (False, True):
             plan = switch.recover_plan(cfg, replace(st, operation=_op(step)), target_running=running)
             assert {s.name for s in plan} <= set(switch._RecoverRun.HANDLERS)

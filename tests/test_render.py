@@ -112,8 +112,8 @@ def test_golden_units_match_render() -> None:
     d = golden.diff(REPO / "units")
     assert d == "", f"units/ drifted from the templates (run `make golden` if intended):\n{d}"
     assert sorted(p.name for p in (REPO / "units").iterdir()) == [
-        "deploytool-failover@.service", "ftllm-dflash.env", "ftllm-dflash.service", "llamacpp-tensor.env",
-        "llamacpp-tensor.service"]
+        "deploytool-failover@.service", "deploytool-liveness.service",
+        "ftllm-dflash.env", "ftllm-dflash.service", "llamacpp-tensor.env", "llamacpp-tensor.service"]
 
 
 def test_golden_tool_refresh_and_check(tmp_path: Path) -> None:
@@ -168,9 +168,10 @@ def test_golden_reproduces_production_lines() -> None:
 def test_systemd_analyze_verify_clean(example: str, tmp_path: Path) -> None:
     """`systemd-analyze verify` on every rendered unit of the example: exit 0 and EMPTY stderr."""
     cfg, stubs = _cfg_with_stubs(example, tmp_path)
-    assert len(stubs) == 5  # ExecStartPre + ExecStart of both units, ExecStart of the failover unit
+    assert len(stubs) == 6  # ExecStartPre + ExecStart of both units, the failover's and the liveness probe's ExecStart
     units = _write_rendered(cfg, tmp_path / "units")
-    assert len(units) == 3  # both backends and the failover unit
+    assert sorted(u.name for u in units) == ["deploytool-failover@.service", "deploytool-liveness.service",
+                                             "ftllm-dflash.service", "llamacpp-tensor.service"]
     r = _verify(units)
     assert r.stderr == "", r.stderr
     assert r.returncode == 0
@@ -198,7 +199,7 @@ def test_golden_units_exposure_is_at_most_2(tmp_path: Path) -> None:
         target = FAILOVER_SECURITY_TARGET if u.name == render.FAILOVER_TEMPLATE else SECURITY_TARGET
         assert score <= target, f"{u.name}: exposure {score} > {target}"
         text = u.read_text()
-        if u.name == render.FAILOVER_TEMPLATE:
+        if u.name in (render.FAILOVER_TEMPLATE, render.LIVENESS_UNIT):  # the tool's own units, not servers
             continue
         for line in ("SystemCallFilter=@system-service", "MemoryDenyWriteExecute=yes", "PrivateUsers=yes",
                      "ProtectHome=yes", "PrivateMounts=yes", "IPAddressDeny=any", "DevicePolicy=closed"):
@@ -249,7 +250,7 @@ def test_systemd_analyze_security_score(example: str, api_key: bool, tmp_path: P
         target = FAILOVER_SECURITY_TARGET if u.name == render.FAILOVER_TEMPLATE else SECURITY_TARGET
         assert score <= target, f"{u.name}: exposure {score} > {target}"
         text = u.read_text()
-        if example == "two-2080ti" and u.name != render.FAILOVER_TEMPLATE:
+        if example == "two-2080ti" and u.name not in (render.FAILOVER_TEMPLATE, render.LIVENESS_UNIT):
             assert "DeviceAllow=char-nvidiactl rwm" in text and "DeviceAllow=char-nvidia-frontend rwm" in text
             assert "DeviceAllow=char-nvidia-uvm rwm" in text and "PrivateDevices=yes" not in text
 
@@ -404,7 +405,7 @@ def test_gpu_lines_only_in_cuda_units(tmp_path: Path) -> None:
     for ex in config.EXAMPLES:
         cfg = load_dict(tmp_path / ex, example_dict(ex))
         for f in render.render_all(cfg):
-            if f.kind != "unit" or f.name == render.FAILOVER_TEMPLATE:
+            if f.kind != "unit" or f.name in (render.FAILOVER_TEMPLATE, render.LIVENESS_UNIT):
                 continue
             b = cfg.backends[f.name.removesuffix(".service")]
             lines = f.content.splitlines()

@@ -41,7 +41,7 @@ F, L = "ftllm-dflash", "llamacpp-tensor"
 FU, LU = f"{F}.service", f"{L}.service"
 
 #: the kill points of a switch (and of a rollback, which is a switch back), in order
-SWITCH_POINTS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing")
+SWITCH_POINTS = ("intent", "preflight", "draining", "stopping-current", "starting-target", "gate", "committing")
 ROLLBACK_POINT = "rolling-back"  # reached only when the target failed
 #: the install's kill points (the real-sandbox suite tests/test_install_faults.py covers them)
 INSTALL_POINTS = ("signature-checked", "verified", "venv-ready", "native-libs-checked", "tool-ready", "release-laid-down",
@@ -114,14 +114,14 @@ class Box:
     def switcher(self) -> Switcher:
         return Switcher(self.cfg, log=self.log.append, sd=self.world.systemd())
 
-    def run(self, op: str, *args: Any, kill: str | None = None) -> Outcome:
+    def run(self, op: str, *args: Any, kill: str | None = None, **kw: Any) -> Outcome:
         """One deploytool command as the CLI runs it (deploy_tool.box.operations; a fresh process: a new driver
         handle), optionally killed at `kill`."""
         command = {"switch": operations.switch, "rollback": operations.rollback, "recover": operations.recover}[op]
         if kill:
             os.environ["DEPLOYTOOL_FAULT"] = f"kill:{kill}"
         try:
-            res = command(self.cfg, *args, log=self.log.append, sd=self.world.systemd())
+            res = command(self.cfg, *args, log=self.log.append, sd=self.world.systemd(), **kw)
         except fs.Killed as exc:
             return Outcome("killed", killed=str(exc))
         except DeployError as exc:
@@ -437,7 +437,7 @@ def test_a_held_lock_refuses_with_exit_12(box: Box) -> None:
 
 # ------------------------------------------------------------------------------------------------ kill points
 
-RECOVERED_TO = {"intent": F, "preflight": F, "stopping-current": F, "starting-target": F, "gate": F,
+RECOVERED_TO = {"intent": F, "preflight": F, "draining": F, "stopping-current": F, "starting-target": F, "gate": F,
                 "committing": L}
 
 
@@ -465,7 +465,7 @@ def test_kill_at_each_switch_point(box: Box, point: str, then: str) -> None:
     rec = [h for h in box.history() if h["event"] == "recover"][-1]
     assert rec["step"] == point and rec["ok"]
     assert rec["outcome"] == {"intent": "nothing-changed", "preflight": "nothing-changed",
-                              "committing": "committed"}.get(point, "rolled-back")
+                              "draining": "nothing-changed", "committing": "committed"}.get(point, "rolled-back")
 
 
 @pytest.mark.parametrize("name", ["crash-at-start", "never-ready", "dies-during-smoke", "refused-by-check"])
@@ -654,7 +654,7 @@ def test_kill_point_by_unit_behaviour(tmp_path_factory: pytest.TempPathFactory, 
             target_up = point == "committing" and LU in box.world.healthy()
             if target_up or (then == "switch" and point == "committing" and st_["active_backend"] == F):
                 return  # committed (then maybe switched back on purpose)
-            if point in ("intent", "preflight", "stopping-current"):  # F was never stopped: it serves on
+            if point in ("intent", "preflight", "draining", "stopping-current"):  # F was never stopped: it serves on
                 assert st_["active_backend"] == F and out.code == 0, out
             elif back in HEALTHY or then == "switch":
                 # rolled back; with `switch F`, F is started through its own gate even if its rollback failed

@@ -513,6 +513,9 @@ def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: Sta
     store.save(replace(store.load(), active_backend=name,
                        previous_backend=st.previous_backend if st.active_backend == name else st.active_backend))
     store.record("install", ok=True, release=rid, backend=name, action="started")
+    from deploy_tool.box.liveness import arm
+
+    arm(cfg, sd, log=log)
     return InstallResult(True, "started", rid, str(final), name, seconds=time.monotonic() - t0,
                          steps=[{"step": "healthy", "ready_s": round(gate.ready_s, 2)}],
                          message=f"release {rid} is already installed; {name} was not running and now serves "
@@ -701,6 +704,10 @@ class _Install:
         self.undo.actions.clear()
         self.store.record("install", ok=True, release=rid, backend=name if self.started else None,
                           previous_release=st.release, mode="rebuild" if self.rebuild else "unpack")
+        if self.started:
+            from deploy_tool.box.liveness import arm
+
+            arm(self.cfg, self.sd, log=self.log)
         return {}
 
 

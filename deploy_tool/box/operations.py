@@ -81,19 +81,20 @@ def _then_metrics(cfg: Config, sd: systemd_mod.Systemd | None, dry_run: bool) ->
 
 
 def switch(cfg: Config, backend: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
-           log: Log = _quiet, sd: systemd_mod.Systemd | None = None) -> SwitchResult:
-    """`deploytool switch BACKEND`: exit 0 switched (or already active), 10 rolled back, 11 rollback failed."""
+           log: Log = _quiet, sd: systemd_mod.Systemd | None = None, drain_s: float | None = None) -> SwitchResult:
+    """`deploytool switch BACKEND`: exit 0 switched (or already active), 10 rolled back, 11 rollback failed.
+    `drain_s`: the drain bound (None: supervision.drain_timeout_s; 0: no drain)."""
     sd = sd or systemd_mod.for_config(cfg)
     with _then_metrics(cfg, sd, dry_run):
-        return _switcher(cfg, sd, log).switch(backend, dry_run=dry_run, wait=wait, reason=reason)
+        return _switcher(cfg, sd, log).switch(backend, dry_run=dry_run, wait=wait, reason=reason, drain_s=drain_s)
 
 
 def rollback(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log = _quiet,
-             sd: systemd_mod.Systemd | None = None) -> SwitchResult:
-    """`deploytool rollback`: switch back to the previous backend through the same gate."""
+             sd: systemd_mod.Systemd | None = None, drain_s: float | None = None) -> SwitchResult:
+    """`deploytool rollback`: switch back to the previous backend through the same gate (drained as a switch)."""
     sd = sd or systemd_mod.for_config(cfg)
     with _then_metrics(cfg, sd, dry_run):
-        return _switcher(cfg, sd, log).rollback(dry_run=dry_run, wait=wait)
+        return _switcher(cfg, sd, log).rollback(dry_run=dry_run, wait=wait, drain_s=drain_s)
 
 
 def recover(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log = _quiet,

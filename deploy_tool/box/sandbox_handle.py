@@ -94,6 +94,12 @@ class SandboxHandle:
                                     f"deploytool sandbox up {self.dir}")
         raise SandboxError(f"sandbox {self.dir} is not up", hint=f"start it: deploytool sandbox up {self.dir}")
 
+    def contains_self(self) -> bool:
+        """True when this process runs inside the sandbox: its PID 1 is the sandbox's systemd (same start time;
+        the host's PID 1 started at boot). A unit of that systemd reaches it with plain systemctl."""
+        st = self._load_state()
+        return st is not None and procfs.start_time(1) == st["pid_start"]
+
     def exec_argv(self, *cmd: str) -> list[str]:
         """The argv that runs `cmd` inside the sandbox (nsenter into all its namespaces but the network one)."""
         p = self._require_up()

@@ -3,6 +3,7 @@
 The state machine (intent is written before every step, so a kill at any point is detected next time):
 
     lock -> intent -> preflight (config checks + fingerprints, the current backend still serving)
+         -> draining (wait, bounded, until the current backend has no request in flight; deploy_tool.box.drain)
          -> stopping-current -> starting-target -> gate (unit watched, readiness, smoke completion)
          -> committing (enable target, disable the others, state, history)
     on failure after preflight: rolling-back (target's journal tail kept, target stopped, previous backend
@@ -50,10 +51,12 @@ from deploy_tool.errors import (
 )
 
 if TYPE_CHECKING:
+    from deploy_tool.box.drain import DrainReport
     from deploy_tool.box.gate import GateReport
 
-STEPS = ("intent", "preflight", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
-CHANGES_NOTHING = ("intent", "preflight")  # a failure up to here is a refusal: the current backend kept serving
+STEPS = ("intent", "preflight", "draining", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
+# a failure up to here is a refusal, a kill an operation that changed nothing: the current backend kept serving
+CHANGES_NOTHING = ("intent", "preflight", "draining")
 
 Log = Callable[[str], None]
 
@@ -81,6 +84,7 @@ class SwitchResult:
     plan: list[str] = field(default_factory=list)
     message: str = ""
     steps: list[dict[str, Any]] = field(default_factory=list)  # the plan's steps as data (--dry-run --json)
+    drain: dict[str, Any] | None = None  # how the drain of the stopped backend went (DrainReport)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -163,8 +167,16 @@ def switch_facts(cfg: Config, st: State, target: Backend, *, target_running: boo
                        noop=st.active_backend == target.name and target_running)
 
 
-def switch_plan(cfg: Config, st: State, target: Backend, facts: SwitchFacts, *, action: str = "switch") -> list[Step]:
-    """The steps of a switch (or rollback) to `target`, after the lock; run by `Switcher.switch_locked`."""
+def drain_seconds(cfg: Config, drain_s: float | None) -> float:
+    """The drain bound of a planned stop: `drain_s` (--drain-timeout; 0 with --no-drain), else the config's."""
+    return cfg.supervision.drain_timeout_s if drain_s is None else drain_s
+
+
+def switch_plan(cfg: Config, st: State, target: Backend, facts: SwitchFacts, *, action: str = "switch",
+                drain_s: float | None = None) -> list[Step]:
+    """The steps of a switch (or rollback) to `target`, after the lock; run by `Switcher.switch_locked`.
+    `drain_s`: how long the current backend may take to finish its requests in flight (None: the config's
+    supervision.drain_timeout_s; 0: no draining step, it is stopped at once)."""
     if facts.noop:
         return [Step("noop", f"nothing to do: {target.name} is already active")]
     cur, port, state = facts.cur, cfg.serve.port, str(Store(cfg.paths.state_dir).state_path)
@@ -172,6 +184,10 @@ def switch_plan(cfg: Config, st: State, target: Backend, facts: SwitchFacts, *, 
     steps = [Step("intent", f"record intent: {action} {st.active_backend or '(none)'} -> {target.name}", (state,)),
              Step("preflight", f"preflight {target.name}: config checks, fingerprints "
                                f"(deploytool verify {target.name})")]
+    drain = drain_seconds(cfg, drain_s)
+    if cur is not None and drain > 0:
+        steps.append(Step("draining", f"drain {cur.unit}: wait until no request is in flight on port {port} "
+                                      f"(its TCP connections), at most {drain:g}s"))
     if cur is not None:
         steps.append(Step("stopping-current", f"stop {cur.unit} (it serves until here)", (cur.unit,)))
     if facts.overlap:
@@ -262,18 +278,19 @@ class Switcher:
 
     # ------------------------------------------------------------------ the operations, each under the lock
     def switch(self, name: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
-               action: str = "switch") -> SwitchResult:
+               action: str = "switch", drain_s: float | None = None) -> SwitchResult:
         target = self.cfg.backend(name)
         if dry_run:
             st = self.store.load()
-            return planned(st, target.name, self.store.lock_steps(st) + self.plan(st, target, action=action))
+            return planned(st, target.name, self.store.lock_steps(st) + self.plan(st, target, action=action,
+                                                                                  drain_s=drain_s))
         with self.store.locked(what=f"{action} to {target.name}", wait=wait, finish=self.finish,
                                log=self.log) as st:
-            return self.switch_locked(st, target, reason=reason, action=action)
+            return self.switch_locked(st, target, reason=reason, action=action, drain_s=drain_s)
 
-    def rollback(self, *, dry_run: bool = False, wait: float = 0.0) -> SwitchResult:
+    def rollback(self, *, dry_run: bool = False, wait: float = 0.0, drain_s: float | None = None) -> SwitchResult:
         prev = rollback_target(self.cfg, self.store.load())
-        return self.switch(prev, dry_run=dry_run, wait=wait, reason="rollback", action="rollback")
+        return self.switch(prev, dry_run=dry_run, wait=wait, reason="rollback", action="rollback", drain_s=drain_s)
 
     def recover(self, *, wait: float = 0.0) -> SwitchResult:
         with self.store.lock(wait=wait, what="recover"):
@@ -291,8 +308,8 @@ class Switcher:
         running = st.active_backend == target.name and runs(self.sd.show(target.unit))
         return switch_facts(self.cfg, st, target, target_running=running, awaits_port=self._awaits_port(target))
 
-    def plan(self, st: State, target: Backend, *, action: str = "switch") -> list[Step]:
-        return switch_plan(self.cfg, st, target, self.facts(st, target), action=action)
+    def plan(self, st: State, target: Backend, *, action: str = "switch", drain_s: float | None = None) -> list[Step]:
+        return switch_plan(self.cfg, st, target, self.facts(st, target), action=action, drain_s=drain_s)
 
     def recover_steps(self, st: State) -> list[Step]:
         op = st.operation
@@ -302,17 +319,19 @@ class Switcher:
 
     # ------------------------------------------------------------------ switch
     def switch_locked(self, st: State, target: Backend, *, reason: str | None = None,
-                      action: str = "switch") -> SwitchResult:
+                      action: str = "switch", drain_s: float | None = None) -> SwitchResult:
         """Switch to `target` along its plan; the caller holds the lock and nothing is left interrupted."""
         facts = self.facts(st, target)
-        steps = switch_plan(self.cfg, st, target, facts, action=action)
+        drain = drain_seconds(self.cfg, drain_s)
+        steps = switch_plan(self.cfg, st, target, facts, action=action, drain_s=drain)
         if steps[0].name == "noop":
             return SwitchResult(True, "noop", st.active_backend, target.name,
                                 message=f"{target.name} is already active; nothing to do")
         if st.active_backend == target.name:
             self.log(f"{target.name} is recorded active but {target.unit} is not running: starting it")
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="switch") as pool:
-            return _SwitchRun(self, pool, st, target, facts, action=action, reason=reason).run(steps)
+            return _SwitchRun(self, pool, st, target, facts, action=action, reason=reason,
+                              drain_s=drain).run(steps)
 
     def _preflight(self, target: Backend) -> None:
         errs = [f for f in checks.run_checks(self.cfg) if f.severity == "error" and f.backend in (None, target.name)]
@@ -471,8 +490,10 @@ class _SwitchRun:
     """One switch or rollback under the lock, walking its plan: a handler per step, the failure step last."""
 
     def __init__(self, sw: Switcher, pool: ThreadPoolExecutor, st: State, target: Backend, facts: SwitchFacts, *,
-                 action: str, reason: str | None) -> None:
+                 action: str, reason: str | None, drain_s: float = 0.0) -> None:
         self.sw, self.pool, self.st, self.target, self.facts = sw, pool, st, target, facts
+        self.drain_s = drain_s
+        self.drained: DrainReport | None = None
         self.cfg, self.sd, self.store, self.log = sw.cfg, sw.sd, sw.store, sw.log
         self.action, self.reason = action, reason
         self.cur = facts.cur
@@ -484,7 +505,7 @@ class _SwitchRun:
         self.t0 = time.monotonic()
 
     # the plan's steps (the failure step aside) and the method that runs each
-    HANDLERS = {"intent": "intent", "preflight": "check", "stopping-current": "stop_current",
+    HANDLERS = {"intent": "intent", "preflight": "check", "draining": "drain", "stopping-current": "stop_current",
                 "starting-target": "start_target", "gate": "run_gate", "committing": "commit"}
 
     def run(self, steps: list[Step]) -> SwitchResult:
@@ -510,10 +531,14 @@ class _SwitchRun:
         secs = time.monotonic() - self.t0
         self.record(ok=True, from_backend=self.cur_name, to_backend=self.target.name,
                     outcome="switched", seconds=round(secs, 3), release=self.st.release, reason=self.reason,
-                    ready_s=round(self.gate.ready_s, 3))
+                    ready_s=round(self.gate.ready_s, 3), **self._drain_fields())
         return SwitchResult(True, "switched", self.cur_name, self.target.name, seconds=secs,
                             gate=self.gate.to_json(), message=f"{self.target.name} is serving "
-                            f"{self.cfg.serve.model_name!r} on port {self.cfg.serve.port} ({secs:.1f}s)")
+                            f"{self.cfg.serve.model_name!r} on port {self.cfg.serve.port} ({secs:.1f}s)",
+                            drain=self.drained.to_json() if self.drained else None)
+
+    def _drain_fields(self) -> dict[str, Any]:
+        return {"drain": self.drained.to_json()} if self.drained is not None else {}
 
     def record(self, **fields: Any) -> None:
         """The operation's one history event (a failover writes its own: see deploy_tool.box.failover)."""
@@ -532,6 +557,12 @@ class _SwitchRun:
     def check(self) -> None:
         assert self.preflight is not None
         self.preflight.result()
+
+    def drain(self) -> None:
+        assert self.cur is not None
+        from deploy_tool.box.drain import drain  # lazy: urllib for /slots (the gate loads it anyway)
+
+        self.drained = drain(self.cfg, self.cur, self.drain_s, log=self.log)
 
     def stop_current(self) -> None:
         assert self.cur is not None
@@ -627,7 +658,8 @@ class _SwitchRun:
                                  f"{exc2.message}", hint="the box has no working backend: read `deploytool status` "
                                  f"and `journalctl -u {cur.unit}`") from None
         self.record(ok=False, from_backend=cur.name, to_backend=target.name,
-                    outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release)
+                    outcome="rolled-back", reason=reason, journal_tail=journal[-4000:], release=st.release,
+                    **self._drain_fields())
         # the gate's message may carry the target's journal tail already: the same lines are not printed twice
         lines = journal.splitlines()[-8:]
         tail = "" if not lines or lines[-1] in exc.message else "\n  ".join(lines)

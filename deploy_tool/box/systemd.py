@@ -258,6 +258,19 @@ class Systemd:
             n_restarts=_int(props.get("NRestarts", "0")), invocation_id=props.get("InvocationID", ""),
             unit_file_state=props.get("UnitFileState", ""), job=props.get("Job", ""))
 
+    def properties(self, unit: str, *names: str) -> dict[str, str]:
+        """The named properties of `unit` as `systemctl show` prints them (one round trip), e.g. CPUUsageNSec."""
+        validate_unit_name(unit)
+        if not names or not all(re.fullmatch(r"[A-Za-z]+", n) for n in names):
+            raise InputError(f"bad property names {names!r}")
+        res = self._ctl("show", "--property=" + ",".join(names), unit)
+        props = {}
+        for line in res.stdout.splitlines():
+            k, sep, v = line.partition("=")
+            if sep:
+                props[k] = v
+        return props
+
     def is_active(self, unit: str) -> bool:
         # is-active: 0 active; 3 inactive/failed/activating; 4 no such unit
         return self._ctl("is-active", validate_unit_name(unit), ok=(0, 3, 4)).returncode == 0
@@ -448,7 +461,8 @@ def for_config(cfg: object) -> Systemd:
         from deploy_tool.box.sandbox_handle import SandboxHandle
 
         sb = SandboxHandle(scfg.sandbox)
-        if _inside(sb.unit_dir):  # run by a unit of that sandbox (the failover unit): its systemd is ours
+        # run by a unit of the sandbox's own systemd (the failover unit, the liveness probe): its systemd is ours
+        if sb.contains_self() or _inside(sb.unit_dir):
             return Systemd(("systemctl",), ("journalctl",), unit_dir)
         return Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), unit_dir)
     return Systemd(scfg.systemctl, scfg.journalctl, unit_dir)

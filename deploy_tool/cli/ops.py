@@ -95,33 +95,54 @@ def install(ctx: Ctx, bundle: str | None, keys_dir: str | None, rebuild: bool, n
         ctx.emit(res.to_json(), res.message + (f" ({res.seconds:.1f}s)" if res.action != "noop" else ""))
 
 
+def _drain_options(fn):
+    fn = click.option("--no-drain", is_flag=True,
+                      help="Stop the current backend at once, cutting requests in flight.")(fn)
+    return click.option("--drain-timeout", type=click.FloatRange(0, 86400), default=None, metavar="SECONDS",
+                        help="Wait at most this long for the current backend's requests in flight to finish "
+                             "before stopping it (default: supervision.drain_timeout_s; 0: no drain).")(fn)
+
+
+def _drain_s(drain_timeout: float | None, no_drain: bool) -> float | None:
+    if no_drain and drain_timeout is not None:
+        raise click.UsageError("--no-drain and --drain-timeout contradict each other: give one of them")
+    return 0.0 if no_drain else drain_timeout
+
+
 @click.command()
 @click.argument("backend")
 @click.option("--wait", type=float, default=0.0, help="Wait this long for another switch's lock (else fail fast).")
 @click.option("--reason", default=None, help="Why (kept in history).")
+@_drain_options
 @pass_ctx
-def switch(ctx: Ctx, backend: str, wait: float, reason: str | None) -> None:
+def switch(ctx: Ctx, backend: str, wait: float, reason: str | None, drain_timeout: float | None,
+           no_drain: bool) -> None:
     """Swap the backend behind the port, health-gated, rolling back automatically on failure.
 
     \b
     BACKEND is a name, an alias or an unambiguous prefix: `deploytool switch llamacpp`.
+    The current backend first finishes its requests in flight (bounded: --drain-timeout; --no-drain skips it).
     Exit 0 switched (or already active), 10 rolled back to the previous backend, 11 rollback failed too.
     """
     from deploy_tool.box import operations
 
+    drain_s = _drain_s(drain_timeout, no_drain)
     cfg = ctx.load_config()
-    _emit_switch(ctx, operations.switch(cfg, backend, dry_run=ctx.dry_run, wait=wait, reason=reason, log=_log(ctx)))
+    _emit_switch(ctx, operations.switch(cfg, backend, dry_run=ctx.dry_run, wait=wait, reason=reason, log=_log(ctx),
+                                        drain_s=drain_s))
 
 
 @click.command()
 @click.option("--wait", type=float, default=0.0, help="Wait this long for another operation's lock.")
+@_drain_options
 @pass_ctx
-def rollback(ctx: Ctx, wait: float) -> None:
-    """Switch back to the previous backend through the same health gate."""
+def rollback(ctx: Ctx, wait: float, drain_timeout: float | None, no_drain: bool) -> None:
+    """Switch back to the previous backend through the same health gate (drained like a switch)."""
     from deploy_tool.box import operations
 
+    drain_s = _drain_s(drain_timeout, no_drain)
     cfg = ctx.load_config()
-    _emit_switch(ctx, operations.rollback(cfg, dry_run=ctx.dry_run, wait=wait, log=_log(ctx)))
+    _emit_switch(ctx, operations.rollback(cfg, dry_run=ctx.dry_run, wait=wait, log=_log(ctx), drain_s=drain_s))
 
 
 @click.command()
@@ -272,4 +293,31 @@ def rebuild(ctx: Ctx, bundle: str, offline: bool, keys_dir: str | None, python: 
         sys.exit(7)
 
 
-COMMANDS = [lock, pack, install, switch, rollback, recover, failover, status, metrics_cmd, history, rebuild]
+@click.command()
+@click.option("--watch", is_flag=True, help="Probe every supervision.liveness.interval_s until stopped (what "
+                                            "deploytool-liveness.service runs).")
+@pass_ctx
+def liveness(ctx: Ctx, watch: bool) -> None:
+    """Probe the active backend once; restart it when it hangs (--watch: again and again).
+
+    \b
+    Busy (requests in flight, the server using CPU) is not hung. Failures in a row, restarts and give-ups are
+    recorded in history as "liveness" events; see supervision.liveness in the config.
+    """
+    from deploy_tool.box import liveness as lv
+
+    cfg = ctx.load_config()
+    if watch and not ctx.dry_run:
+        lv.watch(cfg, log=lambda msg: click.echo(msg, err=True))
+        return
+    if ctx.dry_run:
+        lc = cfg.supervision.liveness
+        ctx.emit({"would_probe": cfg.default_backend, "config": lc.__dict__},
+                 f"would probe the active backend within {lc.timeout_s:g}s, restart it after {lc.failures} "
+                 f"failures in a row" if lc.enabled else "liveness is off (supervision.liveness.enabled: false)")
+        return
+    res = lv.tick(cfg, log=_log(ctx))
+    ctx.emit(res.to_json(), f"{res.backend or '-'}: {res.action}" + (f" ({res.detail})" if res.detail else ""))
+
+
+COMMANDS = [lock, pack, install, switch, rollback, recover, failover, liveness, status, metrics_cmd, history, rebuild]

@@ -127,6 +127,7 @@ class _Server:
             raise
         self.sock.listen(16)
         self.handler = handler
+        self.conns: set[socket.socket] = set()  # closed with the process, as the kernel does at its exit
         self.thread = threading.Thread(target=self._accept, daemon=True, name=f"fake-server-{port}")
         self.thread.start()
 
@@ -139,10 +140,17 @@ class _Server:
             threading.Thread(target=self._serve, args=(conn, addr), daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
-        with contextlib.suppress(OSError), conn:
-            self.handler(conn, addr, self)  # type: ignore[arg-type]
+        self.conns.add(conn)
+        try:
+            with contextlib.suppress(OSError), conn:
+                self.handler(conn, addr, self)  # type: ignore[arg-type]
+        finally:
+            self.conns.discard(conn)
 
     def close(self) -> None:
+        for conn in list(self.conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
         self.sock.close()
@@ -159,6 +167,12 @@ class Process:
     invocation: str
     server: _Server | None = None
     alive: bool = True
+    stopped: bool = False  # SIGSTOPped: answers nothing, uses no CPU (until SIGCONT)
+    blocked: bool = False  # busy elsewhere: answers nothing but uses CPU (a long request holding the server)
+    cpu_ns: int = 0  # CPU time used (CPUUsageNSec): a running process uses 1 ms between any two looks
+
+    def unresponsive(self) -> bool:
+        return self.alive and (self.stopped or self.blocked)
 
     @property
     def ready_at(self) -> float | None:
@@ -512,8 +526,18 @@ class World:
             proc.server.close()
             proc.server = None
 
+    def restart_off(self, u: Unit) -> bool:
+        """A drop-in in <unit>.d/ says Restart=no (what liveness places to leave a unit failed)."""
+        d = self.unit_dir / f"{u.name}.d"
+        return d.is_dir() and any("\nRestart=no" in ("\n" + p.read_text()) for p in sorted(d.glob("*.conf")))
+
     def _failed(self, u: Unit, result: str, *, code: int, status: int, pid: int) -> None:
         """The main process is gone with a failure: Restart=on-failure restarts it RestartSec later."""
+        if self.restart_off(u):
+            self._set(u, "failed", "failed", result=result, exec_main_code=code, exec_main_status=status,
+                      exec_main_pid=pid, proc=None)
+            self.log(u, f"{u.name}: Failed with result '{result}'.")
+            return
         self._set(u, "activating", "auto-restart", result=result, exec_main_code=code, exec_main_status=status,
                   exec_main_pid=pid, proc=None)
         self.log(u, f"{u.name}: Failed with result '{result}'.")
@@ -649,7 +673,18 @@ def _handler(world: World, u: Unit, proc: Process) -> type[BaseHTTPRequestHandle
             with world.lock:
                 return proc.ready_at is not None and world.now >= proc.ready_at
 
+        def _hang(self) -> bool:
+            """A stopped or blocked process answers nothing: the request waits (real time, as a client's
+            timeout does) until it is continued, or gives up; True when it should not answer at all."""
+            deadline, nap = time.monotonic() + 30.0, threading.Event()  # (a test may stub time.sleep)
+            while proc.unresponsive() and time.monotonic() < deadline:
+                nap.wait(0.01)
+            return proc.unresponsive() or not proc.alive
+
         def do_GET(self) -> None:  # noqa: N802
+            if self._hang():
+                self.close_connection = True
+                return
             name = proc.behaviour.model or world.model_name
             if self.path == "/health" and u.kind == "llamacpp":
                 if self._ready():
@@ -662,6 +697,9 @@ def _handler(world: World, u: Unit, proc: Process) -> type[BaseHTTPRequestHandle
                 self._send(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:  # noqa: N802
+            if self._hang():
+                self.close_connection = True
+                return
             n = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(n) or b"{}")
             smoke = proc.behaviour.smoke
@@ -774,6 +812,9 @@ class FakeSystemd(Systemd):
             u = w.unit(validate_unit_name(unit))
             if u.proc is not None and u.proc.alive:
                 name = signal if signal.startswith("SIG") else "SIG" + signal
+                if name in ("SIGSTOP", "SIGCONT"):
+                    u.proc.stopped = name == "SIGSTOP"
+                    return
                 w._die(u, u.proc, sig=int(signal_of[name]), words="")
 
     def journal_settled(self, unit: str, *, invocation: str | None = None, lines: int = 30) -> str:
@@ -788,6 +829,20 @@ class FakeSystemd(Systemd):
         w = self.world
         with w.lock:
             return w.state(w.unit(validate_unit_name(unit)))
+
+    def properties(self, unit: str, *names: str) -> dict[str, str]:
+        self._call("properties", unit, *names)
+        w = self.world
+        with w.lock:
+            u = w.unit(validate_unit_name(unit))
+            p = u.proc if u.proc is not None and u.proc.alive else None
+            if p is not None and not p.stopped:
+                p.cpu_ns += 1_000_000
+            have = {"ActiveState": u.active_state, "SubState": u.sub_state, "InvocationID": u.invocation_id,
+                    "MainPID": str(p.pid if p else 0), "Result": u.result,
+                    "CPUUsageNSec": str(p.cpu_ns) if p else "[not set]",
+                    "ExecMainStartTimestampMonotonic": str(int(p.started * 1e6)) if p else "0"}
+        return {n: have[n] for n in names if n in have}
 
     def is_active(self, unit: str) -> bool:
         self._call("is_active", unit)
