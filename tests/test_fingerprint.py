@@ -684,7 +684,9 @@ def test_systemd_refuses_ftllm_start_naming_each_changed_item(template: Path, sa
         dropin = sandbox_env.unit_dir / f"{unit}.d"
         dropin.mkdir()
         (dropin / "stand-in.conf").write_text(
-            f"[Service]\nExecStart=\nExecStart=/usr/bin/python3 -m http.server --bind 127.0.0.1 {port}\n")
+            # the stand-in serves no model: the readiness wait (ExecStartPost=) is not what this test is about
+            f"[Service]\nExecStart=\nExecStart=/usr/bin/python3 -m http.server --bind 127.0.0.1 {port}\n"
+            "ExecStartPost=\n")
         sandbox_env.systemd.daemon_reload()
         fp.pin(tree.cfg, name, "install")
         _starts(sandbox_env, unit, port)

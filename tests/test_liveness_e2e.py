@@ -33,8 +33,9 @@ PROBE = "deploytool-liveness.service"
 MODEL = "qwen38-27b-ud"
 # streams of several seconds on this machine's CPU with the tiny model (measured: ftllm 400 tokens 2.2 s and 1500
 # tokens 30 s; llama-server 1900 tokens with 100 candidate probabilities each 4.2 s, ~5 KB a chunk: read 10 ms
-# apart, ~19 s, most of it with the answer generated and on its way to this slow reader)
-STREAM = {"ftllm": {"max_tokens": 700}, "llamacpp": {"max_tokens": 1900, "n_probs": 100}}
+# apart, ~19 s, most of it with the answer generated and on its way to this slow reader). ftllm: long enough to
+# outlast the switch's own start (CLI, lock, preflight) on a loaded machine: 700 tokens once ended before the drain)
+STREAM = {"ftllm": {"max_tokens": 1100}, "llamacpp": {"max_tokens": 1900, "n_probs": 100}}
 READ_DELAY = {"ftllm": 0.0, "llamacpp": 0.01}
 
 

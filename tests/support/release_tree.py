@@ -218,7 +218,12 @@ class Tree:
 def render_units(cfg: config.Config) -> None:
     from deploy_tool.render import render_all
 
+    servers = {f"{name}.service" for name in cfg.backends}
     for f in render_all(cfg):
+        if f.kind == "unit" and f.name not in servers:
+            # the tool's own units (liveness, failover) have fixed names: written into a sandbox this tree shares,
+            # they would replace those of the box installed there
+            continue
         d = Path(cfg.paths.unit_dir if f.kind == "unit" else cfg.paths.env_dir)
         (d / f.name).write_text(f.content)
 
