@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deploy_tool import procfs, retry
+from deploy_tool.box import health
 from deploy_tool.config import Backend, Config
 
 POLL_S = 0.2  # how often the connections are counted while draining (a /proc read: ~0.1 ms)
@@ -54,18 +55,13 @@ def in_flight(cfg: Config) -> int:
     return procfs.connections_in(cfg.serve.port)
 
 
-def probe_host(cfg: Config) -> str:
-    h = cfg.serve.host
-    return "127.0.0.1" if h in ("0.0.0.0", "::", "") else h
-
-
 def slots_idle(cfg: Config, b: Backend, *, timeout: float = 1.0) -> bool | None:
     """llama-server's own view: True when no slot is processing, False when one is, None when it cannot say
     (another kind, the endpoint off or unreachable, an answer of another shape)."""
     if b.kind != "llamacpp":
         return None
-    req = urllib.request.Request(f"http://{probe_host(cfg)}:{cfg.serve.port}/slots")
-    key = _api_key(cfg)
+    req = urllib.request.Request(f"{health.base_url(cfg)}/slots")
+    key = health.api_key(cfg)
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -76,16 +72,6 @@ def slots_idle(cfg: Config, b: Backend, *, timeout: float = 1.0) -> bool | None:
     if not isinstance(slots, list) or not all(isinstance(s, dict) and "is_processing" in s for s in slots):
         return None
     return not any(bool(s["is_processing"]) for s in slots)
-
-
-def _api_key(cfg: Config) -> str | None:
-    if not cfg.serve.api_key_file:
-        return None
-    try:
-        with open(cfg.serve.api_key_file, encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def drain(cfg: Config, b: Backend, timeout: float, *, log: Log = lambda s: None,

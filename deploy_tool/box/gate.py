@@ -17,6 +17,7 @@ from typing import Any
 
 from deploy_tool import procfs
 from deploy_tool.box import fingerprint, health, perf, runtime
+from deploy_tool.box.health import api_key, base_url  # noqa: F401  (re-exported: status, metrics, perf use them from here)
 from deploy_tool.box.systemd import Systemd
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import DeployError, HealthError, InputError, RuntimeTruthError, SandboxError
@@ -36,22 +37,6 @@ class GateReport:
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def base_url(cfg: Config) -> str:
-    host = cfg.serve.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://{host}:{cfg.serve.port}"
-
-
-def api_key(cfg: Config) -> str | None:
-    if not cfg.serve.api_key_file:
-        return None
-    try:
-        return Path(cfg.serve.api_key_file).read_text("utf-8").strip() or None
-    except OSError:
-        return None
 
 
 def snapshot(sd: Systemd, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:

@@ -32,7 +32,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from deploy_tool.config import Config
 
 from deploy_tool import retry
 from deploy_tool.errors import HealthError
@@ -117,6 +120,25 @@ class SmokeReport:
     seconds: float
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+
+
+def base_url(cfg: Config) -> str:
+    """The served endpoint as a client on this box reaches it (a wildcard bind is probed on 127.0.0.1)."""
+    host = cfg.serve.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{cfg.serve.port}"
+
+
+def api_key(cfg: Config) -> str | None:
+    """The API key from serve.api_key_file (None: none configured, or the file missing or empty)."""
+    if not cfg.serve.api_key_file:
+        return None
+    try:
+        with open(cfg.serve.api_key_file, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 def failure_reason(err: BaseException) -> str | None:
     """The named reason of a HealthError raised by this module (None for anything else)."""

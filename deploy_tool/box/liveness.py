@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.drain import _api_key, probe_host
 from deploy_tool.box.state import Store
 from deploy_tool.config import Backend, Config, LivenessCfg
 from deploy_tool.errors import DeployError, HealthError, LockedError
@@ -238,9 +237,9 @@ class Prober:
         it is still loading; HealthError when it does not answer as it should."""
         from deploy_tool.box import health  # the HTTP client
 
-        base = f"http://{probe_host(self.cfg)}:{self.cfg.serve.port}"
+        base = health.base_url(self.cfg)
         t = self.lcfg.timeout_s
-        key = _api_key(self.cfg)
+        key = health.api_key(self.cfg)
         try:
             health._probe(b.kind, base, self.cfg.serve.model_name, api_key=key, timeout=t, on_unreachable=_nothing)
         except health._NotReady as exc:

@@ -23,23 +23,6 @@ from deploy_tool.box import health
 from deploy_tool.config import Backend, Config
 
 
-def base_url(cfg: Config) -> str:
-    host = cfg.serve.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://{host}:{cfg.serve.port}"
-
-
-def read_api_key(cfg: Config) -> str | None:
-    if not cfg.serve.api_key_file:
-        return None
-    try:
-        with open(cfg.serve.api_key_file, encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
 def main_pid_from_env(environ: dict[str, str] | None = None) -> int | None:
     """$MAINPID as systemd sets it for a unit's control processes; None when unset or not a PID."""
     raw = (os.environ if environ is None else environ).get("MAINPID", "")
@@ -99,7 +82,7 @@ def await_ready(cfg: Config, b: Backend, *, main_pid: int | None, timeout: float
     systemd's own timeout, counted from the start of the job, normally ends the start first)."""
     watch = MainProcess(main_pid, b.unit)
     try:
-        return health.wait_ready(b.kind, base_url(cfg), cfg.serve.model_name, api_key=read_api_key(cfg),
+        return health.wait_ready(b.kind, health.base_url(cfg), cfg.serve.model_name, api_key=health.api_key(cfg),
                                  timeout=timeout if timeout is not None else (b.start_timeout_s
                                                                               or cfg.health.start_timeout_s),
                                  interval=cfg.health.interval_s, unit_state=watch.state, sleep=watch.sleep,
