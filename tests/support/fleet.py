@@ -56,6 +56,7 @@ __all__ = ["Fleet", "FleetError", "AnsibleRun", "fleet_fixture", "running_fleet"
 SCRIPTS = Path(__file__).resolve().with_name("fleet")
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_BIN = REPO / ".cache" / "fleet-ansible" / "bin"
+COLLECTION_SRC = REPO / "ansible"  # the deploytool.fleet collection's source (galaxy.yml)
 BRIDGE = "fleetbr0"
 CONTROLLER_IP = "10.231.0.1"
 OWNER = "fleet-owner.json"
@@ -436,7 +437,8 @@ class Fleet:
         first on PATH); with `results`, the fleet_record callback writes the run's results there as JSON."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
         env.update(ANSIBLE_CONFIG=str(self.ansible_cfg), FLEET_DIR=str(self.dir), LANG="C.UTF-8", LC_ALL="C.UTF-8",
-                   PATH=f"{ANSIBLE_BIN}:{env.get('PATH', '/usr/bin:/bin')}", ANSIBLE_NOCOLOR="1")
+                   PATH=f"{ANSIBLE_BIN}:{env.get('PATH', '/usr/bin:/bin')}", ANSIBLE_NOCOLOR="1",
+                   ANSIBLE_COLLECTIONS_PATH=str(self.collections_dir))
         if results is not None:
             # a copy in the fleet dir: ANSIBLE_CALLBACK_PLUGINS is a colon-separated list, the checkout path may
             # hold a colon
@@ -447,6 +449,27 @@ class Fleet:
                        ANSIBLE_CALLBACKS_ENABLED="fleet_record", ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
                        FLEET_RESULTS=str(results))
         return env
+
+    @property
+    def collections_dir(self) -> Path:
+        """Where `install_collection` puts the deploytool.fleet collection (ANSIBLE_COLLECTIONS_PATH of every run)."""
+        return self.dir / "collections"
+
+    def install_collection(self, source: Path = COLLECTION_SRC) -> Path:
+        """Build the collection in `source` with `ansible-galaxy collection build` and install the tarball into
+        `collections_dir`, as a user would; returns the tarball. Idempotent (--force)."""
+        out = self.dir / "collection-build"
+        galaxy = str(ANSIBLE_BIN / "ansible-galaxy")
+        self._galaxy(galaxy, "collection", "build", str(source), "--output-path", str(out), "--force")
+        tarball = max(out.glob("deploytool-fleet-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+        self._galaxy(galaxy, "collection", "install", "--force", "-p", str(self.collections_dir), str(tarball))
+        return tarball
+
+    def _galaxy(self, *argv: str) -> None:
+        r = subprocess.run(argv, env=self.ansible_env(), capture_output=True, text=True, timeout=120, cwd=self.dir,
+                           stdin=subprocess.DEVNULL)
+        if r.returncode != 0:
+            raise FleetError(f"{' '.join(argv)} failed (exit {r.returncode}):\n{r.stdout}{r.stderr}")
 
     def _ansible(self, tool: str, args: Sequence[str], *, inventory: Path | None, json_out: bool,
                  timeout: float) -> AnsibleRun:
