@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check clean help
+.PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check collection clean help
 
 help:
 	@echo "make demo           install, switch and rollback on a sandboxed real systemd with real CPU backends"
@@ -18,6 +18,7 @@ help:
 	@echo "make typecheck      mypy alone"
 	@echo "make rebuild-check  rebuild a bundle's venv offline and compare its native libraries"
 	@echo "                    (BUNDLE=path CONFIG=path KEYS=dir; default: the newest bundle beside ./deploytool.yaml)"
+	@echo "make collection     build the deploytool.fleet Ansible collection into artifacts/ (ansible-galaxy)"
 	@echo "make clean          remove build leftovers and caches of the checkout"
 
 $(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples/cpu-demo/requirements.in \
@@ -51,6 +52,9 @@ typecheck: setup
 
 rebuild-check: setup
 	bash scripts/rebuild-check.sh
+
+collection: setup
+	.cache/fleet-ansible/bin/ansible-galaxy collection build ansible --output-path artifacts --force
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache demo-run

@@ -158,4 +158,10 @@ def test_lock_leaves_the_source_tree_as_it_was(tmp_path):
     mods = {f"deploy_tool/{p.relative_to(REPO / 'deploy_tool')}" for p in (REPO / "deploy_tool").rglob("*.py")
             if "__pycache__" not in p.parts}
     mods |= {f"deploy_tool/templates/{p.name}" for p in (REPO / "templates").glob("*.py")}  # setup.cfg package_dir
+    mods |= {f"deploy_tool/collection/{p.relative_to(REPO / 'ansible')}" for p in (REPO / "ansible").rglob("*.py")
+             if "__pycache__" not in p.parts}
     assert mods <= names and not {n for n in names if n.endswith(".py") and n.startswith("deploy_tool/")} - mods
+    # the Ansible collection rides in the wheel, so pack can put it into every bundle (pack.collection_files)
+    coll = {f"deploy_tool/collection/{p.relative_to(REPO / 'ansible')}" for p in (REPO / "ansible").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")}
+    assert "deploy_tool/collection/galaxy.yml" in coll and coll <= names, sorted(coll - names)

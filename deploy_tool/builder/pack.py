@@ -147,7 +147,7 @@ def lock_tool(cfg: Config, *, python: str | None = None) -> list[Path]:
 
 # What deploytool's wheel is built from (setup.cfg's packages and package_dir, its long_description): nothing
 # else of the checkout (venvs, caches, build/, *.egg-info, bytecode) reaches the build.
-WHEEL_SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "deploy_tool", "templates")
+WHEEL_SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "deploy_tool", "templates", "ansible")
 
 
 def _wheel_sources(src: Path, dest: Path) -> Path:
@@ -301,6 +301,8 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         ents.append(bundle.Entry("bootstrap", bootstrap_script(), 0o755))
         # what an ftllm unit runs when the box has an API key (render.ftllm_launcher_argv)
         ents.append(bundle.Entry(BUNDLED_FTLLM_LAUNCHER, ftllm_launcher(), 0o644))
+        # the deploytool.fleet collection: `ansible-galaxy collection install BUNDLE/ansible` on a controller
+        ents += [bundle.Entry(f"ansible/{rel}", data, 0o644) for rel, data in collection_files()]
         log("bundle: hashing, signing and archiving")
         return bundle.write_bundle(ents, out_dir, name=cfg.bundle.name, inputs=inputs, native_libs=native,
                                    key_path=key_path, archive=True, progress=progress)
@@ -309,6 +311,24 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
 def ftllm_launcher() -> bytes:
     """The release's launch/ftllm_launch.py: deploy_tool/box/ftllm_launch.py as shipped in deploytool's wheel."""
     return files("deploy_tool.box").joinpath("ftllm_launch.py").read_bytes()
+
+
+def collection_files() -> list[tuple[str, bytes]]:
+    """The deploytool.fleet Ansible collection (the checkout's ansible/, shipped in deploytool's wheel as
+    deploy_tool.collection): (path relative to the collection, bytes), sorted; no bytecode, no package marker."""
+    out: list[tuple[str, bytes]] = []
+
+    def walk(node: Any, rel: str) -> None:
+        for child in node.iterdir():
+            name = f"{rel}{child.name}"
+            if child.is_dir():
+                if child.name != "__pycache__":
+                    walk(child, name + "/")
+            elif not child.name.endswith(".pyc") and not child.name.startswith(".") and name != "__init__.py":
+                out.append((name, child.read_bytes()))
+
+    walk(files("deploy_tool.collection"), "")
+    return sorted(out)
 
 
 def bootstrap_script() -> bytes:
