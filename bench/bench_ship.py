@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -72,6 +73,14 @@ def ship_all(f: Fleet, src: Path, *extra: str) -> tuple[float, int, dict]:
     return run.seconds, sum(r["sent_bytes"] for r in res.values()), res
 
 
+def _phases(res: dict) -> dict:
+    """The slowest host's time in each phase of the action (prepare on the host, rsync, verify + rename)."""
+    out = {"task_s": max(r["seconds"] for r in res.values())}
+    for k in ("prepare", "transfer", "commit"):
+        out[f"{k}_s"] = max(r.get("timings", {}).get(k, 0.0) for r in res.values())
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -85,8 +94,7 @@ def main() -> int:
         t, n = rsync_all(f, a, PLAIN)
         rows["rsync A"] = {"seconds": t, "bytes": n}
         t, n, res = ship_all(f, a)
-        rows["ship A"] = {"seconds": t, "bytes": n,
-                          "host_seconds": max(r["seconds"] for r in res.values())}
+        rows["ship A"] = {"seconds": t, "bytes": n, **_phases(res)}
         t, n = rsync_all(f, a, PLAIN)
         rows["rsync A ="] = {"seconds": t, "bytes": n}
         t, n, res = ship_all(f, a)
@@ -96,7 +104,7 @@ def main() -> int:
         rows["ship A = rehash"] = {"seconds": t, "bytes": n}
         t, n, res = ship_all(f, b)
         rows["ship B"] = {"seconds": t, "bytes": n, "sent_files": max(r["sent_files"] for r in res.values()),
-                          "literal": sum(r.get("literal_bytes", 0) for r in res.values())}
+                          "literal_MB": sum(r.get("literal_bytes", 0) for r in res.values()) / 1e6, **_phases(res)}
         t, n = rsync_all(f, b, PLAIN, "--no-whole-file")
         rows["rsync B (onto A)"] = {"seconds": t, "bytes": n}
     r_a = rows["ship A"]["seconds"] / rows["rsync A"]["seconds"]
@@ -107,7 +115,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
-    print(f"bundle A: {size_a / 1e6:.0f} MB; 3 hosts; bytes = rsync 'Total bytes sent' summed over the hosts")
+    print(f"bundle A: {size_a / 1e6:.0f} MB; 3 hosts; bytes = rsync 'Total bytes sent' summed over the hosts; "
+          f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for name, row in rows.items():
         extra = "".join(f"  {k}={v:.2f}" if isinstance(v, float) else f"  {k}={v}" for k, v in row.items()
                         if k not in ("seconds", "bytes"))

@@ -83,13 +83,17 @@ class ActionModule(ActionBase):
         manifest, signature = self._read_bundle(src)
         common = {"dest": dest, "keep": keep, "rehash": rehash, "manifest": to_text(manifest.raw)}
 
+        timings = {}
+        t1 = time.monotonic()
         prep = self._execute_module(module_name=MODULE, module_args=dict(common, phase="prepare"),
                                     task_vars=task_vars)
+        timings["prepare"] = round(time.monotonic() - t1, 3)
         if prep.get("unreachable") or prep.get("failed"):
             prep.setdefault("msg", "ship: the host could not say what it has")
             return dict(result, **prep)
         out = {"path": prep["path"], "release": manifest.bundle_id, "reused_files": prep["reused_files"],
-               "refused": prep.get("refused", []), "removed": [], "literal_bytes": 0}
+               "refused": prep.get("refused", []), "removed": [], "literal_bytes": 0, "timings": timings,
+               "host_hashed_bytes": prep.get("hashed_bytes", 0)}
         sizes = dict((e.path, e.size) for e in manifest.files)
         missing = prep["missing"]
         if diff:
@@ -108,6 +112,7 @@ class ActionModule(ActionBase):
 
         staging = prep["staging"]
         stats = {}
+        t1 = time.monotonic()
         if missing:
             try:
                 stats = self._rsync(src, staging, missing, prep.get("basis") or [], rsync_opts, task_vars)
@@ -115,16 +120,20 @@ class ActionModule(ActionBase):
                 self._execute_module(module_name=MODULE, module_args=dict(common, phase="abort", staging=staging),
                                      task_vars=task_vars)
                 raise exc
+        timings["transfer"] = round(time.monotonic() - t1, 3)
+        t1 = time.monotonic()
         done = self._execute_module(module_name=MODULE, module_args=dict(
             common, phase="commit", staging=staging, signature=to_text(signature) if signature else None),
             task_vars=task_vars)
+        timings["commit"] = round(time.monotonic() - t1, 3)
         if done.get("unreachable") or done.get("failed"):
             done["msg"] = "ship of %s to %s failed on the host: %s" % (manifest.bundle_id, prep["path"],
                                                                       done.get("msg", "?"))
             return dict(result, **done)
         out.update(changed=True, sent_files=len(missing), sent_bytes=stats.get("sent_bytes", 0),
                    literal_bytes=stats.get("literal_bytes", 0), matched_bytes=stats.get("matched_bytes", 0),
-                   removed=done.get("removed", []), host_hashed_bytes=done.get("hashed_bytes", 0),
+                   removed=done.get("removed", []),
+                   host_hashed_bytes=out["host_hashed_bytes"] + done.get("hashed_bytes", 0),
                    seconds=round(time.monotonic() - t0, 3))
         return dict(result, **out)
 
