@@ -92,7 +92,7 @@ def test_first_ship_sends_the_bundle_and_each_host_holds_a_verified_copy(bed):
 def test_reship_sends_nothing_and_reports_no_change(bed):
     run = bed.ship(bed.a)
     assert run.returncode == 0, run
-    for h, r in run.task_results(TASK).items():
+    for r in run.task_results(TASK).values():
         assert r["_status"] == "ok" and r["changed"] is False, r
         assert r["sent_files"] == 0 and r["sent_bytes"] == 0
     assert all(s["changed"] == 0 for s in run.stats.values()), run.stats
@@ -104,7 +104,7 @@ def test_check_mode_reports_what_would_be_sent_and_changes_nothing(bed):
     assert run.returncode == 0, run
     want = differing(bed.a, bed.b)
     sizes = {f["path"]: f["size"] for f in manifest(bed.b)["files"]}
-    for h, r in run.task_results(TASK).items():
+    for r in run.task_results(TASK).values():
         assert r["_status"] == "changed", r
         assert r["sent_files"] == len(want) and r["sent_bytes"] == sum(sizes[p] for p in want), (r, want)
     assert {h: bed.host_listing(h) for h in bed.f.hosts} == before

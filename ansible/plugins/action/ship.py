@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 """Controller side of deploytool.fleet.ship: read the bundle's MANIFEST, ask the host what it lacks, send only that
 with rsync over the play's own ssh connection, and have the host verify and rename (see the module's doc)."""
 
@@ -15,14 +14,14 @@ import time
 
 from ansible.errors import AnsibleActionFail
 from ansible.module_utils.common.text.converters import to_text
-from ansible.plugins.action import ActionBase
-
 from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
     ShipError,
     parse_manifest,
 )
+
+from ansible.plugins.action import ActionBase
 
 MODULE = "deploytool.fleet.ship"
 DEFAULT_DEST = "/var/lib/deploytool/bundles"
@@ -70,7 +69,7 @@ class ActionModule(ActionBase):
         try:
             keep = int(keep)
         except (TypeError, ValueError):
-            raise AnsibleActionFail("keep must be an integer of at least 1, got %r" % (keep,))
+            raise AnsibleActionFail("keep must be an integer of at least 1, got %r" % (keep,)) from None
         if keep < 1:
             raise AnsibleActionFail("keep must be an integer of at least 1, got %r" % (keep,))
         if not isinstance(rsync_opts, list) or not all(isinstance(o, str) for o in rsync_opts):
@@ -151,11 +150,11 @@ class ActionModule(ActionBase):
                 raw = f.read(64 << 20)
         except OSError as exc:
             raise AnsibleActionFail("%s has no readable MANIFEST (%s): is it a deploytool bundle directory?"
-                                    % (src, exc.strerror))
+                                    % (src, exc.strerror)) from None
         try:
             manifest = parse_manifest(raw)
         except ShipError as exc:
-            raise AnsibleActionFail("bundle %s: %s" % (src, exc))
+            raise AnsibleActionFail("bundle %s: %s" % (src, exc)) from None
         sig = None
         if os.path.isfile(os.path.join(src, SIGNATURE_NAME)):
             with open(os.path.join(src, SIGNATURE_NAME), "rb") as f:
@@ -165,7 +164,7 @@ class ActionModule(ActionBase):
             try:
                 st = os.lstat(p)
             except OSError:
-                raise AnsibleActionFail("bundle %s: %s is listed in the MANIFEST but missing" % (src, e.path))
+                raise AnsibleActionFail("bundle %s: %s is listed in the MANIFEST but missing" % (src, e.path)) from None
             if not stat.S_ISREG(st.st_mode):
                 raise AnsibleActionFail("bundle %s: %s is not a regular file" % (src, e.path))
             if st.st_size != e.size:

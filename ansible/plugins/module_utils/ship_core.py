@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 """The host side of deploytool.fleet.ship, in plain Python 3 (the host may have no deploytool yet).
 
 A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle id). To ship a release:
@@ -77,7 +76,7 @@ class ShipError(Exception):
 
 # ------------------------------------------------------------------------------------------- manifest
 
-class Entry(object):
+class Entry:
     __slots__ = ("path", "size", "mode", "sha256")
 
     def __init__(self, path, size, mode, sha256):
@@ -87,7 +86,7 @@ class Entry(object):
         return "Entry(%r, %d, %04o, %s)" % (self.path, self.size, self.mode, self.sha256[:12])
 
 
-class Manifest(object):
+class Manifest:
     """The parts of a deploytool bundle MANIFEST that shipping needs, read strictly enough to be safe: every path
     clean and relative, sizes, modes and hashes well-formed, the bundle id the hash of the content (as
     deploy_tool/manifest.py computes it), so a MANIFEST that was edited is refused here too."""
@@ -129,7 +128,7 @@ def parse_manifest(raw):
     try:
         obj = json.loads(raw.decode("ascii"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ShipError("MANIFEST is not valid JSON: %s" % exc, "manifest-malformed")
+        raise ShipError("MANIFEST is not valid JSON: %s" % exc, "manifest-malformed") from None
     if not isinstance(obj, dict) or set(obj) != _TOP:
         raise ShipError("MANIFEST is not a deploytool bundle manifest (keys %s)"
                         % sorted(obj) if isinstance(obj, dict) else "MANIFEST is not a JSON object",
@@ -183,7 +182,7 @@ def read_manifest(bundle_dir):
         with open(p, "rb") as f:
             raw = f.read(64 << 20)
     except OSError as exc:
-        raise ShipError("cannot read %s: %s" % (p, exc.strerror), "manifest-missing", p)
+        raise ShipError("cannot read %s: %s" % (p, exc.strerror), "manifest-missing", p) from None
     return parse_manifest(raw)
 
 
@@ -217,7 +216,7 @@ def _workers():
 
 # ------------------------------------------------------------------------------------------- trust cache
 
-class TrustCache(object):
+class TrustCache:
     """(dev, ino) -> (size, mtime_ns, ctime_ns, sha256, recorded_ns), kept in DEST/.ship-trust.json (see the
     module doc for why a match is a safe stand-in for re-reading the file)."""
 

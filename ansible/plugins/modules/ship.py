@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 # The host side of deploytool.fleet.ship (the action plugin of the same name drives it from the controller).
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ short_description: Ship a deploytool bundle to a host, sending only the files th
 description:
   - Copies an unpacked deploytool bundle directory (what C(deploytool pack) writes) from the controller to
     O(dest)/<release> on the host, where <release> is the bundle id of its MANIFEST.
-  - Files the host already has in earlier shipped bundles under O(dest), by SHA-256, are not sent again: they are
+  - Files the host already has in earlier shipped bundles under O(dest), by SHA-256, are not sent again; they are
     hard-linked into a staging directory after a check (see O(rehash)). Only the missing files cross the network,
     with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
     file at the same path (a venv archive where one wheel changed) travels as a delta.
@@ -51,25 +50,25 @@ options:
     elements: str
     default: []
   phase:
-    description: Internal (set by the action plugin) - prepare, commit or abort.
+    description: Internal (set by the action plugin); prepare, commit or abort.
     type: str
     choices: [prepare, commit, abort]
   manifest:
-    description: Internal - the MANIFEST's text.
+    description: Internal; the MANIFEST's text.
     type: str
   signature:
-    description: Internal - the MANIFEST.sig text.
+    description: Internal; the MANIFEST.sig text.
     type: str
   staging:
-    description: Internal - the staging directory of a commit or abort.
+    description: Internal; the staging directory of a commit or abort.
     type: str
 attributes:
   check_mode:
     support: full
-    details: reports what would be sent (files, bytes) and changes nothing on the host.
+    details: Reports what would be sent (files, bytes) and changes nothing on the host.
   diff_mode:
     support: full
-    details: the list of files, each marked as sent or reused.
+    details: The list of files, each marked as sent (+) or reused (=).
 notes:
   - Connections other than ssh and local are refused (rsync needs a shell on the host over ssh).
 """
@@ -115,7 +114,7 @@ reused_files:
   returned: always
 refused:
   description: Files of earlier bundles that matched the MANIFEST by path list but failed their check (changed on
-    the host): they were not reused.
+    the host), so they were not reused.
   type: list
   returned: always
 seconds:
@@ -132,7 +131,6 @@ import os
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule
-
 from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import (
     ShipError,
     abort,
