@@ -88,6 +88,7 @@ class ActionModule(ActionBase):
                                     task_vars=task_vars)
         timings["prepare"] = round(time.monotonic() - t1, 3)
         if prep.get("unreachable") or prep.get("failed"):
+            prep.pop("invocation", None)  # it holds the whole MANIFEST
             prep.setdefault("msg", "ship: the host could not say what it has")
             return dict(result, **prep)
         out = {"path": prep["path"], "release": manifest.bundle_id, "reused_files": prep["reused_files"],
@@ -126,6 +127,7 @@ class ActionModule(ActionBase):
             task_vars=task_vars)
         timings["commit"] = round(time.monotonic() - t1, 3)
         if done.get("unreachable") or done.get("failed"):
+            done.pop("invocation", None)
             done["msg"] = "ship of %s to %s failed on the host: %s" % (manifest.bundle_id, prep["path"],
                                                                       done.get("msg", "?"))
             return dict(result, **done)
@@ -208,7 +210,10 @@ class ActionModule(ActionBase):
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(b"\0".join(p.encode("utf-8") for p in missing) + b"\0")
-            cmd = [rsync, "--files-from=%s" % listing, "--from0", "--times", "--perms", "--ignore-times",
+            # --omit-dir-times: the staging directory keeps the time of its creation on the host (a bundle's
+            # directories carry SOURCE_DATE_EPOCH, which would make a ship in flight look abandoned)
+            cmd = [rsync, "--files-from=%s" % listing, "--from0", "--times", "--omit-dir-times", "--perms",
+                   "--ignore-times",
                    "--stats", "-s"]  # -s: paths reach the remote rsync verbatim
             if prefix:
                 cmd += ["--no-whole-file", "-e", rsh]
