@@ -4,7 +4,6 @@ with rsync over the play's own ssh connection, and have the host verify and rena
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import stat
@@ -14,11 +13,13 @@ import time
 
 from ansible.errors import AnsibleActionFail
 from ansible.module_utils.common.text.converters import to_text
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
     ShipError,
     parse_manifest,
+    parse_stats,
 )
 
 from ansible.plugins.action import ActionBase
@@ -26,28 +27,6 @@ from ansible.plugins.action import ActionBase
 MODULE = "deploytool.fleet.ship"
 DEFAULT_DEST = "/var/lib/deploytool/bundles"
 MAX_BASIS = 20  # rsync takes at most 20 --copy-dest directories
-
-_STAT_RE = {
-    "sent_bytes": re.compile(r"^Total bytes sent: ([\d,.]+)", re.M),
-    "literal_bytes": re.compile(r"^Literal data: ([\d,.]+)", re.M),
-    "matched_bytes": re.compile(r"^Matched data: ([\d,.]+)", re.M),
-    "transferred_files": re.compile(r"^Number of regular files transferred: ([\d,.]+)", re.M),
-}
-
-
-def _num(text):
-    return int(text.replace(",", "").replace(".", ""))
-
-
-def parse_stats(out):
-    """rsync --stats figures (sent_bytes, literal_bytes, matched_bytes, transferred_files) from its output."""
-    res = {}
-    for k, rx in _STAT_RE.items():
-        m = rx.search(out)
-        if m:
-            res[k] = _num(m.group(1))
-    return res
-
 
 class ActionModule(ActionBase):
 
@@ -62,8 +41,13 @@ class ActionModule(ActionBase):
         src = args.get("src")
         dest = args.get("dest") or DEFAULT_DEST
         keep = args.get("keep", 3)
-        rehash = bool(args.get("rehash", False))
+        try:
+            rehash = boolean(args.get("rehash", False), strict=True)
+        except TypeError:
+            raise AnsibleActionFail("rehash must be true or false, got %r" % (args.get("rehash"),)) from None
         rsync_opts = args.get("rsync_opts") or []
+        if isinstance(rsync_opts, str):
+            rsync_opts = shlex.split(rsync_opts)
         check = bool(self._task.check_mode)
         diff = bool(self._task.diff)
         try:
@@ -78,7 +62,10 @@ class ActionModule(ActionBase):
             raise AnsibleActionFail("src is required: the unpacked bundle directory on the controller")
         if not isinstance(dest, str) or not dest.startswith("/"):
             raise AnsibleActionFail("dest must be an absolute path on the host, got %r" % (dest,))
-        src = os.path.realpath(os.path.expanduser(src))
+        src = os.path.expanduser(str(src))
+        if not os.path.isabs(src):
+            src = self._loader.path_dwim(src)  # relative to the playbook's directory, as copy's src is
+        src = os.path.realpath(src)
         manifest, signature = self._read_bundle(src)
         common = {"dest": dest, "keep": keep, "rehash": rehash, "manifest": to_text(manifest.raw)}
 

@@ -641,3 +641,27 @@ def _inodes(root):
             with contextlib.suppress(OSError):
                 out.add(TrustCache.key(os.lstat(os.path.join(top, fn))))
     return out
+
+
+# ------------------------------------------------------------------------------------------- rsync (controller)
+
+_STAT_RE = {
+    "sent_bytes": re.compile(r"^Total bytes sent: ([\d,.]+)", re.M),
+    "literal_bytes": re.compile(r"^Literal data: ([\d,.]+)", re.M),
+    "matched_bytes": re.compile(r"^Matched data: ([\d,.]+)", re.M),
+    "transferred_files": re.compile(r"^Number of regular files transferred: ([\d,.]+)", re.M),
+}
+
+
+def _num(text):
+    return int(text.replace(",", "").replace(".", ""))
+
+
+def parse_stats(out):
+    """rsync --stats figures (sent_bytes, literal_bytes, matched_bytes, transferred_files) from its output."""
+    res = {}
+    for k, rx in _STAT_RE.items():
+        m = rx.search(out)
+        if m:
+            res[k] = _num(m.group(1))
+    return res
