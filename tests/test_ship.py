@@ -117,6 +117,19 @@ def test_reship_of_a_present_release_is_no_change_and_reads_nothing(tmp_path, de
     assert leftovers(dest) == []
 
 
+def test_a_bundle_signed_again_is_shipped_again_sending_nothing(tmp_path, dest):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src, m)
+    time.sleep(sc.RACY_NS / 1e9)
+    assert sc.prepare(str(dest), m, signature=b'{"sig":"x"}\n')["present"] is True
+    prep = sc.prepare(str(dest), m, signature=b'{"sig":"new key"}\n')
+    assert prep["present"] is False and prep["missing"] == [] and prep["hashed_bytes"] == 0
+    sc.commit(str(dest), prep["staging"], m, signature=b'{"sig":"new key"}\n')
+    assert (dest / m.bundle_id / "MANIFEST.sig").read_bytes() == b'{"sig":"new key"}\n'
+    assert tree(dest / m.bundle_id) | {"MANIFEST.sig": b""} == tree(src) | {"MANIFEST.sig": b""}
+    assert leftovers(dest) == []
+
+
 def test_second_release_reuses_what_the_host_has_at_any_path(tmp_path, dest):
     src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
     ship(dest, src_a, ma)

@@ -67,7 +67,8 @@ class ActionModule(ActionBase):
             src = self._loader.path_dwim(src)  # relative to the playbook's directory, as copy's src is
         src = os.path.realpath(src)
         manifest, signature = self._read_bundle(src)
-        common = {"dest": dest, "keep": keep, "rehash": rehash, "manifest": to_text(manifest.raw)}
+        common = {"dest": dest, "keep": keep, "rehash": rehash, "manifest": to_text(manifest.raw),
+                  "signature": to_text(signature) if signature is not None else None}
 
         timings = {}
         t1 = time.monotonic()
@@ -110,7 +111,7 @@ class ActionModule(ActionBase):
         timings["transfer"] = round(time.monotonic() - t1, 3)
         t1 = time.monotonic()
         done = self._execute_module(module_name=MODULE, module_args=dict(
-            common, phase="commit", staging=staging, signature=to_text(signature) if signature else None),
+            common, phase="commit", staging=staging),
             task_vars=task_vars)
         timings["commit"] = round(time.monotonic() - t1, 3)
         if done.get("unreachable") or done.get("failed"):

@@ -467,7 +467,18 @@ def _refresh(cache, paths):
             cache.record(os.lstat(p), sha, now)
 
 
-def prepare(dest, manifest, check_mode=False, rehash=False):
+def _same_signature(final, signature):
+    if signature is None:
+        return True
+    want = signature if isinstance(signature, bytes) else signature.encode("ascii")
+    try:
+        with open(os.path.join(final, SIGNATURE_NAME), "rb") as f:
+            return f.read(1 << 16) == want
+    except OSError:
+        return False
+
+
+def prepare(dest, manifest, check_mode=False, rehash=False, signature=None):
     """Which files the host has, a staging directory seeded with them (not in check mode), and what is missing.
 
     Returns a dict: present (the release is already there and verified: nothing to do), staging, missing (paths),
@@ -490,7 +501,9 @@ def prepare(dest, manifest, check_mode=False, rehash=False):
             sweep_stale(dest)
         if os.path.isdir(final):
             try:
-                if read_manifest(final).raw == manifest.raw:
+                # the same MANIFEST and signature (a bundle signed again, e.g. by a new key, is shipped again:
+                # every file is reused, the new MANIFEST.sig replaces the old)
+                if read_manifest(final).raw == manifest.raw and _same_signature(final, signature):
                     _verify_tree(final, manifest, cache)
                     out["present"] = True
             except (ShipError, OSError):

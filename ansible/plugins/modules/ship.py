@@ -170,7 +170,7 @@ def main():
             module.fail_json(msg="manifest is required")
         m = parse_manifest(p["manifest"])
         if p["phase"] == "prepare":
-            out = prepare(dest, m, check_mode=module.check_mode, rehash=p["rehash"])
+            out = prepare(dest, m, check_mode=module.check_mode, rehash=p["rehash"], signature=p["signature"])
             module.exit_json(changed=not out["present"], **out)
         if module.check_mode:
             module.exit_json(changed=True, path=os.path.join(dest, m.bundle_id))
