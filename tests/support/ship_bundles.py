@@ -106,7 +106,9 @@ def _inputs_key() -> str:
 
 def cached_pair() -> tuple[Path, Path]:
     """pack_pair's two bundle directories, packed once per change of their inputs (a pack of each takes about a
-    minute on a 2-core machine) and kept under .cache/ship-bundles/<inputs key>/ (older keys are removed)."""
+    minute on a 2-core machine) and kept under .cache/ship-bundles/<inputs key>/ (older keys are removed).
+    The key leaves out the collection files a bundle may carry (ansible/): a pair packed with an older copy of
+    them is still two valid bundles one wheel apart, which is all the ship tests and bench need."""
     import shutil
     import uuid
 
