@@ -230,6 +230,14 @@ def test_commit_refuses_a_staging_dir_that_differs_from_the_manifest_and_leaves_
     assert not (dest / m.bundle_id).exists() and leftovers(dest) == []
 
 
+def test_a_file_where_the_release_directory_belongs_is_replaced(tmp_path, dest):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    dest.mkdir(parents=True)
+    (dest / m.bundle_id).write_text("not a bundle")
+    ship(dest, src, m)
+    assert tree(dest / m.bundle_id) == tree(src) and leftovers(dest) == []
+
+
 def test_an_edited_manifest_is_refused_naming_the_mismatch(tmp_path):
     src, m = make_bundle(tmp_path / "ctl", FILES_A)
     raw = (src / "MANIFEST").read_bytes()

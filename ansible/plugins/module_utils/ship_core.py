@@ -616,8 +616,11 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
             removed = []
             gone = set()
             if trash:
-                gone.update(_inodes(trash))
-                shutil.rmtree(trash, ignore_errors=True)
+                if os.path.isdir(trash) and not os.path.islink(trash):
+                    gone.update(_inodes(trash))
+                    shutil.rmtree(trash, ignore_errors=True)
+                else:
+                    os.unlink(trash)  # a file or link where the release directory belongs
             for old in bundle_dirs(dest)[keep:]:
                 gone.update(_inodes(old))
                 shutil.rmtree(old, ignore_errors=True)
