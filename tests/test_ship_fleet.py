@@ -96,6 +96,11 @@ def test_reship_sends_nothing_and_reports_no_change(bed):
         assert r["_status"] == "ok" and r["changed"] is False, r
         assert r["sent_files"] == 0 and r["sent_bytes"] == 0
     assert all(s["changed"] == 0 for s in run.stats.values()), run.stats
+    # the host trusted its files by their records (nothing read); with rehash=true it reads them all again
+    assert all(r["host_hashed_bytes"] == 0 for r in run.task_results(TASK).values())
+    again = bed.f.ansible("h1", "-m", TASK, "-a", f"src={bed.a} dest={DEST} rehash=true", timeout=120)
+    r = again.task_results(TASK)["h1"]
+    assert r["changed"] is False and r["host_hashed_bytes"] == size_of(bed.a), r
 
 
 def test_check_mode_reports_what_would_be_sent_and_changes_nothing(bed):
