@@ -1,0 +1,683 @@
+"""The host side of deploytool.fleet.ship, in plain Python 3 (the host may have no deploytool yet).
+
+A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle id). To ship a release:
+
+  prepare(dest, manifest)   which files of the MANIFEST the host already has, by SHA-256, in the bundles under
+                            DEST (each checked before it is trusted: see TrustCache); a staging directory
+                            DEST/.incoming-<release>-<random> seeded with hard links (a copy when the mode differs
+                            or a link is impossible) of every file it has; the list of the missing ones.
+  (the controller sends the missing files into the staging directory with rsync)
+  commit(dest, staging, manifest, ...)
+                            EVERY file of the staging directory checked against the MANIFEST (no extra or missing
+                            file, size, mode, SHA-256), then MANIFEST and MANIFEST.sig written and the directory
+                            renamed to DEST/<release> in one rename; older bundles beyond `keep` removed.
+  abort(dest, staging)      the staging directory removed (a failed transfer).
+
+Nothing unverified is ever at DEST/<release>: a failure leaves neither it (unless an earlier, verified copy was
+there) nor the staging directory. The MANIFEST signature is NOT checked here: that stays with deploytool's install
+and bootstrap on the host, which verify the signature against the box's trusted keys before anything is used.
+
+Trust of files already on the host (TrustCache): re-hashing every earlier bundle at each ship is the honest way
+and costs a full read of them (see bench/bench_ship.py: `rehash`). By default a file is trusted without re-reading
+it when its (device, inode, size, mtime_ns, ctime_ns) are exactly those recorded when this code last hashed it (or
+linked it right after trusting it) and its ctime was at least RACY_NS older than that record. That is safe
+against everything but a root user bent on it or the disk itself: any write, truncate, chmod, rename-over or
+re-link of the file moves its ctime to the current time, and no system call sets ctime (utimensat sets atime and
+mtime and moves ctime to now); a file replaced by another gets another inode (or the same number with a new ctime).
+The RACY_NS margin covers the coarse clock of file timestamps (a write in the same clock tick as the record would
+leave ctime unchanged): a record is only used for a file whose ctime is clearly older than the record. What is not
+covered: silent corruption below the file system (bit rot, a raw write to the block device) and a root user who
+resets the clock; `rehash: true` re-reads everything for those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+MANIFEST_NAME = "MANIFEST"
+SIGNATURE_NAME = "MANIFEST.sig"
+RESERVED = (MANIFEST_NAME, SIGNATURE_NAME)
+STAGING_PREFIX = ".incoming-"
+TRASH_PREFIX = ".outgoing-"
+TRUST_FILE = ".ship-trust.json"
+LOCK_FILE = ".ship.lock"
+STALE_SECONDS = 6 * 3600  # a staging directory untouched this long was left by a killed ship: removed
+RACY_NS = 100_000_000  # 100 ms: well above the file-timestamp clock tick (1-10 ms)
+CHUNK = 1 << 20
+FILE_MODES = (0o644, 0o755)
+
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_HEXID = re.compile(r"[0-9a-f]{16}\Z")
+_MODE = re.compile(r"0[0-7]{3}\Z")
+_BAD = re.compile(r"[\x00-\x1f\x7f\\]")
+_TOP = frozenset(("format_version", "bundle_id", "created", "inputs", "files", "native_libs"))
+_FILE = frozenset(("path", "size", "mode", "sha256"))
+
+
+class ShipError(Exception):
+    """A ship step refused or failed; the message names the file and what is wrong. `reason` is a stable slug."""
+
+    def __init__(self, message, reason="error", path=None):
+        Exception.__init__(self, message)
+        self.reason = reason
+        self.path = path
+
+
+# ------------------------------------------------------------------------------------------- manifest
+
+class Entry:
+    __slots__ = ("path", "size", "mode", "sha256")
+
+    def __init__(self, path, size, mode, sha256):
+        self.path, self.size, self.mode, self.sha256 = path, size, mode, sha256
+
+    def __repr__(self):
+        return "Entry(%r, %d, %04o, %s)" % (self.path, self.size, self.mode, self.sha256[:12])
+
+
+class Manifest:
+    """The parts of a deploytool bundle MANIFEST that shipping needs, read strictly enough to be safe: every path
+    clean and relative, sizes, modes and hashes well-formed, the bundle id the hash of the content (as
+    deploy_tool/manifest.py computes it), so a MANIFEST that was edited is refused here too."""
+
+    def __init__(self, raw, bundle_id, files):
+        self.raw = raw
+        self.bundle_id = bundle_id
+        self.files = files
+
+    @property
+    def total_size(self):
+        return sum(e.size for e in self.files)
+
+    def by_path(self):
+        return dict((e.path, e) for e in self.files)
+
+
+def _canonical(obj, indent):
+    seps = (",", ": ") if indent is not None else (",", ":")
+    return (json.dumps(obj, sort_keys=True, ensure_ascii=True, allow_nan=False, indent=indent, separators=seps)
+            + "\n").encode("ascii")
+
+
+def check_relpath(path):
+    if not isinstance(path, str) or not path:
+        raise ShipError("MANIFEST: a file path is empty or not a string", "bad-path")
+    parts = path.split("/")
+    if path.startswith("/") or ".." in parts or "" in parts or "." in parts or _BAD.search(path):
+        raise ShipError("MANIFEST: %r is not a clean relative path" % (path,), "bad-path", path)
+    if path in RESERVED:
+        raise ShipError("MANIFEST: %r is reserved for the manifest itself" % (path,), "bad-path", path)
+    return path
+
+
+def parse_manifest(raw):
+    """A Manifest from the MANIFEST's bytes (or text); ShipError naming what is wrong."""
+    if isinstance(raw, str):
+        raw = raw.encode("ascii", "strict")
+    try:
+        obj = json.loads(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ShipError("MANIFEST is not valid JSON: %s" % exc, "manifest-malformed") from None
+    if not isinstance(obj, dict) or set(obj) != _TOP:
+        raise ShipError("MANIFEST is not a deploytool bundle manifest (keys %s)"
+                        % sorted(obj) if isinstance(obj, dict) else "MANIFEST is not a JSON object",
+                        "manifest-malformed")
+    if obj["format_version"] != 1 or type(obj["format_version"]) is not int:
+        raise ShipError("MANIFEST format_version %r is not supported (this collection reads 1)"
+                        % (obj["format_version"],), "format-version-unsupported")
+    bid = obj["bundle_id"]
+    if not isinstance(bid, str) or not _HEXID.match(bid):
+        raise ShipError("MANIFEST bundle_id %r is not 16 hex digits" % (bid,), "manifest-malformed")
+    if not isinstance(obj["files"], list) or not isinstance(obj["native_libs"], dict) \
+            or not isinstance(obj["inputs"], dict):
+        raise ShipError("MANIFEST files/inputs/native_libs have the wrong types", "manifest-malformed")
+    files = []
+    seen = set()
+    for i, rf in enumerate(obj["files"]):
+        if not isinstance(rf, dict) or set(rf) != _FILE:
+            raise ShipError("MANIFEST files[%d] is not {path, size, mode, sha256}" % i, "manifest-malformed")
+        path = check_relpath(rf["path"])
+        size, mode_s, sha = rf["size"], rf["mode"], rf["sha256"]
+        if type(size) is not int or size < 0:
+            raise ShipError("MANIFEST %s: size %r is not a non-negative integer" % (path, size), "manifest-malformed",
+                            path)
+        if not isinstance(mode_s, str) or not _MODE.match(mode_s) or int(mode_s, 8) not in FILE_MODES:
+            raise ShipError("MANIFEST %s: mode %r is not '0644' or '0755'" % (path, mode_s), "manifest-malformed",
+                            path)
+        if not isinstance(sha, str) or not _HEX64.match(sha):
+            raise ShipError("MANIFEST %s: sha256 is not 64 lowercase hex digits" % path, "manifest-malformed", path)
+        if path in seen:
+            raise ShipError("MANIFEST lists %s twice" % path, "manifest-malformed", path)
+        seen.add(path)
+        files.append(Entry(path, size, int(mode_s, 8), sha))
+    for e in files:
+        parts = e.path.split("/")
+        for k in range(1, len(parts)):
+            if "/".join(parts[:k]) in seen:
+                raise ShipError("MANIFEST: %s is a file and also the directory of %s" % ("/".join(parts[:k]), e.path),
+                                "manifest-malformed", e.path)
+    body = {"format_version": 1, "files": sorted(obj["files"], key=lambda f: f["path"]), "inputs": obj["inputs"],
+            "native_libs": obj["native_libs"]}
+    expected = hashlib.sha256(_canonical(body, None)).hexdigest()[:16]
+    if expected != bid:
+        raise ShipError("MANIFEST bundle_id %s does not match its content (%s): the MANIFEST was altered"
+                        % (bid, expected), "bundle-id-mismatch")
+    return Manifest(raw, bid, files)
+
+
+def read_manifest(bundle_dir):
+    p = os.path.join(bundle_dir, MANIFEST_NAME)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(64 << 20)
+    except OSError as exc:
+        raise ShipError("cannot read %s: %s" % (p, exc.strerror), "manifest-missing", p) from None
+    return parse_manifest(raw)
+
+
+# ------------------------------------------------------------------------------------------- hashing
+
+def sha256_path(path, fsync=False):
+    """SHA-256 of a regular file, opened without following a symlink; optionally fsync'd while open."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ShipError("%s is not a regular file" % path, "special-file", path)
+        h = hashlib.sha256()
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = os.readv(fd, [buf])
+            if not n:
+                break
+            h.update(view[:n])
+        if fsync:
+            os.fsync(fd)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _workers():
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+# ------------------------------------------------------------------------------------------- trust cache
+
+class TrustCache:
+    """(dev, ino) -> (size, mtime_ns, ctime_ns, sha256, recorded_ns), kept in DEST/.ship-trust.json (see the
+    module doc for why a match is a safe stand-in for re-reading the file)."""
+
+    def __init__(self, dest, enabled=True):
+        self.path = os.path.join(dest, TRUST_FILE)
+        self.enabled = enabled
+        self.map = {}
+        self.hashed_bytes = 0
+        self.hashed_files = 0
+        self.trusted_files = 0
+        if enabled:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                with open(self.path) as f:
+                    data = json.load(f)
+                if isinstance(data, dict):
+                    for k, v in data.items():
+                        if isinstance(v, list) and len(v) == 5:
+                            self.map[k] = v
+
+    @staticmethod
+    def key(st):
+        return "%d:%d" % (st.st_dev, st.st_ino)
+
+    def lookup(self, st):
+        """The recorded SHA-256 of the file with this stat, or None when the record does not vouch for it."""
+        if not self.enabled:
+            return None
+        rec = self.map.get(self.key(st))
+        if rec is None:
+            return None
+        size, mtime_ns, ctime_ns, sha, at = rec
+        if (size, mtime_ns, ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            return None
+        if st.st_ctime_ns > at - RACY_NS:
+            return None  # changed in the same clock tick as the record: cannot tell a later write
+        return sha
+
+    def record(self, st, sha, now_ns=None):
+        self.map[self.key(st)] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha,
+                                  now_ns if now_ns is not None else time.time_ns()]
+
+    def save(self, keep_keys=None):
+        if not self.enabled:
+            return
+        data = self.map if keep_keys is None else dict((k, v) for k, v in self.map.items() if k in keep_keys)
+        tmp = "%s.%s.tmp" % (self.path, uuid.uuid4().hex[:8])
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def digest(self, path, st, fsync=False):
+        """SHA-256 of `path` (whose lstat is `st`): from the record when it vouches for the file, else read."""
+        sha = self.lookup(st)
+        if sha is not None:
+            self.trusted_files += 1
+            return sha
+        sha = sha256_path(path, fsync=fsync)
+        self.hashed_files += 1
+        self.hashed_bytes += st.st_size
+        st2 = os.lstat(path)
+        if (st2.st_ino, st2.st_size, st2.st_mtime_ns, st2.st_ctime_ns) == \
+                (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            self.record(st2, sha)
+        return sha
+
+
+# ------------------------------------------------------------------------------------------- the steps
+
+def _check_dest(dest):
+    if not isinstance(dest, str) or not os.path.isabs(dest):
+        raise ShipError("dest must be an absolute path, got %r" % (dest,), "bad-dest")
+    return os.path.normpath(dest)
+
+
+@contextlib.contextmanager
+def locked(dest):
+    """An exclusive lock on DEST/.ship.lock: two ships to one host take turns for prepare and commit."""
+    fd = os.open(os.path.join(dest, LOCK_FILE), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def bundle_dirs(dest):
+    """Shipped bundles under DEST (directories holding a MANIFEST, not staging), newest first (by mtime)."""
+    out = []
+    try:
+        names = os.listdir(dest)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name.startswith("."):
+            continue
+        p = os.path.join(dest, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(p)
+            if stat.S_ISDIR(st.st_mode) and os.path.isfile(os.path.join(p, MANIFEST_NAME)):
+                out.append((st.st_mtime_ns, name, p))
+    out.sort(reverse=True)
+    return [p for _, _, p in out]
+
+
+def _mkparents(root, rel):
+    d = os.path.dirname(rel)
+    if d:
+        os.makedirs(os.path.join(root, d), mode=0o755, exist_ok=True)
+
+
+def _place(src, dst, mode):
+    """Put a copy of trusted file `src` at `dst` with `mode`: a hard link when the mode is the same, else (or when
+    the file system refuses the link) a copy. Returns 'link' or 'copy'."""
+    if stat.S_IMODE(os.lstat(src).st_mode) == mode:
+        try:
+            os.link(src, dst)
+            return "link"
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+    tmp = dst + ".part"
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, mode)
+    os.rename(tmp, dst)
+    return "copy"
+
+
+def _have(dest, manifest, cache, skip=None):
+    """{sha256: (path on the host, mode)} of the files the host has that the MANIFEST needs, each checked (by the
+    trust cache or read) before it is believed; plus how many candidates were refused (tampered or gone)."""
+    need = set(e.sha256 for e in manifest.files)
+    cands = {}
+    for bdir in bundle_dirs(dest):
+        if skip and bdir == skip:
+            continue
+        try:
+            m = read_manifest(bdir)
+        except ShipError:
+            continue  # not a bundle we can read: nothing of it is reused
+        for e in m.files:
+            if e.sha256 in need:
+                cands.setdefault(e.sha256, []).append((os.path.join(bdir, e.path), e))
+    found = {}
+    refused = []
+
+    def check(sha):
+        for path, e in cands[sha]:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size != e.size:
+                refused.append(path)
+                continue
+            try:
+                if cache.digest(path, st) == sha:
+                    return sha, (path, stat.S_IMODE(st.st_mode))
+            except (OSError, ShipError):
+                pass
+            refused.append(path)
+        return sha, None
+
+    with ThreadPoolExecutor(_workers()) as pool:
+        for sha, hit in pool.map(check, sorted(cands)):
+            if hit is not None:
+                found[sha] = hit
+    return found, sorted(refused)
+
+
+def _verify_tree(root, manifest, cache, fsync_new=False, allow_manifest=True):
+    """Check every file under `root` against `manifest`: no extra file or directory, no missing file, no symlink or
+    special file, each size, mode and SHA-256. ShipError naming the first bad file."""
+    want = manifest.by_path()
+    dirs = set()
+    for e in manifest.files:
+        parts = e.path.split("/")
+        for k in range(1, len(parts)):
+            dirs.add("/".join(parts[:k]))
+    seen = {}
+    for top, dnames, fnames in os.walk(root):
+        rel_top = os.path.relpath(top, root)
+        rel_top = "" if rel_top == "." else rel_top + "/"
+        for dn in dnames:
+            rel = rel_top + dn
+            st = os.lstat(os.path.join(top, dn))
+            if stat.S_ISLNK(st.st_mode):
+                raise ShipError("%s is a symlink, the MANIFEST lists no such thing" % rel, "extra-file", rel)
+            if rel not in dirs:
+                raise ShipError("%s is a directory the MANIFEST does not list" % rel, "extra-file", rel)
+        for fn in fnames:
+            rel = rel_top + fn
+            p = os.path.join(top, fn)
+            st = os.lstat(p)
+            if allow_manifest and rel in RESERVED and stat.S_ISREG(st.st_mode):
+                continue
+            e = want.get(rel)
+            if e is None:
+                raise ShipError("%s is not in the MANIFEST (extra file)" % rel, "extra-file", rel)
+            if not stat.S_ISREG(st.st_mode):
+                raise ShipError("%s is not a regular file" % rel, "special-file", rel)
+            if st.st_size != e.size:
+                raise ShipError("%s is %d bytes, the MANIFEST says %d" % (rel, st.st_size, e.size), "size-mismatch",
+                                rel)
+            if stat.S_IMODE(st.st_mode) != e.mode:
+                raise ShipError("%s has mode %04o, the MANIFEST says %04o" % (rel, stat.S_IMODE(st.st_mode), e.mode),
+                                "mode-mismatch", rel)
+            seen[rel] = (p, st, e)
+    missing = sorted(set(want) - set(seen))
+    if missing:
+        raise ShipError("%s is missing (%d file(s) of the MANIFEST are not there)" % (missing[0], len(missing)),
+                        "missing-file", missing[0])
+
+    # Files changed within the last clock tick (rsync just wrote them) are hashed only once that tick is over: a
+    # write after the hash then shows in ctime, so the record taken with the hash can vouch for them later.
+    fresh = [st.st_ctime_ns for p, st, e in seen.values() if cache.enabled and cache.lookup(st) is None]
+    if fresh:
+        wait = max(fresh) + RACY_NS + 1_000_000 - time.time_ns()
+        if wait > 0:
+            time.sleep(wait / 1e9)
+
+    def check(item):
+        rel, (p, st, e) = item
+        return rel, cache.digest(p, st, fsync=fsync_new and cache.lookup(st) is None), e.sha256
+
+    bad = []
+    with ThreadPoolExecutor(_workers()) as pool:
+        for rel, got, exp in pool.map(check, sorted(seen.items())):
+            if got != exp:
+                bad.append(rel)
+    if bad:
+        raise ShipError("%s does not match the MANIFEST (SHA-256 differs)%s" % (
+            bad[0], " and %d more file(s)" % (len(bad) - 1) if len(bad) > 1 else ""), "hash-mismatch", bad[0])
+
+
+def _refresh(cache, paths):
+    """After our own link/unlink of trusted files (which moves their ctime), record them again: they are the files
+    we trusted a moment ago under the lock. Waits out RACY_NS once so the new records are usable."""
+    if not cache.enabled or not paths:
+        return
+    time.sleep(RACY_NS / 1e9 * 1.2)
+    now = time.time_ns()
+    for p, sha in paths:
+        with contextlib.suppress(OSError):
+            cache.record(os.lstat(p), sha, now)
+
+
+def _same_signature(final, signature):
+    if signature is None:
+        return True
+    want = signature if isinstance(signature, bytes) else signature.encode("ascii")
+    try:
+        with open(os.path.join(final, SIGNATURE_NAME), "rb") as f:
+            return f.read(1 << 16) == want
+    except OSError:
+        return False
+
+
+def prepare(dest, manifest, check_mode=False, rehash=False, signature=None):
+    """Which files the host has, a staging directory seeded with them (not in check mode), and what is missing.
+
+    Returns a dict: present (the release is already there and verified: nothing to do), staging, missing (paths),
+    missing_bytes, reused_files, reused_bytes, refused (earlier files that failed their check), basis (earlier
+    bundles for rsync's --copy-dest, newest first), hashed_bytes (what had to be read to trust files)."""
+    dest = _check_dest(dest)
+    release = manifest.bundle_id
+    final = os.path.join(dest, release)
+    out = {"release": release, "path": final, "present": False, "staging": None, "missing": [],
+           "missing_bytes": 0, "reused_files": 0, "reused_bytes": 0, "refused": [], "basis": [], "hashed_bytes": 0}
+    if check_mode and not os.path.isdir(dest):
+        out["missing"] = [e.path for e in manifest.files]
+        out["missing_bytes"] = manifest.total_size
+        return out
+    if not check_mode:
+        os.makedirs(dest, mode=0o755, exist_ok=True)
+    cache = TrustCache(dest, enabled=not rehash)
+    with (locked(dest) if not check_mode else contextlib.nullcontext()):
+        if not check_mode:
+            sweep_stale(dest)
+        if os.path.isdir(final):
+            try:
+                # the same MANIFEST and signature (a bundle signed again, e.g. by a new key, is shipped again:
+                # every file is reused, the new MANIFEST.sig replaces the old)
+                if read_manifest(final).raw == manifest.raw and _same_signature(final, signature):
+                    _verify_tree(final, manifest, cache)
+                    out["present"] = True
+            except (ShipError, OSError):
+                pass  # damaged or different: shipped again, and replaced on commit
+            if out["present"]:
+                out["reused_files"] = len(manifest.files)
+                out["reused_bytes"] = manifest.total_size
+                out["hashed_bytes"] = cache.hashed_bytes
+                if not check_mode:
+                    cache.save()
+                return out
+        found, refused = _have(dest, manifest, cache)
+        out["refused"] = refused
+        out["basis"] = [b for b in bundle_dirs(dest)][:20]
+        missing = [e for e in manifest.files if e.sha256 not in found]
+        out["missing"] = [e.path for e in missing]
+        out["missing_bytes"] = sum(e.size for e in missing)
+        reused = [e for e in manifest.files if e.sha256 in found]
+        out["reused_files"] = len(reused)
+        out["reused_bytes"] = sum(e.size for e in reused)
+        out["hashed_bytes"] = cache.hashed_bytes
+        if check_mode:
+            return out
+        staging = os.path.join(dest, "%s%s-%s" % (STAGING_PREFIX, release, uuid.uuid4().hex[:8]))
+        os.mkdir(staging, 0o755)
+        try:
+            touched = []
+            for e in reused:
+                src, _ = found[e.sha256]
+                _mkparents(staging, e.path)
+                dst = os.path.join(staging, e.path)
+                how = _place(src, dst, e.mode)
+                touched.append((dst, e.sha256))
+                if how == "link":
+                    touched.append((src, e.sha256))
+            _refresh(cache, touched)
+            cache.save()
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        out["staging"] = staging
+        return out
+
+
+def sweep_stale(dest, older_than=STALE_SECONDS):
+    """Remove staging and trash directories that no ship has touched for `older_than` seconds (killed ships)."""
+    now = time.time()
+    swept = []
+    for name in os.listdir(dest):
+        if name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
+            p = os.path.join(dest, name)
+            with contextlib.suppress(OSError):
+                if now - os.lstat(p).st_mtime > older_than:
+                    shutil.rmtree(p, ignore_errors=True)
+                    swept.append(p)
+    return swept
+
+
+def _staging_ok(dest, staging, release):
+    if not isinstance(staging, str) or os.path.dirname(os.path.normpath(staging)) != dest \
+            or not os.path.basename(staging).startswith(STAGING_PREFIX + release + "-"):
+        raise ShipError("staging %r is not a staging directory of release %s under %s" % (staging, release, dest),
+                        "bad-staging")
+    return os.path.normpath(staging)
+
+
+def abort(dest, staging, release):
+    dest = _check_dest(dest)
+    staging = _staging_ok(dest, staging, release)
+    shutil.rmtree(staging, ignore_errors=True)
+    return {"removed": staging}
+
+
+def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
+    """Verify the staging directory against the MANIFEST, write MANIFEST (+ MANIFEST.sig), rename it to
+    DEST/<release>, remove older bundles beyond `keep`. The staging directory is gone afterwards, also on failure.
+    Returns {path, removed (older bundles), hashed_bytes, trusted_files}."""
+    dest = _check_dest(dest)
+    release = manifest.bundle_id
+    staging = _staging_ok(dest, staging, release)
+    final = os.path.join(dest, release)
+    if type(keep) is not int or keep < 1:
+        raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
+    cache = TrustCache(dest, enabled=not rehash)
+    try:
+        if not os.path.isdir(staging):
+            raise ShipError("staging directory %s is gone" % staging, "bad-staging")
+        with locked(dest):
+            _verify_tree(staging, manifest, cache, fsync_new=True, allow_manifest=False)
+            for name, data in ((MANIFEST_NAME, manifest.raw), (SIGNATURE_NAME, signature)):
+                if data is None:
+                    continue
+                p = os.path.join(staging, name)
+                with open(p, "wb") as f:
+                    f.write(data if isinstance(data, bytes) else data.encode("ascii"))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(p, 0o644)
+            dfd = os.open(staging, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            trash = None
+            if os.path.lexists(final):
+                trash = os.path.join(dest, "%s%s-%s" % (TRASH_PREFIX, release, uuid.uuid4().hex[:8]))
+                os.rename(final, trash)
+            os.rename(staging, final)
+            os.utime(final)  # newest: `keep` counts from it
+            removed = []
+            gone = set()
+            if trash:
+                if os.path.isdir(trash) and not os.path.islink(trash):
+                    gone.update(_inodes(trash))
+                    shutil.rmtree(trash, ignore_errors=True)
+                else:
+                    os.unlink(trash)  # a file or link where the release directory belongs
+            for old in bundle_dirs(dest)[keep:]:
+                gone.update(_inodes(old))
+                shutil.rmtree(old, ignore_errors=True)
+                removed.append(old)
+            # Our own unlinks moved the ctime of files still kept through other links: record them again.
+            again = []
+            for bdir in bundle_dirs(dest):
+                with contextlib.suppress(ShipError):
+                    for e in read_manifest(bdir).files:
+                        p = os.path.join(bdir, e.path)
+                        with contextlib.suppress(OSError):
+                            st = os.lstat(p)
+                            k = TrustCache.key(st)
+                            rec = cache.map.get(k)
+                            if k in gone and rec is not None and rec[3] == e.sha256 and \
+                                    (rec[0], rec[1]) == (st.st_size, st.st_mtime_ns):
+                                again.append((p, e.sha256))
+            _refresh(cache, again)
+            live = set()
+            for bdir in bundle_dirs(dest):
+                live.update(_inodes(bdir))
+            cache.save(keep_keys=live)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"path": final, "removed": removed, "hashed_bytes": cache.hashed_bytes,
+            "trusted_files": cache.trusted_files}
+
+
+def _inodes(root):
+    out = set()
+    for top, _, fnames in os.walk(root):
+        for fn in fnames:
+            with contextlib.suppress(OSError):
+                out.add(TrustCache.key(os.lstat(os.path.join(top, fn))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- rsync (controller)
+
+_STAT_RE = {
+    "sent_bytes": re.compile(r"^Total bytes sent: ([\d,.]+)", re.M),
+    "literal_bytes": re.compile(r"^Literal data: ([\d,.]+)", re.M),
+    "matched_bytes": re.compile(r"^Matched data: ([\d,.]+)", re.M),
+    "transferred_files": re.compile(r"^Number of regular files transferred: ([\d,.]+)", re.M),
+}
+
+
+def _num(text):
+    return int(text.replace(",", "").replace(".", ""))
+
+
+def parse_stats(out):
+    """rsync --stats figures (sent_bytes, literal_bytes, matched_bytes, transferred_files) from its output."""
+    res = {}
+    for k, rx in _STAT_RE.items():
+        m = rx.search(out)
+        if m:
+            res[k] = _num(m.group(1))
+    return res

@@ -1,0 +1,187 @@
+# The host side of deploytool.fleet.ship (the action plugin of the same name drives it from the controller).
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: ship
+short_description: Ship a deploytool bundle to a host, sending only the files the host lacks
+description:
+  - Copies an unpacked deploytool bundle directory (what C(deploytool pack) writes) from the controller to
+    O(dest)/<release> on the host, where <release> is the bundle id of its MANIFEST.
+  - Files the host already has in earlier shipped bundles under O(dest), by SHA-256, are not sent again; they are
+    hard-linked into a staging directory after a check (see O(rehash)). Only the missing files cross the network,
+    with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
+    file at the same path (a venv archive where one wheel changed) travels as a delta.
+  - Every file of the staging directory is then checked against the MANIFEST (no extra or missing file; size, mode
+    and SHA-256 of each) and only then is the directory renamed to O(dest)/<release> in one rename. A failed ship
+    leaves neither O(dest)/<release> nor the staging directory. A release the host already has (checked) is
+    C(changed=false) and nothing is sent.
+  - The MANIFEST signature is not checked here; the host may have no deploytool yet. C(deploytool install) and
+    bootstrap check it against the box's trusted keys before anything of the bundle is used.
+  - The task runs as an action plugin on the controller (reading the bundle's MANIFEST, running rsync) and this
+    module on the host (what it has, seeding, verifying, renaming). Needs rsync on the controller and the host.
+version_added: 0.1.0
+author: deploytool maintainers
+options:
+  src:
+    description: The unpacked bundle directory on the controller (holding MANIFEST and MANIFEST.sig).
+    type: path
+    required: true
+  dest:
+    description: Where the host keeps shipped bundles; the bundle lands at O(dest)/<release>.
+    type: path
+    default: /var/lib/deploytool/bundles
+  keep:
+    description: How many shipped bundles the host keeps (the oldest beyond it are removed after a success).
+    type: int
+    default: 3
+  rehash:
+    description:
+      - Re-read every earlier file before reusing it, instead of trusting a (device, inode, size, mtime, ctime)
+        record taken when this module last hashed it. The record is safe against any change through the file
+        system (a write, truncate, chmod or replacement moves ctime, which no system call can set back); use
+        O(rehash) against corruption below the file system.
+    type: bool
+    default: false
+  rsync_opts:
+    description: Extra rsync options (e.g. C(--bwlimit=50M)).
+    type: list
+    elements: str
+    default: []
+  phase:
+    description: Internal (set by the action plugin); prepare, commit or abort.
+    type: str
+    choices: [prepare, commit, abort]
+  manifest:
+    description: Internal; the MANIFEST's text.
+    type: str
+  signature:
+    description: Internal; the MANIFEST.sig text.
+    type: str
+  staging:
+    description: Internal; the staging directory of a commit or abort.
+    type: str
+attributes:
+  check_mode:
+    support: full
+    details: Reports what would be sent (files, bytes) and changes nothing on the host.
+  diff_mode:
+    support: full
+    details: The list of files, each marked as sent (+) or reused (=).
+notes:
+  - Connections other than ssh and local are refused (rsync needs a shell on the host over ssh).
+"""
+
+EXAMPLES = r"""
+- name: Ship the release
+  deploytool.fleet.ship:
+    src: "{{ bundle_dir }}"
+    dest: /var/lib/deploytool/bundles
+    keep: 3
+  register: shipped
+
+- name: Install what was shipped
+  ansible.builtin.command: deploytool install {{ shipped.path }}
+"""
+
+RETURN = r"""
+path:
+  description: The bundle directory on the host.
+  type: str
+  returned: always
+  sample: /var/lib/deploytool/bundles/1be71fe02a5d08cc
+release:
+  description: The bundle id (the release).
+  type: str
+  returned: always
+sent_files:
+  description: Files sent (in check mode, that would be sent).
+  type: int
+  returned: always
+sent_bytes:
+  description: Bytes on the wire from the controller to the host, as rsync counts them (in check mode, the size of
+    the files that would be sent).
+  type: int
+  returned: always
+literal_bytes:
+  description: File data rsync had to send literally (the rest was matched in the basis files).
+  type: int
+  returned: when files were sent
+reused_files:
+  description: Files of the release the host already had (linked from earlier bundles).
+  type: int
+  returned: always
+refused:
+  description: Files of earlier bundles that matched the MANIFEST by path list but failed their check (changed on
+    the host), so they were not reused.
+  type: list
+  returned: always
+seconds:
+  description: Wall time of the ship.
+  type: float
+  returned: always
+removed:
+  description: Older bundles removed to honour O(keep).
+  type: list
+  returned: on a change
+"""
+
+import os
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import (
+    ShipError,
+    abort,
+    commit,
+    parse_manifest,
+    prepare,
+)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            src=dict(type="path"),
+            dest=dict(type="path", default="/var/lib/deploytool/bundles"),
+            keep=dict(type="int", default=3),
+            rehash=dict(type="bool", default=False),
+            rsync_opts=dict(type="list", elements="str", default=[]),
+            phase=dict(type="str", choices=["prepare", "commit", "abort"]),
+            manifest=dict(type="str"),
+            signature=dict(type="str", no_log=False),
+            staging=dict(type="str"),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    if not p["phase"]:
+        module.fail_json(msg="deploytool.fleet.ship runs through its action plugin (the task name "
+                             "deploytool.fleet.ship with src=); the module alone cannot reach the controller's files")
+    dest = p["dest"]
+    try:
+        if p["phase"] == "abort":
+            if not p["manifest"]:
+                module.fail_json(msg="abort needs the manifest")
+            m = parse_manifest(p["manifest"])
+            module.exit_json(changed=False, **abort(dest, p["staging"], m.bundle_id))
+        if not p["manifest"]:
+            module.fail_json(msg="manifest is required")
+        m = parse_manifest(p["manifest"])
+        if p["phase"] == "prepare":
+            out = prepare(dest, m, check_mode=module.check_mode, rehash=p["rehash"], signature=p["signature"])
+            module.exit_json(changed=not out["present"], **out)
+        if module.check_mode:
+            module.exit_json(changed=True, path=os.path.join(dest, m.bundle_id))
+        out = commit(dest, p["staging"], m, signature=p["signature"], keep=p["keep"], rehash=p["rehash"])
+        module.exit_json(changed=True, **out)
+    except ShipError as exc:
+        module.fail_json(msg=str(exc), reason=exc.reason, file=exc.path)
+    except OSError as exc:
+        module.fail_json(msg="%s: %s" % (getattr(exc, "filename", None) or dest, exc.strerror or exc),
+                         reason="os-error", exception=traceback.format_exc())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""The host side of deploytool.fleet.ship (ansible/plugins/module_utils/ship_core.py) on local directories.
+
+What a host has (by SHA-256, from the MANIFESTs of the bundles under DEST), the staging directory seeded with it,
+the verify of every staged file against the MANIFEST before the one rename, `keep`, check mode, and the trust
+record that stands in for re-reading earlier files (never for a file changed since). The transfer in between is
+rsync's in the real thing (tests/test_ship_fleet.py); here the missing files are copied in from the bundle, as rsync
+would write them. The controller's rsync stats parser is checked on real rsync output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deploy_tool.manifest import FileEntry, Manifest
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "ansible" / "plugins" / "module_utils" / "ship_core.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("ship_core", CORE)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ship_core"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sc = _load()
+
+
+def make_bundle(root: Path, files: dict[str, bytes], modes: dict[str, int] | None = None,
+                inputs: dict | None = None) -> tuple[Path, object]:
+    """A bundle directory (files + a real deploytool MANIFEST) at root/<bundle_id>; returns (dir, parsed)."""
+    modes = modes or {}
+    ents = [FileEntry(p, len(b), modes.get(p, 0o644), hashlib.sha256(b).hexdigest()) for p, b in files.items()]
+    m = Manifest.build(ents, inputs=inputs or {}, created="2026-01-01T00:00:00Z")
+    d = root / f"bundle-{m.bundle_id}"
+    d.mkdir(parents=True)
+    for p, b in files.items():
+        q = d / p
+        q.parent.mkdir(parents=True, exist_ok=True)
+        q.write_bytes(b)
+        os.chmod(q, modes.get(p, 0o644))
+    (d / "MANIFEST").write_bytes(m.to_bytes())
+    (d / "MANIFEST.sig").write_text('{"sig":"x"}\n')
+    return d, sc.parse_manifest(m.to_bytes())
+
+
+def send(src: Path, staging: str, missing: list[str]) -> None:
+    """What rsync does in the real thing: the missing files into the staging directory, with their modes."""
+    for rel in missing:
+        dst = Path(staging, rel)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, dst)
+
+
+def ship(dest: Path, src: Path, m, *, keep: int = 3, rehash: bool = False) -> dict:
+    prep = sc.prepare(str(dest), m, rehash=rehash)
+    if prep["present"]:
+        return prep
+    send(src, prep["staging"], prep["missing"])
+    prep["commit"] = sc.commit(str(dest), prep["staging"], m, signature=b'{"sig":"x"}\n', keep=keep,
+                               rehash=rehash)
+    return prep
+
+
+def tree(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def leftovers(dest: Path) -> list[str]:
+    return sorted(p.name for p in dest.iterdir() if p.name.startswith((".incoming-", ".outgoing-")))
+
+
+FILES_A = {"venv.tar.zst": b"V" * 5000, "wheels/a-1.whl": b"wheel a", "wheels/b-1.whl": b"wheel b",
+           "bootstrap": b"#!/bin/sh\n", "units/x.service": b"[Unit]\n"}
+
+
+@pytest.fixture
+def dest(tmp_path: Path) -> Path:
+    return tmp_path / "host" / "bundles"
+
+
+def test_first_ship_sends_everything_and_lands_verified(tmp_path, dest):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A, {"bootstrap": 0o755})
+    r = ship(dest, src, m)
+    assert r["present"] is False and sorted(r["missing"]) == sorted(FILES_A) and r["reused_files"] == 0
+    assert r["missing_bytes"] == sum(map(len, FILES_A.values()))
+    final = dest / m.bundle_id
+    assert r["commit"]["path"] == str(final)
+    assert tree(final) == tree(src)  # files, MANIFEST and MANIFEST.sig, byte for byte
+    assert os.stat(final / "bootstrap").st_mode & 0o777 == 0o755
+    assert leftovers(dest) == []
+
+
+def test_reship_of_a_present_release_is_no_change_and_reads_nothing(tmp_path, dest):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src, m)
+    time.sleep(sc.RACY_NS / 1e9)
+    again = sc.prepare(str(dest), m)
+    assert again["present"] is True and again["staging"] is None and again["missing"] == []
+    assert again["hashed_bytes"] == 0, "the trust record vouches for the files just verified"
+    assert sc.prepare(str(dest), m, rehash=True)["hashed_bytes"] == m.total_size
+    assert leftovers(dest) == []
+
+
+def test_a_bundle_signed_again_is_shipped_again_sending_nothing(tmp_path, dest):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src, m)
+    time.sleep(sc.RACY_NS / 1e9)
+    assert sc.prepare(str(dest), m, signature=b'{"sig":"x"}\n')["present"] is True
+    prep = sc.prepare(str(dest), m, signature=b'{"sig":"new key"}\n')
+    assert prep["present"] is False and prep["missing"] == [] and prep["hashed_bytes"] == 0
+    sc.commit(str(dest), prep["staging"], m, signature=b'{"sig":"new key"}\n')
+    assert (dest / m.bundle_id / "MANIFEST.sig").read_bytes() == b'{"sig":"new key"}\n'
+    assert tree(dest / m.bundle_id) | {"MANIFEST.sig": b""} == tree(src) | {"MANIFEST.sig": b""}
+    assert leftovers(dest) == []
+
+
+def test_second_release_reuses_what_the_host_has_at_any_path(tmp_path, dest):
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src_a, ma)
+    files_b = dict(FILES_A)
+    files_b["wheels/b-2.whl"] = b"wheel b two"
+    del files_b["wheels/b-1.whl"]
+    files_b["moved/a-1.whl"] = FILES_A["wheels/a-1.whl"]  # same bytes at another path: reused
+    src_b, mb = make_bundle(tmp_path / "ctl", files_b)
+    r = ship(dest, src_b, mb)
+    assert r["missing"] == ["wheels/b-2.whl"]
+    assert r["reused_files"] == len(files_b) - 1
+    final = dest / mb.bundle_id
+    assert tree(final) == tree(src_b)
+    # reused by hard link: one inode for both bundles' copies
+    assert os.stat(final / "venv.tar.zst").st_ino == os.stat(dest / ma.bundle_id / "venv.tar.zst").st_ino
+    assert os.stat(final / "moved/a-1.whl").st_ino == os.stat(dest / ma.bundle_id / "wheels/a-1.whl").st_ino
+
+
+def test_same_bytes_with_another_mode_are_copied_not_linked(tmp_path, dest):
+    src_a, ma = make_bundle(tmp_path / "ctl", {"tool": b"run me"})
+    ship(dest, src_a, ma)
+    src_b, mb = make_bundle(tmp_path / "ctl", {"tool": b"run me", "x": b"y"}, {"tool": 0o755})
+    r = ship(dest, src_b, mb)
+    assert r["missing"] == ["x"]
+    a, b = os.stat(dest / ma.bundle_id / "tool"), os.stat(dest / mb.bundle_id / "tool")
+    assert a.st_ino != b.st_ino and a.st_mode & 0o777 == 0o644 and b.st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("how", ["write", "write-keep-mtime", "replace", "chmod"])
+@pytest.mark.parametrize("rehash", [False, True])
+def test_a_file_changed_on_the_host_is_never_reused(tmp_path, dest, how, rehash):
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src_a, ma)
+    time.sleep(sc.RACY_NS / 1e9)
+    victim = dest / ma.bundle_id / "wheels/a-1.whl"
+    before = os.stat(victim)
+    if how.startswith("write"):
+        victim.write_bytes(b"WHEEL A")  # same size
+        if how == "write-keep-mtime":
+            os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    elif how == "replace":
+        tmp = victim.with_name("t")
+        tmp.write_bytes(b"WHEEL A")
+        os.utime(tmp, ns=(before.st_atime_ns, before.st_mtime_ns))
+        os.replace(tmp, victim)
+    else:
+        os.chmod(victim, 0o600)
+    files_b = dict(FILES_A, extra=b"new")
+    src_b, mb = make_bundle(tmp_path / "ctl", files_b)
+    r = ship(dest, src_b, mb, rehash=rehash)
+    if how == "chmod":
+        # content intact: reused, with a copy at the mode the MANIFEST wants
+        assert sorted(r["missing"]) == ["extra"]
+        assert os.stat(dest / mb.bundle_id / "wheels/a-1.whl").st_mode & 0o777 == 0o644
+    else:
+        assert sorted(r["missing"]) == ["extra", "wheels/a-1.whl"], r
+        assert str(victim) in r["refused"]
+    assert tree(dest / mb.bundle_id) == tree(src_b)
+    # and the damaged release is not "present": shipping it again repairs it
+    again = ship(dest, src_a, ma)
+    if how != "chmod":
+        # not "present"; the good copy that came with the second release is what repairs it
+        assert again["present"] is False and again["missing"] == [] and again["reused_files"] == len(FILES_A)
+    assert tree(dest / ma.bundle_id) == tree(src_a)
+    assert leftovers(dest) == []
+
+
+@pytest.mark.parametrize("damage", ["extra-file", "extra-dir", "missing-file", "mode-mismatch", "hash-mismatch",
+                                    "size-mismatch", "symlink"])
+def test_commit_refuses_a_staging_dir_that_differs_from_the_manifest_and_leaves_nothing(tmp_path, dest, damage):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    prep = sc.prepare(str(dest), m)
+    send(src, prep["staging"], prep["missing"])
+    s = Path(prep["staging"])
+    name = {"extra-file": "stowaway", "extra-dir": "empty", "missing-file": "wheels/b-1.whl",
+            "mode-mismatch": "bootstrap", "hash-mismatch": "wheels/a-1.whl", "size-mismatch": "units/x.service",
+            "symlink": "wheels/b-1.whl"}[damage]
+    if damage == "extra-file":
+        (s / name).write_text("x")
+    elif damage == "extra-dir":
+        (s / name).mkdir()
+    elif damage == "missing-file":
+        (s / name).unlink()
+    elif damage == "mode-mismatch":
+        os.chmod(s / name, 0o755)
+    elif damage == "hash-mismatch":
+        (s / name).write_bytes(b"WHEEL A")
+    elif damage == "size-mismatch":
+        (s / name).write_bytes(b"[Unit]\n\n")
+    else:
+        (s / name).unlink()
+        (s / name).symlink_to(s / "wheels/a-1.whl")
+    with pytest.raises(sc.ShipError) as exc:
+        sc.commit(str(dest), prep["staging"], m, keep=3)
+    want = {"extra-dir": "extra-file", "symlink": "special-file"}.get(damage, damage)
+    assert exc.value.reason == want, exc.value
+    assert name in str(exc.value) and exc.value.path == name
+    assert not (dest / m.bundle_id).exists() and leftovers(dest) == []
+
+
+def test_a_file_where_the_release_directory_belongs_is_replaced(tmp_path, dest):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    dest.mkdir(parents=True)
+    (dest / m.bundle_id).write_text("not a bundle")
+    ship(dest, src, m)
+    assert tree(dest / m.bundle_id) == tree(src) and leftovers(dest) == []
+
+
+def test_an_edited_manifest_is_refused_naming_the_mismatch(tmp_path):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    raw = (src / "MANIFEST").read_bytes()
+    obj = json.loads(raw)
+    obj["files"][0]["size"] += 1
+    with pytest.raises(sc.ShipError, match="does not match its content") as exc:
+        sc.parse_manifest(json.dumps(obj).encode())
+    assert exc.value.reason == "bundle-id-mismatch"
+    obj = json.loads(raw)
+    obj["files"][0]["path"] = "../etc/passwd"
+    with pytest.raises(sc.ShipError, match="not a clean relative path"):
+        sc.parse_manifest(json.dumps(obj).encode())
+    with pytest.raises(sc.ShipError, match="not valid JSON"):
+        sc.parse_manifest(b"{")
+
+
+def test_check_mode_reports_and_changes_nothing(tmp_path, dest):
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
+    r = sc.prepare(str(dest), ma, check_mode=True)
+    assert not dest.exists() and r["staging"] is None and sorted(r["missing"]) == sorted(FILES_A)
+    ship(dest, src_a, ma)
+    src_b, mb = make_bundle(tmp_path / "ctl", dict(FILES_A, extra=b"e"))
+    snap = {p: (os.lstat(p).st_mtime_ns, os.lstat(p).st_ino) for p in dest.rglob("*")}
+    r = sc.prepare(str(dest), mb, check_mode=True)
+    assert r["missing"] == ["extra"] and r["missing_bytes"] == 1 and r["staging"] is None
+    assert {p: (os.lstat(p).st_mtime_ns, os.lstat(p).st_ino) for p in dest.rglob("*")} == snap
+
+
+def test_keep_removes_the_oldest_and_the_kept_stay_trusted(tmp_path, dest):
+    ms = []
+    for i in range(4):
+        src, m = make_bundle(tmp_path / "ctl", dict(FILES_A, version=str(i).encode()))
+        r = ship(dest, src, m, keep=2)
+        ms.append((src, m, r))
+    kept = sorted(p.name for p in dest.iterdir() if not p.name.startswith("."))
+    assert kept == sorted([ms[2][1].bundle_id, ms[3][1].bundle_id])
+    assert ms[3][2]["commit"]["removed"] == [str(dest / ms[1][1].bundle_id)]
+    assert ms[3][2]["reused_files"] == len(FILES_A)  # the shared files came from the earlier bundles
+    time.sleep(sc.RACY_NS / 1e9)
+    # the unlinks of the removed bundles moved the shared files' ctime; the records were renewed under the lock
+    r = sc.prepare(str(dest), ms[2][1])
+    assert r["present"] is True and r["hashed_bytes"] == 0
+
+
+def test_a_record_younger_than_the_clock_tick_is_not_trusted(tmp_path, dest):
+    dest.mkdir(parents=True)
+    f = dest / "f"
+    f.write_bytes(b"abc")
+    cache = sc.TrustCache(str(dest))
+    st_ = os.lstat(f)
+    cache.record(st_, "x" * 64, now_ns=st_.st_ctime_ns + sc.RACY_NS // 2)
+    assert cache.lookup(st_) is None
+    cache.record(st_, "x" * 64, now_ns=st_.st_ctime_ns + sc.RACY_NS * 2)
+    assert cache.lookup(st_) == "x" * 64
+    os.chmod(f, 0o600)
+    assert cache.lookup(os.lstat(f)) is None
+
+
+def test_stale_staging_of_a_killed_ship_is_swept_and_abort_removes_its_own(tmp_path, dest):
+    src, m = make_bundle(tmp_path / "ctl", FILES_A)
+    prep = sc.prepare(str(dest), m)
+    old = dest / f".incoming-{m.bundle_id}-deadbeef"
+    old.mkdir()
+    os.utime(old, (time.time() - sc.STALE_SECONDS - 10,) * 2)
+    sc.prepare(str(dest), m)["staging"]
+    assert not old.exists()
+    with pytest.raises(sc.ShipError, match="not a staging directory"):
+        sc.abort(str(dest), str(dest / m.bundle_id), m.bundle_id)
+    sc.abort(str(dest), prep["staging"], m.bundle_id)
+    assert not Path(prep["staging"]).exists()
+
+
+blobs = st.sampled_from([b"", b"a", b"bb", b"ccc", b"dddd" * 100, b"e" * 3000])
+paths = st.sampled_from(["a", "b", "d/c", "d/e", "x/y/z", "w.whl", "venv.tar.zst"])
+bundle_files = st.dictionaries(paths, blobs, min_size=1, max_size=6).filter(
+    lambda d: not any(p != q and q.startswith(p + "/") for p in d for q in d))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(earlier=st.lists(bundle_files, max_size=3), target=bundle_files, tamper=st.sets(st.integers(0, 20)))
+def test_seeded_plus_sent_is_exactly_the_manifest(tmp_path_factory, earlier, target, tamper):
+    """Any earlier bundles on the host (any files, any paths, some tampered afterwards): the seeded files plus the
+    sent ones are exactly the MANIFEST, no tampered file is reused, and the result verifies."""
+    base = tmp_path_factory.mktemp("h")
+    dest = base / "bundles"
+    sc.RACY_NS = 20_000_000  # still above the file-timestamp tick; restored below (100 ms is the product's margin)
+    try:
+        _seeded_plus_sent(base, dest, earlier, target, tamper)
+    finally:
+        sc.RACY_NS = 100_000_000
+
+
+def _seeded_plus_sent(base, dest, earlier, target, tamper):
+    for i, files in enumerate(earlier):
+        src, m = make_bundle(base / f"ctl{i}", files, inputs={"n": i})
+        ship(dest, src, m, keep=10)
+    # tamper with some files of the earlier bundles (appending a byte keeps nothing of the old content trusted)
+    on_host = sorted(p for p in dest.rglob("*") if p.is_file() and p.parent != dest and p.name not in
+                     ("MANIFEST", "MANIFEST.sig"))
+    tampered = set()
+    for k in tamper:
+        if on_host:
+            p = on_host[k % len(on_host)]
+            with open(p, "ab") as f:
+                f.write(b"!")
+            tampered.add(p)
+    src, m = make_bundle(base / "ctl-t", target, inputs={"n": "target"})
+    prep = sc.prepare(str(dest), m)
+    want = {e.path for e in m.files}
+    if prep["present"]:
+        assert not any(str(p).startswith(str(dest / m.bundle_id) + "/") for p in tampered)
+        assert tree(dest / m.bundle_id) == tree(src)
+        return
+    staging = Path(prep["staging"])
+    seeded = {p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()}
+    assert seeded | set(prep["missing"]) == want and not seeded & set(prep["missing"])
+    for rel in seeded:
+        assert (staging / rel).read_bytes() == target[rel]
+        assert not any(os.path.samefile(staging / rel, t) for t in tampered if t.exists())
+    send(src, str(staging), prep["missing"])
+    sc.commit(str(dest), str(staging), m, signature=b'{"sig":"x"}\n', keep=10)
+    assert tree(dest / m.bundle_id) == tree(src)
+    assert leftovers(dest) == []
+
+
+def test_rsync_stats_are_read_from_real_rsync_output(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "f").write_bytes(os.urandom(300_000))
+    r = subprocess.run(["rsync", "-a", "--stats", "--no-whole-file", f"{tmp_path}/s/", f"{tmp_path}/d/"],
+                       capture_output=True, text=True, check=True)
+    stats = sc.parse_stats(r.stdout)
+    assert stats["transferred_files"] == 1 and stats["literal_bytes"] == 300_000
+    assert stats["sent_bytes"] > 300_000 and stats["matched_bytes"] == 0
+    # a delta against a basis that shares most of the file: literal small, matched large
+    with open(tmp_path / "s" / "f", "r+b") as f:
+        f.seek(150_000)
+        f.write(b"changed")
+    r = subprocess.run(["rsync", "-a", "--stats", "--no-whole-file", "-I", f"{tmp_path}/s/", f"{tmp_path}/d/"],
+                       capture_output=True, text=True, check=True)
+    stats = sc.parse_stats(r.stdout)
+    assert stats["literal_bytes"] < 30_000 and stats["matched_bytes"] > 250_000, stats

@@ -1,0 +1,202 @@
+"""deploytool.fleet.ship on real hosts: the fleet test bed (tests/support/fleet.py), real sshd, real ansible-core,
+real rsync, and two real cpu-demo bundles one wheel apart (tests/support/ship_bundles.py).
+
+One fleet of three hosts for the whole module; the collection is built and installed with ansible-galaxy as a user
+would. In order: a first ship to the three hosts (everything crosses, each host holds a verified copy); a re-ship
+(nothing sent, changed=false); check mode of the second bundle (reports, changes nothing); a corrupted copy of the
+second bundle on the controller (the host's verify names the file; nothing left on the host); the second bundle
+(only what differs crosses: the rebuilt wheel, the venv archive as an rsync delta, a few small files); a tampered
+file of an earlier bundle on a host (not reused: sent again, the bundle repaired); an unreachable host (fails alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.fleet import Fleet, running_fleet
+from tests.support.ship_bundles import cached_pair
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.fleet]
+
+DEST = "/var/lib/deploytool/bundles"
+TASK = "deploytool.fleet.ship"
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "MANIFEST").read_text())
+
+
+def size_of(bundle: Path) -> int:
+    return sum(f["size"] for f in manifest(bundle)["files"])
+
+
+def differing(a: Path, b: Path) -> set[str]:
+    fa = {f["path"]: f["sha256"] for f in manifest(a)["files"]}
+    return {f["path"] for f in manifest(b)["files"] if fa.get(f["path"]) != f["sha256"]}
+
+
+class Bed:
+    def __init__(self, fleet: Fleet, a: Path, b: Path) -> None:
+        self.f, self.a, self.b = fleet, a, b
+
+    def ship(self, src: Path, *extra: str, inventory: Path | None = None, pattern: str = "fleet"):
+        return self.f.ansible(pattern, "-m", TASK, "-a", f"src={src} dest={DEST} keep=3", *extra,
+                              inventory=inventory, timeout=300)
+
+    def host_listing(self, host: str) -> list[str]:
+        r = self.f.exec(host, "sh", "-c", f"ls -A {DEST} 2>/dev/null || true")
+        return sorted(r.stdout.split())
+
+    def host_sha(self, host: str, path: str) -> str:
+        r = self.f.exec(host, "sha256sum", path, timeout=60)
+        assert r.returncode == 0, r
+        return r.stdout.split()[0]
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[Bed]:
+    a, b = cached_pair()
+    with running_fleet(3) as f:
+        f.install_collection()
+        yield Bed(f, a, b)
+
+
+def test_first_ship_sends_the_bundle_and_each_host_holds_a_verified_copy(bed):
+    ma = manifest(bed.a)
+    run = bed.ship(bed.a)
+    assert run.returncode == 0, run
+    res = run.task_results(TASK)
+    assert sorted(res) == bed.f.hosts, run
+    total = size_of(bed.a)
+    for h in bed.f.hosts:
+        r = res[h]
+        assert r["_status"] == "changed" and r["release"] == ma["bundle_id"], r
+        assert r["path"] == f"{DEST}/{ma['bundle_id']}"
+        assert r["sent_files"] == len(ma["files"]) and r["reused_files"] == 0
+        # what crossed the wire (rsync --stats) is the bundle: a little more for the protocol
+        assert total * 0.98 < r["sent_bytes"] < total * 1.02, (r["sent_bytes"], total)
+        assert bed.host_listing(h) == [".ship-trust.json", ".ship.lock", ma["bundle_id"]]
+        assert bed.f.exec(h, "cat", f"{r['path']}/MANIFEST").stdout == (bed.a / "MANIFEST").read_text()
+        venv = next(x for x in ma["files"] if x["path"] == "venv.tar.zst")
+        assert bed.host_sha(h, f"{r['path']}/venv.tar.zst") == venv["sha256"]
+        n = bed.f.exec(h, "sh", "-c", f"find {r['path']} -type f | wc -l").stdout.strip()
+        assert int(n) == len(ma["files"]) + 2  # the files, MANIFEST and MANIFEST.sig: nothing else
+
+
+def test_reship_sends_nothing_and_reports_no_change(bed):
+    run = bed.ship(bed.a)
+    assert run.returncode == 0, run
+    for r in run.task_results(TASK).values():
+        assert r["_status"] == "ok" and r["changed"] is False, r
+        assert r["sent_files"] == 0 and r["sent_bytes"] == 0
+    assert all(s["changed"] == 0 for s in run.stats.values()), run.stats
+    # the host trusted its files by their records (nothing read); with rehash=true it reads them all again
+    assert all(r["host_hashed_bytes"] == 0 for r in run.task_results(TASK).values())
+    again = bed.f.ansible("h1", "-m", TASK, "-a", f"src={bed.a} dest={DEST} rehash=true", timeout=120)
+    r = again.task_results(TASK)["h1"]
+    assert r["changed"] is False and r["host_hashed_bytes"] == size_of(bed.a), r
+
+
+def test_check_mode_reports_what_would_be_sent_and_changes_nothing(bed):
+    before = {h: bed.host_listing(h) for h in bed.f.hosts}
+    run = bed.ship(bed.b, "--check", "--diff")
+    assert run.returncode == 0, run
+    want = differing(bed.a, bed.b)
+    sizes = {f["path"]: f["size"] for f in manifest(bed.b)["files"]}
+    for r in run.task_results(TASK).values():
+        assert r["_status"] == "changed", r
+        assert r["sent_files"] == len(want) and r["sent_bytes"] == sum(sizes[p] for p in want), (r, want)
+    assert {h: bed.host_listing(h) for h in bed.f.hosts} == before
+    assert "+ wheels/sniffio-" in run.stdout and "= wheels/ftllm-" in run.stdout, run.stdout[-3000:]
+
+
+def test_a_bundle_that_does_not_match_its_manifest_fails_naming_the_file_and_leaves_nothing(bed, tmp_path):
+    # a copy of the second bundle (hard links) whose rebuilt wheel was swapped for other bytes of the same size
+    bad = Path(str(bed.b) + "-bad")
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(bed.b, bad, copy_function=os.link)
+    try:
+        whl = next((bad / "wheels").glob("sniffio-*.whl"))
+        size = whl.stat().st_size
+        whl.unlink()
+        whl.write_bytes(b"\0" * size)
+        os.chmod(whl, 0o644)
+        before = bed.host_listing("h1")
+        run = bed.ship(bad, pattern="h1")
+        assert run.returncode == 2, run
+        r = run.task_results(TASK)["h1"]
+        assert r["_status"] == "failed" and whl.name in r["msg"] and "does not match the MANIFEST" in r["msg"], r
+        assert "Traceback" not in run.stdout + run.stderr
+        assert bed.host_listing("h1") == before  # no release directory, no staging directory
+    finally:
+        shutil.rmtree(bad, ignore_errors=True)
+
+
+def test_a_failed_transfer_leaves_nothing_on_the_host(bed):
+    before = bed.host_listing("h1")
+    args = json.dumps({"src": str(bed.b), "dest": DEST, "rsync_opts": ["--no-such-option"]})
+    run = bed.f.ansible("h1", "-m", TASK, "-a", args, timeout=120)
+    assert run.returncode == 2, run
+    r = run.task_results(TASK)["h1"]
+    assert r["_status"] == "failed" and "rsync of" in r["msg"] and "--no-such-option" in r["msg"], r
+    assert bed.host_listing("h1") == before
+
+
+def test_a_release_one_wheel_apart_sends_only_that(bed):
+    mb = manifest(bed.b)
+    want = differing(bed.a, bed.b)
+    assert any(p.startswith("wheels/sniffio-") for p in want) and "venv.tar.zst" in want
+    assert not any(p.startswith("wheels/ftllm-") for p in want)
+    first = size_of(bed.a)
+    run = bed.ship(bed.b)
+    assert run.returncode == 0, run
+    for h, r in run.task_results(TASK).items():
+        assert r["_status"] == "changed", r
+        assert r["sent_files"] == len(want) and r["reused_files"] == len(mb["files"]) - len(want), r
+        # the venv archive went as a delta against the previous bundle's: a few hundred KB, not 257 MB
+        assert r["sent_bytes"] < first * 0.01, (r["sent_bytes"], first)
+        assert r["matched_bytes"] > 0.9 * next(f["size"] for f in mb["files"] if f["path"] == "venv.tar.zst")
+        venv = next(x for x in mb["files"] if x["path"] == "venv.tar.zst")
+        assert bed.host_sha(h, f"{r['path']}/venv.tar.zst") == venv["sha256"]
+        assert bed.host_listing(h) == sorted([".ship-trust.json", ".ship.lock", mb["bundle_id"],
+                                              manifest(bed.a)["bundle_id"]])
+
+
+def test_a_tampered_file_of_an_earlier_bundle_is_not_reused(bed):
+    ma = manifest(bed.a)
+    ftllm = next(f for f in ma["files"] if f["path"].startswith("wheels/ftllm-"))
+    path = f"{DEST}/{ma['bundle_id']}/{ftllm['path']}"
+    r = bed.f.exec("h2", "sh", "-c", f"printf X | dd of={path} bs=1 seek=4096 conv=notrunc status=none")
+    assert r.returncode == 0, r
+    assert bed.host_sha("h2", path) != ftllm["sha256"]
+    run = bed.ship(bed.a)
+    assert run.returncode == 0, run
+    res = run.task_results(TASK)
+    assert res["h1"]["changed"] is False and res["h3"]["changed"] is False
+    r = res["h2"]
+    assert r["_status"] == "changed" and r["sent_files"] == 1, r  # the one file, sent again (as a delta)
+    assert any(p.endswith(ftllm["path"]) for p in r["refused"]), r["refused"]
+    assert bed.host_sha("h2", path) == ftllm["sha256"]
+    assert bed.ship(bed.a, pattern="h2").task_results(TASK)["h2"]["changed"] is False
+    # the second bundle shared that file (one inode): it was damaged too, and is repaired from the good copy
+    again = bed.ship(bed.b, pattern="h2").task_results(TASK)["h2"]
+    assert again["changed"] is True and again["sent_files"] == 0 and again["sent_bytes"] == 0, again
+
+
+def test_an_unreachable_host_fails_alone(bed):
+    inv = bed.f.inventory_with("ghost", {"ghost": "ansible_host=10.231.0.99"}, after="h1")
+    run = bed.ship(bed.b, inventory=inv)
+    assert run.returncode == 4, run
+    assert run.stats["ghost"]["unreachable"] == 1, run.stats
+    res = run.task_results(TASK)
+    assert res["ghost"]["_status"] == "unreachable", res["ghost"]
+    for h in bed.f.hosts:
+        assert run.stats[h]["failures"] == 0 and run.stats[h]["unreachable"] == 0, run.stats
+        assert res[h]["changed"] is False  # each already holds the second bundle
+
