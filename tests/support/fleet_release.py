@@ -36,6 +36,13 @@ class Release:
     def id(self) -> str:
         return self.bundle.name
 
+    @property
+    def bundle_id(self) -> str:
+        """The release id (the MANIFEST's bundle_id): what status reports and the host's DEST/<id>."""
+        import json
+
+        return str(json.loads((self.bundle / "MANIFEST").read_text())["bundle_id"])
+
 
 def _ok(r: subprocess.CompletedProcess[str], what: str) -> None:
     assert r.returncode == 0, f"{what} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"

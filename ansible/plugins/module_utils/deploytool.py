@@ -16,6 +16,7 @@ FLEET_DIR = "/var/lib/deploytool/fleet"
 STATUS_STATES = {0: "serving", 20: "degraded", 21: "pending", 22: "not-serving"}
 
 COMMON_ARGS = dict(
+    record_run=dict(type="str", default=None),
     config=dict(type="path", default=DEFAULT_CONFIG),
     deploytool=dict(type="path", default=None),
     root=dict(type="path", default=DEFAULT_ROOT),
@@ -131,18 +132,55 @@ def fail(module, what, rc, data, out, err, tool=None, config=None, **extra):
     module.fail_json(**res)
 
 
+def write_record(module, playbook, before, **extra):
+    """Before a fleet run (record_run = its id) changes this host: what the host had (release, backend, the config
+    it ran with), in FLEET_DIR/last-run.json, for revert.yml. Not in check mode."""
+    run_id = module.params.get("record_run")
+    if not run_id or module.check_mode:
+        return None
+    rundir = os.path.join(FLEET_DIR, "runs", run_id)
+    os.makedirs(rundir, mode=0o755, exist_ok=True)
+    cfg_copy = None
+    config = module.params.get("config") or DEFAULT_CONFIG
+    if before.get("release") and os.path.isfile(config):
+        cfg_copy = os.path.join(rundir, "deploytool.yaml")
+        with open(config, "rb") as src, open(cfg_copy + ".tmp", "wb") as dst:
+            dst.write(src.read())
+        os.replace(cfg_copy + ".tmp", cfg_copy)
+    dest = module.params.get("dest") or "/var/lib/deploytool/bundles"
+    rec = dict(run_id=run_id, playbook=playbook, release=before.get("release"), backend=before.get("active_backend"),
+               bundle=os.path.join(dest, before["release"]) if before.get("release") else None, config=cfg_copy,
+               reverted=False)
+    rec.update(extra)
+    path = os.path.join(FLEET_DIR, "last-run.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(rec, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return rec
+
+
 def switch_like(module, what, args):
     """switch / rollback: `deploytool [--dry-run] ARGS --json`; changed false when already on the target; a
-    rolled-back switch (exit 10) and a failed rollback (11) are failed tasks with rolled_back true."""
+    rolled-back switch (exit 10) and a failed rollback (11) are failed tasks with rolled_back true. status is read
+    only for diff mode and failures (a switch's own result names the backends: it is the fleet switch's hot path)."""
     tool = tool_path(module)
     if tool is None:
         module.fail_json(msg="%s: deploytool is not installed on this host (no %s)" % (
             what, os.path.join(module.params.get("root") or DEFAULT_ROOT, "current/tool/bin/deploytool")),
             exit_code=5, reason="deploytool not installed", hint="install a release first (deploytool.fleet.release)")
-    before = summary(status(module, tool))
+    before = summary(status(module, tool)) if module._diff else None
+    if module.params.get("record_run") and not module.check_mode:
+        rc, plan, out, err = dt(module, tool, "--dry-run", *args)
+        if rc != 0 or not isinstance(plan, dict):
+            fail(module, what, rc if rc != 0 else 70, plan, out, err, tool=tool)
+        if not any(s.get("name") == "noop" for s in plan.get("steps") or []):
+            st = before or dict(release=None, active_backend=plan.get("from_backend"), units={})
+            write_record(module, what, st, to_backend=plan.get("to_backend"))
     argv = (["--dry-run"] if module.check_mode else []) + list(args)
     rc, data, out, err = dt(module, tool, *argv)
-    res = dict(changed=False, before=before, rolled_back=False)
+    res = dict(changed=False, rolled_back=False)
     if rc != 0 or not isinstance(data, dict):
         res["rolled_back"] = rc in (10, 11)
         if isinstance(data, dict) and isinstance(data.get("details"), dict):
@@ -150,18 +188,21 @@ def switch_like(module, what, args):
         res["after"] = summary(status(module, tool))
         fail(module, what, rc if rc != 0 else 70, data, out, err, tool=tool, **res)
     action = data.get("action")
-    res.update(action=action, backend=data.get("to_backend"), from_backend=data.get("from_backend"),
+    target = data.get("to_backend")
+    res.update(action=action, backend=target, from_backend=data.get("from_backend"),
                seconds=data.get("seconds"), gate=data.get("gate"), drain=data.get("drain"))
+    if before is None:
+        before = dict(release=None, active_backend=data.get("from_backend"), units={})
+    res["before"] = before
     if action == "planned":
-        target = data.get("to_backend")
-        res["changed"] = not (target == before["active_backend"] and before["units"].get(target) == "active")
+        res["changed"] = not any(s.get("name") == "noop" for s in data.get("steps") or [])
         res["plan"] = data.get("plan")
         res["after"] = dict(before, active_backend=target)
         res["msg"] = "check mode: " + ("nothing to do: %s is active" % target if not res["changed"]
                                        else "would %s to %s" % (what, target))
     else:
         res["changed"] = action != "noop"
-        res["after"] = summary(status(module, tool))
+        res["after"] = summary(status(module, tool)) if module._diff else dict(before, active_backend=target)
         res["msg"] = data.get("message") or action
     if module._diff:
         res["diff"] = dict(before=before, after=res["after"])

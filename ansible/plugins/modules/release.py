@@ -29,6 +29,14 @@ options:
   config_content:
     description: The config to install at C(config) before the release (text); omitted, the host's own is used.
     type: str
+  record_run:
+    description: A fleet run id - before changing the host, record what it had (release, backend, config) in
+      /var/lib/deploytool/fleet/last-run.json for revert.yml.
+    type: str
+  dest:
+    description: Where the host keeps bundles (DEST/<release id>; the record names the previous one there).
+    type: path
+    default: /var/lib/deploytool/bundles
   keys_dir:
     description: Trusted public keys on the host to check the bundle with (default paths.keys_dir).
     type: path
@@ -109,7 +117,7 @@ def _write_atomic(path, data):
 
 def main():
     spec = dict(dtu.COMMON_ARGS)
-    spec.update(bundle=dict(type="path", required=True), config_content=dict(type="str", default=None),
+    spec.update(dest=dict(type="path", default="/var/lib/deploytool/bundles"), bundle=dict(type="path", required=True), config_content=dict(type="str", default=None),
                 keys_dir=dict(type="path", default=None), start=dict(type="bool", default=True))
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
     p = module.params
@@ -139,6 +147,11 @@ def main():
     if new_cfg is None and old_cfg is None:
         module.fail_json(msg="config %s not found on the host and no config_content given" % config, exit_code=5,
                          reason="config not found", hint="pass config_content (the fleet's deploytool.yaml)", **res)
+    if not module.check_mode and module.params.get("record_run"):
+        rid = _manifest_id(bundle) or os.path.basename(bundle)
+        serving = before["active_backend"] and before["units"].get(before["active_backend"]) == "active"
+        if cfg_changes or before["release"] != rid or not serving:
+            dtu.write_record(module, "rollout", before, to_release=rid)
     run_cfg, tmp_cfg = config, None
     if cfg_changes and module.check_mode:
         # the dry-run reads the new config from a file beside the real one (relative paths resolve alike)

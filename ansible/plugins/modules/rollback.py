@@ -20,6 +20,10 @@ options:
   drain_timeout:
     description: Wait at most this long (seconds) for requests in flight (0 - no drain).
     type: float
+  record_run:
+    description: A fleet run id - before changing the host, record what it had in
+      /var/lib/deploytool/fleet/last-run.json for revert.yml.
+    type: str
   config:
     description: The box's config on the host.
     type: path

@@ -29,6 +29,10 @@ options:
     description: Wait this long (seconds) for another operation's lock.
     type: float
     default: 0
+  record_run:
+    description: A fleet run id - before changing the host, record what it had in
+      /var/lib/deploytool/fleet/last-run.json for revert.yml.
+    type: str
   config:
     description: The box's config on the host.
     type: path
