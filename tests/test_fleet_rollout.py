@@ -160,6 +160,37 @@ class TestFleet:
         assert [row.split()[:4] for row in table[1:]] == [[h, "serving", r1.bundle_id, "ftllm-dflash"]
                                                          for h in f.hosts], table
 
+    def test_a_rolled_back_switch_fails_its_task_and_stops_the_fleet_switch(self, fleet3, releases):
+        f = fleet3
+        dropin = "/etc/systemd/system/llamacpp-tensor.service.d/50-crash.conf"
+        crash = '[Service]\nExecStart=\nExecStart=/bin/sh -c "echo simulated crash: CUDA error >&2; exit 3"\n'
+        r = f.exec("h2", "sh", "-c", f"mkdir -p {Path(dropin).parent} && printf '{crash}' > {dropin} && "
+                   f"systemctl daemon-reload && {DT} pin llamacpp-tensor --reason 'test: crash at start'")
+        assert r.returncode == 0, r
+        try:
+            run = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
+                             timeout=600)
+            assert run.returncode != 0, run
+            res = run.task_results("switch")
+            assert res["h1"]["changed"] and res["h1"]["backend"] == "llamacpp-tensor", res["h1"]
+            bad = res["h2"]
+            assert bad["_status"] == "failed" and bad["rolled_back"] is True and bad["exit_code"] == 10, bad
+            assert "simulated crash" in bad["journal_tail"] and bad["reason"], bad
+            assert "h3" not in run.stats, run.stats
+            assert status(f, "h1")["active_backend"] == "llamacpp-tensor"
+            assert status(f, "h2") == {"release": status(f, "h2")["release"], "active_backend": "ftllm-dflash",
+                                       "code": 0}
+            assert status(f, "h3")["active_backend"] == "ftllm-dflash"
+            rev = f.playbook(PLAYBOOKS / "revert.yml", "-e", f"deploytool_port={PORT}", timeout=600)
+            assert rev.returncode == 0, rev
+            assert rev.task_results("previous backend")["h1"]["_status"] == "changed", rev
+            for h in f.hosts:
+                assert status(f, h)["active_backend"] == "ftllm-dflash", h
+        finally:
+            r = f.exec("h2", "sh", "-c", f"rm -rf {Path(dropin).parent} && systemctl daemon-reload && "
+                       f"{DT} pin llamacpp-tensor --reason 'test: crash drop-in removed'")
+            assert r.returncode == 0, r
+
     def test_switch_serial_one_against_one_hosts_switch(self, fleet3, releases):
         f = fleet3
         one = f.ansible("h1", "-m", "deploytool.fleet.switch", "-a", "backend=llamacpp")
