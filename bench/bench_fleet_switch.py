@@ -51,7 +51,8 @@ def main() -> int:
             extra.write_text(json.dumps({"deploytool_bundle": str(rel.bundle), "deploytool_config": str(rel.config),
                                          "deploytool_keys": str(rel.pubkey), "deploytool_port": PORT,
                                          "deploytool_rsh": f"ssh -F {f.ssh_config}"}))
-            for run in (f.ansible("fleet", "-m", "ansible.builtin.copy", "-a", f"src={rel.model} dest={MODEL}"),
+            model = f"src={rel.model} dest={Path(MODEL).parent}/"
+            for run in (f.ansible("fleet", "-m", "ansible.builtin.copy", "-a", model),
                         f.playbook(PLAYBOOKS / "rollout.yml", "-e", f"@{extra}", timeout=1200)):
                 if run.returncode != 0:
                     print(run, file=sys.stderr)

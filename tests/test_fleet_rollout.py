@@ -12,6 +12,7 @@ host's switch (issue 17's goal: at most 3 x (one host's switch + 2 s)).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,20 +68,30 @@ def history_len(f: Fleet, host: str) -> int:
 class TestFleet:
     @pytest.fixture(scope="class")
     def fleet3(self, releases) -> Iterator[Fleet]:
-        with running_fleet(3) as f:
-            f.install_collection()
-            r1, _ = releases
-            run = f.ansible("fleet", "-m", "ansible.builtin.copy",
-                            "-a", f"src={r1.model} dest={MODEL} mode=0644")
-            assert run.returncode == 0, run
-            yield f
+        r1, _ = releases
+        # two cpu-demo releases (1.5 GB each once installed), their bundles and the copy install verifies: more
+        # than the test bed's default 4g per host
+        prev = os.environ.get("FLEET_HOST_TMPFS_SIZE")
+        os.environ["FLEET_HOST_TMPFS_SIZE"] = "6g"
+        try:
+            with running_fleet(3) as f:
+                f.install_collection()
+                run = f.ansible("fleet", "-m", "ansible.builtin.copy",
+                                "-a", f"src={r1.model} dest={Path(MODEL).parent}/ mode=0644")
+                assert run.returncode == 0, str(run)
+                yield f
+        finally:
+            if prev is None:
+                os.environ.pop("FLEET_HOST_TMPFS_SIZE", None)
+            else:
+                os.environ["FLEET_HOST_TMPFS_SIZE"] = prev
 
     def test_check_mode_on_fresh_hosts_changes_nothing(self, fleet3, releases):
         f, (r1, _) = fleet3, releases
         run = f.playbook(PLAYBOOKS / "rollout.yml", "--check", "--diff", "-e", extra(f, r1, "check1"), timeout=300)
-        assert run.returncode == 0, run
+        assert run.returncode == 0, str(run)
         res = run.task_results("install")
-        assert sorted(res) == f.hosts, run
+        assert sorted(res) == f.hosts, str(run)
         for h in f.hosts:
             assert res[h]["changed"] is True, res[h]  # it would install
             r = f.exec(h, "sh", "-c", "ls -d /opt/deploytool /etc/deploytool /var/lib/deploytool 2>&1; true")
@@ -90,21 +101,21 @@ class TestFleet:
     def test_rollout_bootstraps_every_host_behind_the_gate_and_again_changes_nothing(self, fleet3, releases):
         f, (r1, _) = fleet3, releases
         run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "r1"), timeout=900)
-        assert run.returncode == 0, run
+        assert run.returncode == 0, str(run)
         inst, gate = run.task_results("install"), run.task_results("gate")
         for h in f.hosts:
             assert inst[h]["changed"] and inst[h]["bootstrapped"] and inst[h]["release"] == r1.bundle_id, inst[h]
             assert gate[h]["status"] == 200 and gate[h]["url"] == f"http://{f.ip(h)}:{PORT}/v1/models", gate[h]
             assert status(f, h) == {"release": r1.bundle_id, "active_backend": "ftllm-dflash", "code": 0}
         again = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "r1"), timeout=600)
-        assert again.returncode == 0, again
+        assert again.returncode == 0, str(again)
         assert {h: again.stats[h]["changed"] for h in f.hosts} == {h: 0 for h in f.hosts}, again
 
     def test_check_mode_of_the_next_release_changes_nothing(self, fleet3, releases):
         f, (r1, r2) = fleet3, releases
         before = {h: history_len(f, h) for h in f.hosts}
         run = f.playbook(PLAYBOOKS / "rollout.yml", "--check", "--diff", "-e", extra(f, r2, "check2"), timeout=300)
-        assert run.returncode == 0, run
+        assert run.returncode == 0, str(run)
         res = run.task_results("install")
         for h in f.hosts:
             assert res[h]["changed"] is True and res[h]["before"]["release"] == r1.bundle_id, res[h]
@@ -120,7 +131,7 @@ class TestFleet:
         h3_hist = history_len(f, "h3")
         run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r2, "r2", deploytool_serial=1), inventory=inv,
                          timeout=900)
-        assert run.returncode != 0, run
+        assert run.returncode != 0, str(run)
         assert run.stats["h2"]["failures"] == 1, run.stats
         assert "h3" not in run.stats or run.stats["h3"]["ok"] == 0, run.stats
         assert status(f, "h1")["release"] == r2.bundle_id and status(f, "h1")["code"] == 0
@@ -129,9 +140,9 @@ class TestFleet:
         run_id = json.loads(f.exec("h1", "cat", "/var/lib/deploytool/fleet/last-run.json").stdout)["run_id"]
 
         rev = f.playbook(PLAYBOOKS / "revert.yml", "-e", f"deploytool_port={PORT}", timeout=900)
-        assert rev.returncode == 0, rev
+        assert rev.returncode == 0, str(rev)
         back = rev.task_results("previous release")
-        assert sorted(h for h, r in back.items() if r.get("_status") == "changed") == ["h1", "h2"], back
+        assert sorted(h for h, r in back.items() if r.get("_status") == "changed") == ["h1", "h2"], str(back)
         for h in f.hosts:
             assert status(f, h) == {"release": r1.bundle_id, "active_backend": "ftllm-dflash", "code": 0}, h
         assert history_len(f, "h3") == h3_hist
@@ -139,14 +150,14 @@ class TestFleet:
             rec = json.loads(f.exec(h, "cat", "/var/lib/deploytool/fleet/last-run.json").stdout)
             assert rec["run_id"] == run_id and rec["reverted"] is True and rec["release"] == r1.bundle_id, rec
         again = f.playbook(PLAYBOOKS / "revert.yml", "-e", f"deploytool_port={PORT}", timeout=300)
-        assert again.returncode == 0 and all(again.stats[h]["changed"] == 0 for h in f.hosts), again
+        assert again.returncode == 0 and all(again.stats[h]["changed"] == 0 for h in f.hosts), str(again)
 
     def test_an_unreachable_host_stops_the_roll(self, fleet3, releases):
         f, (r1, _) = fleet3, releases
         inv = f.inventory_with("ghost", {"ghost": "ansible_host=10.231.0.99"}, after="h1")
         run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "ghost", deploytool_serial=1), inventory=inv,
                          timeout=600)
-        assert run.returncode == 4, run
+        assert run.returncode == 4, str(run)
         assert run.stats["ghost"]["unreachable"] == 1, run.stats
         assert run.stats["h1"]["failures"] == 0 and run.stats["h1"]["changed"] == 0, run.stats
         assert "h2" not in run.stats and "h3" not in run.stats, run.stats
@@ -154,7 +165,7 @@ class TestFleet:
     def test_status_prints_one_table(self, fleet3, releases):
         f, (r1, _) = fleet3, releases
         run = f.playbook(PLAYBOOKS / "status.yml")
-        assert run.returncode == 0, run
+        assert run.returncode == 0, str(run)
         table = next(iter(run.task_results("fleet table").values()))["msg"]
         assert table[0].split() == ["host", "state", "release", "backend", "units"]
         assert [row.split()[:4] for row in table[1:]] == [[h, "serving", r1.bundle_id, "ftllm-dflash"]
@@ -170,7 +181,7 @@ class TestFleet:
         try:
             run = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
                              timeout=600)
-            assert run.returncode != 0, run
+            assert run.returncode != 0, str(run)
             res = run.task_results("switch")
             assert res["h1"]["changed"] and res["h1"]["backend"] == "llamacpp-tensor", res["h1"]
             bad = res["h2"]
@@ -182,7 +193,7 @@ class TestFleet:
                                        "code": 0}
             assert status(f, "h3")["active_backend"] == "ftllm-dflash"
             rev = f.playbook(PLAYBOOKS / "revert.yml", "-e", f"deploytool_port={PORT}", timeout=600)
-            assert rev.returncode == 0, rev
+            assert rev.returncode == 0, str(rev)
             assert rev.task_results("previous backend")["h1"]["_status"] == "changed", rev
             for h in f.hosts:
                 assert status(f, h)["active_backend"] == "ftllm-dflash", h
@@ -194,18 +205,18 @@ class TestFleet:
     def test_switch_serial_one_against_one_hosts_switch(self, fleet3, releases):
         f = fleet3
         one = f.ansible("h1", "-m", "deploytool.fleet.switch", "-a", "backend=llamacpp")
-        assert one.returncode == 0, one
+        assert one.returncode == 0, str(one)
         assert one.task_results("deploytool.fleet.switch")["h1"]["backend"] == "llamacpp-tensor"
         back = f.ansible("h1", "-m", "deploytool.fleet.switch", "-a", "backend=ftllm")
-        assert back.returncode == 0 and status(f, "h1")["active_backend"] == "ftllm-dflash", back
+        assert back.returncode == 0 and status(f, "h1")["active_backend"] == "ftllm-dflash", str(back)
         run = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
                          timeout=600)
-        assert run.returncode == 0, run
+        assert run.returncode == 0, str(run)
         for h in f.hosts:
             assert status(f, h)["active_backend"] == "llamacpp-tensor", h
         budget = 3 * (one.seconds + 2)
         print(f"\nfleet switch of 3 hosts (serial 1): {run.seconds:.1f} s; one host's switch (ansible ad-hoc): "
               f"{one.seconds:.1f} s; goal 3 x (one + 2 s) = {budget:.1f} s")
         again = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}")
-        assert again.returncode == 0 and all(again.stats[h]["changed"] == 0 for h in f.hosts), again
+        assert again.returncode == 0 and all(again.stats[h]["changed"] == 0 for h in f.hosts), str(again)
         assert run.seconds <= budget, f"fleet switch {run.seconds:.1f} s > {budget:.1f} s"

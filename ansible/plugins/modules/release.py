@@ -40,6 +40,10 @@ options:
   keys_dir:
     description: Trusted public keys on the host to check the bundle with (default paths.keys_dir).
     type: path
+  python:
+    description: The interpreter that runs the bundle's bootstrap on a host without deploytool (3.11 or newer).
+    type: str
+    default: python3
   start:
     description: Start the default backend behind the health gate (false - C(install --no-start)).
     type: bool
@@ -117,8 +121,10 @@ def _write_atomic(path, data):
 
 def main():
     spec = dict(dtu.COMMON_ARGS)
-    spec.update(dest=dict(type="path", default="/var/lib/deploytool/bundles"), bundle=dict(type="path", required=True), config_content=dict(type="str", default=None),
-                keys_dir=dict(type="path", default=None), start=dict(type="bool", default=True))
+    spec.update(bundle=dict(type="path", required=True), dest=dict(type="path", default="/var/lib/deploytool/bundles"),
+                config_content=dict(type="str", default=None),
+                keys_dir=dict(type="path", default=None), start=dict(type="bool", default=True),
+                python=dict(type="str", default="python3"))
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
     p = module.params
     bundle, config = p["bundle"].rstrip("/"), p["config"]
@@ -175,7 +181,7 @@ def main():
                 if module._diff:
                     res["diff"] = dict(before=before, after=res["after"])
                 module.exit_json(**res)
-            argv = [os.environ.get("DEPLOYTOOL_PYTHON", "python3"), os.path.join(bundle, "bootstrap"),
+            argv = [p["python"], os.path.join(bundle, "bootstrap"),
                     "--config", config] + extra + ["--json"]
             rc, data, out, err = dtu.run(module, argv)
             res["bootstrapped"] = True
