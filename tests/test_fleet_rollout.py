@@ -119,6 +119,7 @@ class TestFleet:
         res = run.task_results("install")
         for h in f.hosts:
             assert res[h]["changed"] is True and res[h]["before"]["release"] == r1.bundle_id, res[h]
+            assert res[h]["diff"]["after"]["release"] == r2.bundle_id, res[h]  # --diff: what would change
             assert status(f, h)["release"] == r1.bundle_id
             assert history_len(f, h) == before[h]
             assert f.exec(h, "test", "-e", f"/var/lib/deploytool/bundles/{r2.bundle_id}").returncode != 0
@@ -220,3 +221,29 @@ class TestFleet:
         again = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}")
         assert again.returncode == 0 and all(again.stats[h]["changed"] == 0 for h in f.hosts), str(again)
         assert run.seconds <= budget, f"fleet switch {run.seconds:.1f} s > {budget:.1f} s"
+
+    def test_rollback_module_and_facts(self, fleet3, releases):
+        f, (r1, _) = fleet3, releases
+        assert status(f, "h1")["active_backend"] == "llamacpp-tensor"  # after the fleet switch
+        dry = f.ansible("h1", "-m", "deploytool.fleet.rollback", "--check")
+        assert dry.returncode == 0, str(dry)
+        assert dry.task_results("deploytool.fleet.rollback")["h1"]["changed"] is True
+        assert status(f, "h1")["active_backend"] == "llamacpp-tensor"  # check mode changed nothing
+        run = f.ansible("h1", "-m", "deploytool.fleet.rollback")
+        assert run.returncode == 0, str(run)
+        res = run.task_results("deploytool.fleet.rollback")["h1"]
+        assert res["changed"] and res["backend"] == "ftllm-dflash" and res["from_backend"] == "llamacpp-tensor", res
+        assert status(f, "h1")["active_backend"] == "ftllm-dflash"
+        facts = f.ansible("fleet", "-m", "deploytool.fleet.facts")
+        assert facts.returncode == 0, str(facts)
+        got = {h: r["ansible_facts"]["deploytool"] for h, r in facts.task_results("deploytool.fleet.facts").items()}
+        assert {h: (d["state"], d["exit_code"], d["release"], d["active_backend"]) for h, d in got.items()} == {
+            "h1": ("serving", 0, r1.bundle_id, "ftllm-dflash"),
+            "h2": ("serving", 0, r1.bundle_id, "llamacpp-tensor"),
+            "h3": ("serving", 0, r1.bundle_id, "llamacpp-tensor")}, got
+        # a box that is not serving is a state in the facts, not a failed task
+        assert f.exec("h3", "systemctl", "stop", "llamacpp-tensor.service").returncode == 0
+        down = f.ansible("h3", "-m", "deploytool.fleet.facts")
+        assert down.returncode == 0, str(down)
+        d = down.task_results("deploytool.fleet.facts")["h3"]["ansible_facts"]["deploytool"]
+        assert (d["state"], d["exit_code"]) == ("not-serving", 22), d

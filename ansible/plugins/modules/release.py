@@ -136,9 +136,13 @@ def main():
     if not os.path.isdir(bundle) or not os.path.isfile(os.path.join(bundle, "MANIFEST")):
         if module.check_mode:
             # the ship before it did not run in check mode either: report what would be installed
-            res.update(changed=True, action="planned", release=None,
+            # the bundle directory is named by its release id (DEST/<release id>)
+            rid = os.path.basename(bundle)
+            res.update(changed=before["release"] != rid, action="planned", release=rid,
                        msg="check mode: bundle %s is not on the host yet; it would be shipped and installed" % bundle,
-                       after=dict(before, release="(bundle %s)" % os.path.basename(bundle)))
+                       after=dict(before, release=rid))
+            if module._diff:
+                res["diff"] = dict(before=before, after=res["after"])
             module.exit_json(**res)
         module.fail_json(msg="bundle %s: no bundle directory (with a MANIFEST) on the host" % bundle, exit_code=5,
                          reason="bundle not found", hint="ship it first (deploytool.fleet.ship), or fix `bundle`",
