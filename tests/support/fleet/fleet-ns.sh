@@ -3,7 +3,8 @@
 #   A real systemd as PID 1 of private pid/mount/uts/ipc/cgroup namespaces, launched from its own
 #   sub-cgroup (never the caller's), plus:
 #   * its own network namespace fleet-NAME, veth fv-NAME -> bridge fleetbr0 (10.231.0.1/24; no NAT, no route out)
-#   * a copy-on-write root: overlayfs (lower = this machine's /, upper = tmpfs of the host's mount namespace)
+#   * a copy-on-write root: overlayfs (lower = this machine's /, upper = tmpfs of the host's mount namespace,
+#     at most $FLEET_HOST_TMPFS_SIZE, default 4g)
 #   * Debian's sshd, enabled at boot, listening only on the host's address, root login by key only
 #
 #   fleet-ns.sh net-up                    create bridge fleetbr0
@@ -82,7 +83,7 @@ inner() {  # runs as PID 1 of the new namespaces (already inside netns fleet-NAM
   # tmpfs on /run first: mount(8) would otherwise write /run/mount/utab on the machine's /run
   mount -n -t tmpfs -o nosuid,nodev,mode=755 tmpfs /run
   # copy-on-write root: upper+work on a tmpfs (a separate superblock, so lower=/ does not overlap)
-  mount -t tmpfs -o mode=755,size=4g fleetovl "$B/ovl"
+  mount -t tmpfs -o mode=755,size=${FLEET_HOST_TMPFS_SIZE:-4g} fleetovl "$B/ovl"
   mkdir -p "$B/ovl/upper" "$B/ovl/work" "$B/ovl/root"
   mount -t overlay overlay -o "lowerdir=/,upperdir=$B/ovl/upper,workdir=$B/ovl/work" "$B/ovl/root"
   R=$B/ovl/root

@@ -1,0 +1,78 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# deploytool.fleet.facts: `deploytool status --json` as ansible_facts.deploytool.
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: facts
+short_description: deploytool's status of a box as ansible_facts.deploytool
+description:
+  - Runs C(deploytool status --json) on the host and returns it as C(ansible_facts.deploytool), with C(state)
+    (serving, degraded, pending, not-serving) and C(exit_code) (0, 20, 21, 22) added.
+  - Never fails on a box that is not serving - that is a state, reported in the facts. A host without deploytool
+    gets C(installed=false) and C(state=absent). It fails only when status itself cannot run (a broken config).
+  - With C(fleet_record), the facts also carry the host's last fleet run record (revert.yml reads it).
+options:
+  deep:
+    description: Also read what the running process loaded (C(status --deep)).
+    type: bool
+    default: false
+  config:
+    description: The box's config on the host.
+    type: path
+    default: /etc/deploytool/deploytool.yaml
+  root:
+    description: paths.root of the config.
+    type: path
+    default: /opt/deploytool
+  deploytool:
+    description: deploytool's CLI on the host (default ROOT/current/tool/bin/deploytool).
+    type: path
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: C(deploytool) - status' report (release, active_backend, units, verdict, ...), state, exit_code,
+    installed, and C(fleet_run) - the host's last fleet run record or null.
+  type: dict
+"""
+
+EXAMPLES = r"""
+- deploytool.fleet.facts:
+- ansible.builtin.debug:
+    msg: "{{ ansible_facts.deploytool.release }} {{ ansible_facts.deploytool.state }}"
+"""
+
+import json
+import os
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.deploytool.fleet.plugins.module_utils import deploytool as dtu
+
+
+def main():
+    spec = dict(dtu.COMMON_ARGS)
+    spec.update(deep=dict(type="bool", default=False))
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    tool = dtu.tool_path(module)
+    record = None
+    try:
+        with open(os.path.join(dtu.FLEET_DIR, "last-run.json")) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = None
+    if tool is None:
+        facts = dict(installed=False, state="absent", exit_code=None, release=None, active_backend=None,
+                     units={}, config=module.params["config"])
+    else:
+        args = ["status"] + (["--deep"] if module.params["deep"] else [])
+        rc, data, out, err = dtu.dt(module, tool, *args)
+        if rc not in dtu.STATUS_STATES or not isinstance(data, dict) or "verdict" not in data:
+            dtu.fail(module, "deploytool status", rc if rc else 70, data, out, err)
+        facts = dict(data, installed=True, state=dtu.STATUS_STATES[rc], exit_code=rc)
+    module.exit_json(changed=False, ansible_facts=dict(deploytool=facts, deploytool_fleet_run=record))
+
+
+if __name__ == "__main__":
+    main()

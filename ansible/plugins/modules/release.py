@@ -1,0 +1,235 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# deploytool.fleet.release: install a release from a bundle directory on the host.
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: release
+short_description: Install a deploytool release from a bundle directory on the host
+description:
+  - Installs the bundle directory C(bundle) on the host with deploytool's own C(install) (verify, unpack, units,
+    pins, start the default backend behind the health gate). A host without deploytool is bootstrapped from the
+    bundle (C(python3 BUNDLE/bootstrap)), with no network and no pip.
+  - Idempotent - the release already installed and serving is C(changed=false) (install says "no-op").
+  - Check mode runs C(deploytool install --dry-run) and changes nothing; diff mode shows the release, the active
+    backend and the units before and after.
+  - The config - a bundle is packed for one config and install refuses it under another. With C(config_content)
+    (the fleet's config, e.g. C(lookup('file', 'deploytool.yaml'))) the module puts it at C(config) first (only
+    when it differs; put back as it was if the install fails).
+options:
+  bundle:
+    description: The bundle directory on the host (what deploytool.fleet.ship returns as C(path)).
+    type: path
+    required: true
+  config:
+    description: The box's config on the host (paths.config, what the units' ExecStartPre reads).
+    type: path
+    default: /etc/deploytool/deploytool.yaml
+  config_content:
+    description: The config to install at C(config) before the release (text); omitted, the host's own is used.
+    type: str
+  record_run:
+    description: A fleet run id - before changing the host, record what it had (release, backend, config) in
+      /var/lib/deploytool/fleet/last-run.json for revert.yml.
+    type: str
+  dest:
+    description: Where the host keeps bundles (DEST/<release id>; the record names the previous one there).
+    type: path
+    default: /var/lib/deploytool/bundles
+  keys_dir:
+    description: Trusted public keys on the host to check the bundle with (default paths.keys_dir).
+    type: path
+  python:
+    description: The interpreter that runs the bundle's bootstrap on a host without deploytool (3.11 or newer).
+    type: str
+    default: python3
+  start:
+    description: Start the default backend behind the health gate (false - C(install --no-start)).
+    type: bool
+    default: true
+  root:
+    description: paths.root of the config (where C(current/tool/bin/deploytool) is found).
+    type: path
+    default: /opt/deploytool
+  deploytool:
+    description: deploytool's CLI on the host (default ROOT/current/tool/bin/deploytool).
+    type: path
+"""
+
+RETURN = r"""
+release: {description: The release installed (the bundle's id)., type: str, returned: success}
+backend: {description: The backend serving after the install., type: str, returned: success}
+action: {description: install's action - installed, started, noop, planned, bootstrap-planned., type: str}
+bootstrapped: {description: The host had no deploytool and was bootstrapped from the bundle., type: bool}
+before: {description: Release, active backend and units before., type: dict}
+after: {description: The same after (or as planned in check mode)., type: dict}
+exit_code: {description: deploytool's exit code (failures)., type: int}
+reason: {description: deploytool's reason (failures)., type: str}
+journal_tail: {description: The backend's journal tail (failures)., type: str}
+"""
+
+EXAMPLES = r"""
+- deploytool.fleet.release:
+    bundle: /var/lib/deploytool/bundles/cpu-demo-1a2b3c
+    config_content: "{{ lookup('file', 'deploytool.yaml') }}"
+"""
+
+import os
+import tempfile
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.deploytool.fleet.plugins.module_utils import deploytool as dtu
+
+
+def _manifest_id(bundle):
+    """The bundle id its MANIFEST names (read, not verified: only for what check mode reports)."""
+    import json
+
+    try:
+        with open(os.path.join(bundle, "MANIFEST"), "rb") as f:
+            obj = json.loads(f.read().decode("utf-8"))
+        return str(obj["bundle_id"]) if isinstance(obj, dict) and obj.get("bundle_id") else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _read(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _write_atomic(path, data):
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, mode=0o755, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".fleet-", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main():
+    spec = dict(dtu.COMMON_ARGS)
+    spec.update(bundle=dict(type="path", required=True), dest=dict(type="path", default="/var/lib/deploytool/bundles"),
+                config_content=dict(type="str", default=None),
+                keys_dir=dict(type="path", default=None), start=dict(type="bool", default=True),
+                python=dict(type="str", default="python3"))
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    p = module.params
+    bundle, config = p["bundle"].rstrip("/"), p["config"]
+    tool = dtu.tool_path(module)
+    before_st = dtu.status(module, tool)
+    before = dtu.summary(before_st)
+    res = dict(changed=False, bundle=bundle, config=config, before=before, bootstrapped=False)
+
+    if not os.path.isdir(bundle) or not os.path.isfile(os.path.join(bundle, "MANIFEST")):
+        if module.check_mode:
+            # the ship before it did not run in check mode either: report what would be installed
+            # the bundle directory is named by its release id (DEST/<release id>)
+            rid = os.path.basename(bundle)
+            res.update(changed=before["release"] != rid, action="planned", release=rid,
+                       msg="check mode: bundle %s is not on the host yet; it would be shipped and installed" % bundle,
+                       after=dict(before, release=rid))
+            if module._diff:
+                res["diff"] = dict(before=before, after=res["after"])
+            module.exit_json(**res)
+        module.fail_json(msg="bundle %s: no bundle directory (with a MANIFEST) on the host" % bundle, exit_code=5,
+                         reason="bundle not found", hint="ship it first (deploytool.fleet.ship), or fix `bundle`",
+                         **res)
+
+    # the config: the fleet's one at `config`, only when it differs (put back if the install fails)
+    old_cfg = _read(config)
+    new_cfg = p["config_content"].encode() if p["config_content"] is not None else None
+    if new_cfg is not None and not new_cfg.endswith(b"\n"):
+        new_cfg += b"\n"
+    cfg_changes = new_cfg is not None and new_cfg != old_cfg
+    if new_cfg is None and old_cfg is None:
+        module.fail_json(msg="config %s not found on the host and no config_content given" % config, exit_code=5,
+                         reason="config not found", hint="pass config_content (the fleet's deploytool.yaml)", **res)
+    if not module.check_mode and module.params.get("record_run"):
+        rid = _manifest_id(bundle) or os.path.basename(bundle)
+        serving = before["active_backend"] and before["units"].get(before["active_backend"]) == "active"
+        if cfg_changes or before["release"] != rid or not serving:
+            dtu.write_record(module, "rollout", before, to_release=rid)
+    run_cfg, tmp_cfg = config, None
+    if cfg_changes and module.check_mode:
+        # the dry-run reads the new config from a file beside the real one (relative paths resolve alike)
+        d = os.path.dirname(config)
+        fd, tmp_cfg = tempfile.mkstemp(prefix=".fleet-check-", suffix=".yaml", dir=d if os.path.isdir(d) else None)
+        with os.fdopen(fd, "wb") as f:
+            f.write(new_cfg)
+        run_cfg = tmp_cfg
+    elif cfg_changes:
+        _write_atomic(config, new_cfg)
+    res["config_changed"] = bool(cfg_changes)
+
+    try:
+        extra = (["--keys", p["keys_dir"]] if p["keys_dir"] else []) + ([] if p["start"] else ["--no-start"])
+        if tool is None:
+            if module.check_mode:
+                rid = _manifest_id(bundle) or os.path.basename(bundle)
+                res.update(changed=True, action="bootstrap-planned", release=rid, bootstrapped=False,
+                           msg="check mode: the host has no deploytool; it would be bootstrapped from %s" % bundle,
+                           after=dict(release=rid, active_backend="(the config's default_backend)", units={}))
+                if module._diff:
+                    res["diff"] = dict(before=before, after=res["after"])
+                module.exit_json(**res)
+            argv = [p["python"], os.path.join(bundle, "bootstrap"),
+                    "--config", config] + extra + ["--json"]
+            rc, data, out, err = dtu.run(module, argv)
+            res["bootstrapped"] = True
+            tool_after = dtu.tool_path(module)
+        else:
+            args = (["--dry-run"] if module.check_mode else []) + ["install", bundle] + extra
+            rc, data, out, err = dtu.dt(module, tool, *args, config=run_cfg)
+            tool_after = dtu.tool_path(module) or tool
+        if rc != 0 or not isinstance(data, dict):
+            if cfg_changes and not module.check_mode:
+                after_st = dtu.status(module, tool_after)
+                if dtu.summary(after_st)["release"] == before["release"]:
+                    if old_cfg is None:
+                        os.unlink(config)
+                    else:
+                        _write_atomic(config, old_cfg)
+                    res["config_changed"] = False
+            dtu.fail(module, "install of %s" % os.path.basename(bundle), rc if rc != 0 else 70, data, out, err,
+                     tool=tool_after, **res)
+        action = data.get("action")
+        res.update(action=action, install=data, release=data.get("release"), backend=data.get("backend"))
+        if action == "planned":
+            steps = [s.get("name") or s.get("step") for s in data.get("steps") or []]
+            rid = _manifest_id(bundle) or os.path.basename(bundle)
+            same = before["release"] is not None and before["release"] in (rid, os.path.basename(bundle))
+            res["changed"] = bool(cfg_changes) or not same or any(u != "active" for u in
+                                                                 [before["units"].get(before["active_backend"])])
+            res["release"] = rid if not same else before["release"]
+            res["plan"] = steps
+            res["after"] = dict(release=res["release"], active_backend=before["active_backend"] if same
+                                else data.get("backend"), units=before["units"])
+            res["msg"] = "check mode: " + ("nothing to do" if not res["changed"] else
+                                           "would install %s" % res["release"])
+        else:
+            res["changed"] = action != "noop" or bool(cfg_changes)
+            res["after"] = dtu.summary(dtu.status(module, tool_after))
+            res["msg"] = data.get("message") or action
+        if module._diff:
+            res["diff"] = dict(before=before, after=res["after"])
+        module.exit_json(**res)
+    finally:
+        if tmp_cfg and os.path.exists(tmp_cfg):
+            os.unlink(tmp_cfg)
+
+
+if __name__ == "__main__":
+    main()

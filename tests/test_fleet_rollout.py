@@ -1,0 +1,249 @@
+"""The deploytool.fleet collection on the fleet test bed: real hosts (each its own systemd and sshd), real
+ansible-core, real cpu-demo releases installed by the collection's modules and playbooks.
+
+One fleet of 3 hosts for the whole class, in this order: check mode on fresh hosts changes nothing; rollout.yml
+bootstraps release 1 on all three behind the controller's gate; the same rollout again changes nothing; check mode
+of release 2 changes nothing; a host whose gate fails stops the roll of release 2 (the host before it serves
+release 2, the host after it is untouched) and revert.yml puts the changed hosts back on release 1; an unreachable
+host stops a roll; status.yml prints one table; switch.yml switches the fleet host by host, timed against one
+host's switch (issue 17's goal: at most 3 x (one host's switch + 2 s)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.fleet import Fleet, running_fleet
+from tests.support.fleet_release import MODEL, PORT, Release, make_release
+from tests.support.sandbox import RUN_PARENT
+
+REPO = Path(__file__).resolve().parents[1]
+PLAYBOOKS = REPO / "ansible" / "playbooks"
+DT = "/opt/deploytool/current/tool/bin/deploytool"
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.fleet]
+
+
+@pytest.fixture(scope="module")
+def releases() -> Iterator[tuple[Release, Release]]:
+    """Two releases of the same fleet config, signed by the same key; the second differs in ftllm's env."""
+    d = Path(RUN_PARENT) / f"fleet-releases-{id(object()):x}"
+    try:
+        r1 = make_release(d / "r1")
+        r2 = make_release(d / "r2", env={"FLEET_RELEASE": "2"}, keys=d / "r1" / "keys")
+        assert r1.id != r2.id
+        yield r1, r2
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def extra(f: Fleet, r: Release, name: str, **more: object) -> str:
+    """`-e @FILE` for a rollout of `r` on this fleet (rsync over the fleet's ssh config)."""
+    path = f.dir / f"extra-{name}.json"
+    path.write_text(json.dumps({"deploytool_bundle": str(r.bundle), "deploytool_config": str(r.config),
+                                "deploytool_keys": str(r.pubkey), "deploytool_port": PORT,
+                                "deploytool_rsh": f"ssh -F {f.ssh_config}", **more}))
+    return f"@{path}"
+
+
+def status(f: Fleet, host: str) -> dict:
+    r = f.exec(host, DT, "--json", "status", timeout=60)
+    if r.returncode == 127 or "No such file" in r.stderr:
+        return {"release": None, "active_backend": None, "code": None}
+    data = json.loads(r.stdout)
+    return {"release": data["release"], "active_backend": data["active_backend"], "code": r.returncode}
+
+
+def history_len(f: Fleet, host: str) -> int:
+    r = f.exec(host, "sh", "-c", "cat /var/lib/deploytool/history.jsonl 2>/dev/null | wc -l")
+    return int(r.stdout.strip() or 0)
+
+
+class TestFleet:
+    @pytest.fixture(scope="class")
+    def fleet3(self, releases) -> Iterator[Fleet]:
+        r1, _ = releases
+        # two cpu-demo releases (1.5 GB each once installed), their bundles and the copy install verifies: more
+        # than the test bed's default 4g per host
+        prev = os.environ.get("FLEET_HOST_TMPFS_SIZE")
+        os.environ["FLEET_HOST_TMPFS_SIZE"] = "6g"
+        try:
+            with running_fleet(3) as f:
+                f.install_collection()
+                run = f.ansible("fleet", "-m", "ansible.builtin.copy",
+                                "-a", f"src={r1.model} dest={Path(MODEL).parent}/ mode=0644")
+                assert run.returncode == 0, str(run)
+                yield f
+        finally:
+            if prev is None:
+                os.environ.pop("FLEET_HOST_TMPFS_SIZE", None)
+            else:
+                os.environ["FLEET_HOST_TMPFS_SIZE"] = prev
+
+    def test_check_mode_on_fresh_hosts_changes_nothing(self, fleet3, releases):
+        f, (r1, _) = fleet3, releases
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "--check", "--diff", "-e", extra(f, r1, "check1"), timeout=300)
+        assert run.returncode == 0, str(run)
+        res = run.task_results("install")
+        assert sorted(res) == f.hosts, str(run)
+        for h in f.hosts:
+            assert res[h]["changed"] is True, res[h]  # it would install
+            r = f.exec(h, "sh", "-c", "ls -d /opt/deploytool /etc/deploytool /var/lib/deploytool 2>&1; true")
+            assert "No such file" in r.stdout and "/opt/deploytool\n" not in r.stdout, (h, r.stdout)
+            assert r.stdout.count("No such file") == 3, (h, r.stdout)
+
+    def test_rollout_bootstraps_every_host_behind_the_gate_and_again_changes_nothing(self, fleet3, releases):
+        f, (r1, _) = fleet3, releases
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "r1"), timeout=900)
+        assert run.returncode == 0, str(run)
+        inst, gate = run.task_results("install"), run.task_results("gate")
+        for h in f.hosts:
+            assert inst[h]["changed"] and inst[h]["bootstrapped"] and inst[h]["release"] == r1.bundle_id, inst[h]
+            assert gate[h]["status"] == 200 and gate[h]["url"] == f"http://{f.ip(h)}:{PORT}/v1/models", gate[h]
+            assert status(f, h) == {"release": r1.bundle_id, "active_backend": "ftllm-dflash", "code": 0}
+        again = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "r1"), timeout=600)
+        assert again.returncode == 0, str(again)
+        assert {h: again.stats[h]["changed"] for h in f.hosts} == {h: 0 for h in f.hosts}, again
+
+    def test_check_mode_of_the_next_release_changes_nothing(self, fleet3, releases):
+        f, (r1, r2) = fleet3, releases
+        before = {h: history_len(f, h) for h in f.hosts}
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "--check", "--diff", "-e", extra(f, r2, "check2"), timeout=300)
+        assert run.returncode == 0, str(run)
+        res = run.task_results("install")
+        for h in f.hosts:
+            assert res[h]["changed"] is True and res[h]["before"]["release"] == r1.bundle_id, res[h]
+            assert res[h]["diff"]["after"]["release"] == r2.bundle_id, res[h]  # --diff: what would change
+            assert status(f, h)["release"] == r1.bundle_id
+            assert history_len(f, h) == before[h]
+            assert f.exec(h, "test", "-e", f"/var/lib/deploytool/bundles/{r2.bundle_id}").returncode != 0
+
+    def test_a_failed_gate_stops_the_roll_and_revert_puts_the_changed_hosts_back(self, fleet3, releases):
+        f, (r1, r2) = fleet3, releases
+        inv = f.inventory_with("badgate", {"h2": f"deploytool_gate_url=http://{f.ip('h2')}:1/v1/models "
+                                                 "deploytool_gate_timeout=2"}, after=None)
+        # the host var line is appended: h2 gets a second definition with the var (ansible merges them)
+        h3_hist = history_len(f, "h3")
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r2, "r2", deploytool_serial=1), inventory=inv,
+                         timeout=900)
+        assert run.returncode != 0, str(run)
+        assert run.stats["h2"]["failures"] == 1, run.stats
+        assert "h3" not in run.stats or run.stats["h3"]["ok"] == 0, run.stats
+        assert status(f, "h1")["release"] == r2.bundle_id and status(f, "h1")["code"] == 0
+        assert status(f, "h2")["release"] == r2.bundle_id  # installed; its gate (the controller's) failed
+        assert status(f, "h3")["release"] == r1.bundle_id and history_len(f, "h3") == h3_hist
+        run_id = json.loads(f.exec("h1", "cat", "/var/lib/deploytool/fleet/last-run.json").stdout)["run_id"]
+
+        rev = f.playbook(PLAYBOOKS / "revert.yml", "-e", f"deploytool_port={PORT}", timeout=900)
+        assert rev.returncode == 0, str(rev)
+        back = rev.task_results("previous release")
+        assert sorted(h for h, r in back.items() if r.get("_status") == "changed") == ["h1", "h2"], str(back)
+        for h in f.hosts:
+            assert status(f, h) == {"release": r1.bundle_id, "active_backend": "ftllm-dflash", "code": 0}, h
+        assert history_len(f, "h3") == h3_hist
+        for h in ("h1", "h2"):
+            rec = json.loads(f.exec(h, "cat", "/var/lib/deploytool/fleet/last-run.json").stdout)
+            assert rec["run_id"] == run_id and rec["reverted"] is True and rec["release"] == r1.bundle_id, rec
+        again = f.playbook(PLAYBOOKS / "revert.yml", "-e", f"deploytool_port={PORT}", timeout=300)
+        assert again.returncode == 0 and all(again.stats[h]["changed"] == 0 for h in f.hosts), str(again)
+
+    def test_an_unreachable_host_stops_the_roll(self, fleet3, releases):
+        f, (r1, _) = fleet3, releases
+        inv = f.inventory_with("ghost", {"ghost": "ansible_host=10.231.0.99"}, after="h1")
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "ghost", deploytool_serial=1), inventory=inv,
+                         timeout=600)
+        assert run.returncode == 4, str(run)
+        assert run.stats["ghost"]["unreachable"] == 1, run.stats
+        assert run.stats["h1"]["failures"] == 0 and run.stats["h1"]["changed"] == 0, run.stats
+        assert "h2" not in run.stats and "h3" not in run.stats, run.stats
+
+    def test_status_prints_one_table(self, fleet3, releases):
+        f, (r1, _) = fleet3, releases
+        run = f.playbook(PLAYBOOKS / "status.yml")
+        assert run.returncode == 0, str(run)
+        table = next(iter(run.task_results("fleet table").values()))["msg"]
+        assert table[0].split() == ["host", "state", "release", "backend", "units"]
+        assert [row.split()[:4] for row in table[1:]] == [[h, "serving", r1.bundle_id, "ftllm-dflash"]
+                                                         for h in f.hosts], table
+
+    def test_a_rolled_back_switch_fails_its_task_and_stops_the_fleet_switch(self, fleet3, releases):
+        f = fleet3
+        dropin = "/etc/systemd/system/llamacpp-tensor.service.d/50-crash.conf"
+        crash = '[Service]\nExecStart=\nExecStart=/bin/sh -c "echo simulated crash: CUDA error >&2; exit 3"\n'
+        r = f.exec("h2", "sh", "-c", f"mkdir -p {Path(dropin).parent} && printf '{crash}' > {dropin} && "
+                   f"systemctl daemon-reload && {DT} pin llamacpp-tensor --reason 'test: crash at start'")
+        assert r.returncode == 0, r
+        try:
+            run = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
+                             timeout=600)
+            assert run.returncode != 0, str(run)
+            res = run.task_results("switch")
+            assert res["h1"]["changed"] and res["h1"]["backend"] == "llamacpp-tensor", res["h1"]
+            bad = res["h2"]
+            assert bad["_status"] == "failed" and bad["rolled_back"] is True and bad["exit_code"] == 10, bad
+            assert "simulated crash" in bad["journal_tail"] and bad["reason"], bad
+            assert "h3" not in run.stats, run.stats
+            assert status(f, "h1")["active_backend"] == "llamacpp-tensor"
+            assert status(f, "h2") == {"release": status(f, "h2")["release"], "active_backend": "ftllm-dflash",
+                                       "code": 0}
+            assert status(f, "h3")["active_backend"] == "ftllm-dflash"
+            rev = f.playbook(PLAYBOOKS / "revert.yml", "-e", f"deploytool_port={PORT}", timeout=600)
+            assert rev.returncode == 0, str(rev)
+            assert rev.task_results("previous backend")["h1"]["_status"] == "changed", rev
+            for h in f.hosts:
+                assert status(f, h)["active_backend"] == "ftllm-dflash", h
+        finally:
+            r = f.exec("h2", "sh", "-c", f"rm -rf {Path(dropin).parent} && systemctl daemon-reload && "
+                       f"{DT} pin llamacpp-tensor --reason 'test: crash drop-in removed'")
+            assert r.returncode == 0, r
+
+    def test_switch_serial_one_against_one_hosts_switch(self, fleet3, releases):
+        f = fleet3
+        one = f.ansible("h1", "-m", "deploytool.fleet.switch", "-a", "backend=llamacpp")
+        assert one.returncode == 0, str(one)
+        assert one.task_results("deploytool.fleet.switch")["h1"]["backend"] == "llamacpp-tensor"
+        back = f.ansible("h1", "-m", "deploytool.fleet.switch", "-a", "backend=ftllm")
+        assert back.returncode == 0 and status(f, "h1")["active_backend"] == "ftllm-dflash", str(back)
+        run = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
+                         timeout=600)
+        assert run.returncode == 0, str(run)
+        for h in f.hosts:
+            assert status(f, h)["active_backend"] == "llamacpp-tensor", h
+        budget = 3 * (one.seconds + 2)
+        print(f"\nfleet switch of 3 hosts (serial 1): {run.seconds:.1f} s; one host's switch (ansible ad-hoc): "
+              f"{one.seconds:.1f} s; goal 3 x (one + 2 s) = {budget:.1f} s")
+        again = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}")
+        assert again.returncode == 0 and all(again.stats[h]["changed"] == 0 for h in f.hosts), str(again)
+        assert run.seconds <= budget, f"fleet switch {run.seconds:.1f} s > {budget:.1f} s"
+
+    def test_rollback_module_and_facts(self, fleet3, releases):
+        f, (r1, _) = fleet3, releases
+        assert status(f, "h1")["active_backend"] == "llamacpp-tensor"  # after the fleet switch
+        dry = f.ansible("h1", "-m", "deploytool.fleet.rollback", "--check")
+        assert dry.returncode == 0, str(dry)
+        assert dry.task_results("deploytool.fleet.rollback")["h1"]["changed"] is True
+        assert status(f, "h1")["active_backend"] == "llamacpp-tensor"  # check mode changed nothing
+        run = f.ansible("h1", "-m", "deploytool.fleet.rollback")
+        assert run.returncode == 0, str(run)
+        res = run.task_results("deploytool.fleet.rollback")["h1"]
+        assert res["changed"] and res["backend"] == "ftllm-dflash" and res["from_backend"] == "llamacpp-tensor", res
+        assert status(f, "h1")["active_backend"] == "ftllm-dflash"
+        facts = f.ansible("fleet", "-m", "deploytool.fleet.facts")
+        assert facts.returncode == 0, str(facts)
+        got = {h: r["ansible_facts"]["deploytool"] for h, r in facts.task_results("deploytool.fleet.facts").items()}
+        assert {h: (d["state"], d["exit_code"], d["release"], d["active_backend"]) for h, d in got.items()} == {
+            "h1": ("serving", 0, r1.bundle_id, "ftllm-dflash"),
+            "h2": ("serving", 0, r1.bundle_id, "llamacpp-tensor"),
+            "h3": ("serving", 0, r1.bundle_id, "llamacpp-tensor")}, got
+        # a box that is not serving is a state in the facts, not a failed task
+        assert f.exec("h3", "systemctl", "stop", "llamacpp-tensor.service").returncode == 0
+        down = f.ansible("h3", "-m", "deploytool.fleet.facts")
+        assert down.returncode == 0, str(down)
+        d = down.task_results("deploytool.fleet.facts")["h3"]["ansible_facts"]["deploytool"]
+        assert (d["state"], d["exit_code"]) == ("not-serving", 22), d
