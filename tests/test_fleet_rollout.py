@@ -44,11 +44,10 @@ def releases() -> Iterator[tuple[Release, Release]]:
 
 
 def extra(f: Fleet, r: Release, name: str, **more: object) -> str:
-    """`-e @FILE` for a rollout of `r` on this fleet (rsync over the fleet's ssh config)."""
+    """`-e @FILE` for a rollout of `r` on this fleet."""
     path = f.dir / f"extra-{name}.json"
     path.write_text(json.dumps({"deploytool_bundle": str(r.bundle), "deploytool_config": str(r.config),
-                                "deploytool_keys": str(r.pubkey), "deploytool_port": PORT,
-                                "deploytool_rsh": f"ssh -F {f.ssh_config}", **more}))
+                                "deploytool_keys": str(r.pubkey), "deploytool_port": PORT, **more}))
     return f"@{path}"
 
 
