@@ -1,8 +1,8 @@
 """`deploytool install` killed at every journaled step, fast: the install state machine (deploy_tool.box.install,
 through deploy_tool.box.operations as the CLI runs it) against the fake systemd driver (tests.support.fake_systemd:
 real sockets, fake processes, virtual time), with the real file system work: a real signed bundle packed by
-`pack` (a small venv of one real wheel, deploytool's tool wheels replaced by one small real wheel), verified,
-unpacked, relocated, laid down, pinned, recovered, all on disk.
+`pack` (a small venv of one real wheel with a native library, deploytool's tool wheels replaced by one small
+real wheel), verified, unpacked, relocated, its native library checked, laid down, pinned, recovered, on disk.
 
 A SIGKILL runs none of the killed process's `except` and `finally` blocks; in-process, the kill raises instead, so
 the files under the box are frozen at the kill (World.on_kill) and put back as the kill left them once the stack
@@ -97,10 +97,11 @@ class Bundles:
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> Bundles:
     """Two small cpu-demo bundles (A, and B differing in one env var of ftllm-dflash), packed by the real `pack`
-    from one locked real wheel, signed by a key the box trusts."""
+    from one locked real wheel (carrying one native library), signed by a key the box trusts."""
     d = tmp_path_factory.mktemp("install-kills")
+    zlib = Path(os.path.realpath("/usr/lib/x86_64-linux-gnu/libz.so.1")).read_bytes()  # a native library (libc)
     whl = _wheel(d / "wheels" / "tinypkg-1.0-py3-none-any.whl", "tinypkg", "1.0",
-                 {"tinypkg/__init__.py": b"VALUE = 1\n"})
+                 {"tinypkg/__init__.py": b"VALUE = 1\n", "tinypkg/libtiny.so.1": zlib})
     _wheel(d / "tool-wheels" / "tinytool-1.0-py3-none-any.whl", "tinytool", "1.0",
            {"tinytool/__init__.py": b"VALUE = 2\n"})
     req = d / "requirements.in"
@@ -472,3 +473,22 @@ def test_swap_after_the_copy_installs_the_signed_bytes(box: Box, tmp_path: Path)
     assert all((bdir / n).read_bytes() != data for n, data in signed.items())  # the swap did happen
     assert (box.env_dir / "ftllm-dflash.env").read_bytes() == signed["env/ftllm-dflash.env"]
     assert (box.unit_dir / "ftllm-dflash.service").read_bytes() == signed["units/ftllm-dflash.service"]
+
+
+# ------------------------------------------------------------------------------------------------ rebuild
+
+def test_rebuild_offline_json_report(bundles: Bundles) -> None:
+    """`deploytool --json rebuild --offline BUNDLE` on the small bundle: verified with the box's trusted key, the
+    venv rebuilt from its wheels, the report as JSON (the real bundle's >10 native libraries all byte-identical,
+    in an empty network namespace, is tests/test_e2e.py's make rebuild-check)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "deploy_tool", "--config", str(bundles.cfg.source_path), "--json",
+                        "rebuild", "--offline", str(bundles.a)], capture_output=True, text=True, timeout=300,
+                       cwd=bundles.dir, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["ok"] is True and rep["bundle_id"] == _rid(bundles.a) and rep["different"] == []
+    assert rep["identical"] == rep["native_libs"] == 1 and rep["seconds"] > 0
