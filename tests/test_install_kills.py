@@ -99,7 +99,9 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> Bundles:
     """Two small cpu-demo bundles (A, and B differing in one env var of ftllm-dflash), packed by the real `pack`
     from one locked real wheel (carrying one native library), signed by a key the box trusts."""
     d = tmp_path_factory.mktemp("install-kills")
-    zlib = Path(os.path.realpath("/usr/lib/x86_64-linux-gnu/libz.so.1")).read_bytes()  # a native library (libc)
+    from deploy_tool.binaries import read_ld_so_cache
+
+    zlib = Path(os.path.realpath(read_ld_so_cache()["libz.so.1"][0])).read_bytes()  # a native library (NEEDS libc)
     whl = _wheel(d / "wheels" / "tinypkg-1.0-py3-none-any.whl", "tinypkg", "1.0",
                  {"tinypkg/__init__.py": b"VALUE = 1\n", "tinypkg/libtiny.so.1": zlib})
     _wheel(d / "tool-wheels" / "tinytool-1.0-py3-none-any.whl", "tinytool", "1.0",
