@@ -382,19 +382,19 @@ def test_perf_gate_fails_a_crawling_backend_within_its_budget(tmp_path: Path) ->
 
 @pytest.mark.backends
 @pytest.mark.slow
-def test_perf_gate_catches_a_real_speculation_regression(models: dict[str, Path], tmp_path: Path) -> None:
+def test_perf_gate_catches_a_real_speculation_regression(models: dict[str, Path], llama: backends.Server,
+                                                          tmp_path: Path) -> None:
     """Baseline from plain llama-server; the same server passes the gate (at 0.4: this 2-core machine is noisy,
     so medians of 3);
     llama-server with a useless draft model (about 1 in 300 drafted tokens accepted, a fifth of the speed when
     the machine is idle) falls below 0.8 of it and the gate says so with figures."""
     state = tmp_path / "state"
-    with live("llamacpp", models["24m"], tmp_path / "plain") as srv:
-        cfg = cfg_at(tmp_path / "c1", srv.port, state)
-        base = bench.run_bench(gate.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", runs=3,
-                               max_tokens=96, warmup=1)
-        bench.save_baseline(state, base)
-        ok, figures, msg = gate.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.4, runs=3, max_tokens=96)
-        assert ok, msg
+    cfg = cfg_at(tmp_path / "c1", llama.port, state)  # plain llama-server: the module's
+    base = bench.run_bench(gate.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", runs=3,
+                           max_tokens=96, warmup=1)
+    bench.save_baseline(state, base)
+    ok, figures, msg = gate.perf_gate(cfg, "llamacpp-tensor", "r1", fraction=0.4, runs=3, max_tokens=96)
+    assert ok, msg
     with live("llamacpp", models["24m"], tmp_path / "draft",
               extra=("-md", str(models["tiny"]), "--spec-type", "draft-simple")) as srv:
         cfg = cfg_at(tmp_path / "c2", srv.port, state)

@@ -25,19 +25,14 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytes
 REPO = Path(__file__).resolve().parents[1]
 ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written",
              "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
-#: Each kill point costs a real install up to it (verify, unpack, start), so each is killed where it says most and
-#: every one at least once: "pinned" on an upgrade (A's pins must come back), "started" with install run again.
-FRESH_KILLS = tuple(s for s in ALL_STEPS if s not in ("pinned", "started"))
-UPGRADE_KILLS = ("venv-ready", "units-written", "current-flipped", "pinned", "healthy")
-
-
-def test_every_install_step_is_killed_somewhere():
-    """A step added to install's journal fails here until one of the kill lists above covers it ("verified" is
-    the kill before anything is written: the untrusted-key and full-disk cases cover that ground)."""
-    from deploy_tool.box.install import JOURNALED
-
-    assert set(ALL_STEPS) == set(JOURNALED) - {"verified"}
-    assert set(FRESH_KILLS) | set(UPGRADE_KILLS) | {"started"} == set(ALL_STEPS)
+#: Every kill point is killed on a fresh box and on an upgrade by tests/test_install_kills.py, against the fake
+#: systemd driver with a small real bundle (seconds each; it also checks that every step is killed somewhere).
+#: Each kill here costs a real install up to it (verify, unpack of a 1.4 GB venv, start), so only the ones where
+#: systemd's own behaviour is the point are killed again: a fresh box whose units are written (not yet loaded) and
+#: loaded by daemon-reload, install run again after a kill while ftllm starts; an upgrade with A serving, killed
+#: once B's units are loaded and once B serves (recover restarts A: its process runs A's environment again).
+FRESH_KILLS = ("units-written", "daemon-reloaded")
+UPGRADE_KILLS = ("daemon-reloaded", "healthy")
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +72,10 @@ def _rid(bundle: Path) -> str:
 
 @pytest.fixture()
 def fresh(box, sbx):
-    """The box with nothing installed (before and after the test)."""
+    """The box with nothing installed (what a test leaves is taken away by the next one that needs a fresh box, or
+    kept by one that needs release A serving: the last fresh-box test leaves A serving)."""
     box["box"].reset(sbx.systemd)
-    yield box
-    box["box"].reset(sbx.systemd)
+    return box
 
 
 @pytest.fixture()
@@ -110,6 +105,8 @@ def _status_reports(cfg: Path, step: str) -> None:
     s = dt(cfg, "status")
     assert "install" in s.stdout and step in s.stdout, s.stdout
 
+
+# ------------------------------------------------------------------------------- a fresh box
 
 @pytest.mark.parametrize("step", FRESH_KILLS)
 def test_fresh_box_kill_then_recover_leaves_nothing(fresh, sbx, step):
@@ -143,53 +140,6 @@ def test_fresh_box_kill_then_install_again_completes(fresh, sbx, step):
     assert chat(_port(fresh["cfg"]))["choices"][0]["message"]["content"]
 
 
-def _env_of_running(sbx, unit: str) -> str:
-    """The environment of the unit's running main process (what it was really started with)."""
-    pid = sbx.systemd.show(unit).main_pid
-    assert pid, f"{unit} has no main process"
-    host = sbx.sandbox.host_pid(pid)
-    return Path(f"/proc/{host}/environ").read_bytes().decode(errors="replace")
-
-
-@pytest.mark.parametrize("step", UPGRADE_KILLS)
-def test_previous_release_serves_after_kill_and_recover(with_a, sbx, step):
-    """kill -9 of an upgrade A->B at STEP: status names it; recover brings A back: current -> A, A's units, A
-    serving (its process runs A's environment), B's release dir gone."""
-    bx: Box = with_a["box"]
-    a, b = _rid(with_a["a"]), _rid(with_a["b"])
-    unit_a = (bx.unit_dir / "ftllm-dflash.service").read_bytes()
-    env_a = (bx.env_dir / "ftllm-dflash.env").read_bytes()
-    _kill_install(with_a["cfg_b"], with_a["b"], step)
-    _status_reports(with_a["cfg_b"], step)
-    r = dt(with_a["cfg_b"], "recover")
-    assert r.returncode == 0, r.stdout + r.stderr
-    st = bx.state()
-    assert st["operation"] is None and st["release"] == a and st["active_backend"] == "ftllm-dflash"
-    assert bx.current_release() == a and bx.release_entries() == [a], bx.release_entries()
-    assert b not in bx.release_entries()
-    assert (bx.unit_dir / "ftllm-dflash.service").read_bytes() == unit_a
-    assert (bx.env_dir / "ftllm-dflash.env").read_bytes() == env_a
-    assert active_units(sbx.systemd) == {"ftllm-dflash.service"}
-    assert "DEPLOYTOOL_TEST_RELEASE" not in _env_of_running(sbx, "ftllm-dflash.service")
-    assert chat(_port(with_a["cfg"]))["choices"][0]["message"]["content"]
-    r = dt(with_a["cfg"], "verify", "ftllm-dflash")
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
-def test_upgrade_killed_then_install_again_completes(with_a, sbx):
-    """kill -9 of an upgrade A->B after the units were written; install B again undoes, then installs B."""
-    bx: Box = with_a["box"]
-    b = _rid(with_a["b"])
-    _kill_install(with_a["cfg_b"], with_a["b"], "units-written")
-    r = dt(with_a["cfg_b"], "install", str(with_a["b"]))
-    assert r.returncode == 0, r.stdout + r.stderr
-    st = bx.state()
-    assert st["operation"] is None and st["release"] == b and st["previous_release"] == _rid(with_a["a"])
-    assert bx.current_release() == b
-    assert "DEPLOYTOOL_TEST_RELEASE=b" in _env_of_running(sbx, "ftllm-dflash.service")
-    assert chat(_port(with_a["cfg"]))["choices"][0]["message"]["content"]
-
-
 @contextlib.contextmanager
 def _trusting_only(bx: Box, keys: Path) -> Iterator[None]:
     """The box trusts only the public keys in `keys` (not the one its bundles are signed with), then its own again.
@@ -221,20 +171,6 @@ def test_untrusted_key_is_refused_before_anything_is_written(fresh, sbx):
     assert not [e for e in bx.history() if e.get("ok")]
 
 
-def test_untrusted_key_leaves_a_serving_release_alone(with_a, sbx):
-    """An untrusted bundle (B, whose key the box no longer trusts) on a box with A serving: exit 6; A's units,
-    current, process untouched."""
-    bx: Box = with_a["box"]
-    before = {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")}
-    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
-    with _trusting_only(bx, with_a["rogue_keys"]):
-        r = dt(with_a["cfg_b"], "install", str(with_a["b"]))
-    assert r.returncode == 6, r.stdout + r.stderr
-    assert {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")} == before
-    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
-    assert bx.current_release() == _rid(with_a["a"]) and bx.release_entries() == [_rid(with_a["a"])]
-
-
 def _in_full_disk(root: Path, size: str) -> list[str]:
     """Wrap a command so it runs in a private mount namespace with a `size` tmpfs over `root`."""
     script = 'mkdir -p "$1" && mount -t tmpfs -o size="$2" deploytool-test-full "$1" && shift 2 && exec "$@"'
@@ -259,22 +195,6 @@ def test_full_disk_is_a_clean_error(fresh, sbx, size, where):
     assert "deploytool-test-full" not in Path("/proc/self/mounts").read_text()
     assert bx.release_entries() == []
     assert subprocess.run(["findmnt", str(bx.root)], capture_output=True).returncode != 0
-
-
-def test_full_disk_on_upgrade_keeps_previous_release(with_a, sbx):
-    """Upgrade A->B with the releases dir full: exit 17; A keeps serving, unit files and current untouched."""
-    bx: Box = with_a["box"]
-    before = {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")}
-    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
-    # a tmpfs over releases/ in the install's own mount namespace: B's verify and lay-down run out of space there
-    a = _rid(with_a["a"])
-    r = dt(with_a["cfg_b"], "install", str(with_a["b"]), wrap=_in_full_disk(bx.releases, "20m"))
-    assert r.returncode == 17, r.stdout + r.stderr
-    assert "no space left" in r.stderr, r.stderr
-    assert {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")} == before
-    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
-    assert bx.current_release() == a and bx.release_entries() == [a]
-    assert bx.state()["operation"] is None and bx.state()["release"] == a
 
 
 # ------------------------------------------------------------------------------- verified bytes, box fitness
@@ -323,8 +243,9 @@ def _swap(p: Path) -> bytes:
     return other
 
 
-@pytest.mark.parametrize("victim", ["env/ftllm-dflash.env", "units/llamacpp-tensor.service", "config.json",
-                                    "templates/chat_template.jinja", "venv.tar.zst"])
+# every kind of file swapped (and a swap after the copy) is tests/test_install_kills.py's, in-process; here, the CLI
+# SIGSTOPped for real, and its one error line
+@pytest.mark.parametrize("victim", ["env/ftllm-dflash.env"])
 def test_file_swapped_after_the_signature_check_is_refused(fresh, sbx, victim, tmp_path):
     """install of a bundle directory, stopped right after the signature check; VICTIM is swapped for other bytes
     of the same size and mode; install resumes: exit 6, one error line naming VICTIM, nothing installed."""
@@ -344,42 +265,6 @@ def test_file_swapped_after_the_signature_check_is_refused(fresh, sbx, victim, t
     assert bx.traces() == {"units": [], "env": [], "current": [], "releases": [], "pins": []}
     assert active_units(sbx.systemd) == set()
     assert not bx.state().get("operation") and not bx.state().get("release")
-
-
-def test_swap_while_serving_leaves_the_serving_release_alone(with_a, sbx, tmp_path):
-    """The same race on an upgrade A->B: refused with exit 6; A's process, units, env and current untouched."""
-    bx: Box = with_a["box"]
-    before = {p.name: p.read_bytes() for p in [*bx.unit_dir.glob("*.service"), *bx.env_dir.iterdir()]}
-    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
-    bdir = _bundle_dir_copy(with_a["b"], tmp_path)
-    p = _stopped_install(with_a["cfg_b"], str(bdir), point="signature-checked")
-    try:
-        _swap(bdir / "env" / "ftllm-dflash.env")
-    finally:
-        os.kill(p.pid, 18)
-    out, err = p.communicate(timeout=600)
-    assert p.returncode == 6 and "env/ftllm-dflash.env" in err, out + err
-    assert {p.name: p.read_bytes() for p in [*bx.unit_dir.glob("*.service"), *bx.env_dir.iterdir()]} == before
-    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
-    assert bx.current_release() == _rid(with_a["a"]) and bx.release_entries() == [_rid(with_a["a"])]
-
-
-def test_swap_after_the_copy_installs_the_signed_bytes(fresh, sbx, tmp_path):
-    """A swap after install has copied the bundle (stopped at venv-ready) changes nothing: the env file and unit
-    installed are the signed ones, byte for byte."""
-    bx: Box = fresh["box"]
-    bdir = _bundle_dir_copy(fresh["a"], tmp_path)
-    signed = {n: (bdir / n).read_bytes() for n in ("env/ftllm-dflash.env", "units/ftllm-dflash.service")}
-    p = _stopped_install(fresh["cfg"], "--no-start", str(bdir), point="venv-ready")
-    try:
-        for n in signed:
-            _swap(bdir / n)
-    finally:
-        os.kill(p.pid, 18)
-    out, err = p.communicate(timeout=600)
-    assert p.returncode == 0, out + err
-    assert (bx.env_dir / "ftllm-dflash.env").read_bytes() == signed["env/ftllm-dflash.env"]
-    assert (bx.unit_dir / "ftllm-dflash.service").read_bytes() == signed["units/ftllm-dflash.service"]
 
 
 def test_bundle_packed_for_another_config_is_refused(fresh, sbx):
@@ -435,3 +320,101 @@ def test_install_again_after_no_start_starts_the_default_backend(fresh, sbx):
     assert bx.history()[-1]["event"] == "install" and bx.history()[-1].get("action") == "started"
     r = dt(fresh["cfg"], "install", str(fresh["a"]))
     assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------- with release A serving
+# (after the no-start test above, which leaves A serving: the fixture installs it only if it must)
+
+def _env_of_running(sbx, unit: str) -> str:
+    """The environment of the unit's running main process (what it was really started with)."""
+    pid = sbx.systemd.show(unit).main_pid
+    assert pid, f"{unit} has no main process"
+    host = sbx.sandbox.host_pid(pid)
+    return Path(f"/proc/{host}/environ").read_bytes().decode(errors="replace")
+
+
+@pytest.mark.parametrize("step", UPGRADE_KILLS)
+def test_previous_release_serves_after_kill_and_recover(with_a, sbx, step):
+    """kill -9 of an upgrade A->B at STEP: status names it; recover brings A back: current -> A, A's units, A
+    serving (its process runs A's environment), B's release dir gone."""
+    bx: Box = with_a["box"]
+    a, b = _rid(with_a["a"]), _rid(with_a["b"])
+    unit_a = (bx.unit_dir / "ftllm-dflash.service").read_bytes()
+    env_a = (bx.env_dir / "ftllm-dflash.env").read_bytes()
+    _kill_install(with_a["cfg_b"], with_a["b"], step)
+    _status_reports(with_a["cfg_b"], step)
+    r = dt(with_a["cfg_b"], "recover")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = bx.state()
+    assert st["operation"] is None and st["release"] == a and st["active_backend"] == "ftllm-dflash"
+    assert bx.current_release() == a and bx.release_entries() == [a], bx.release_entries()
+    assert b not in bx.release_entries()
+    assert (bx.unit_dir / "ftllm-dflash.service").read_bytes() == unit_a
+    assert (bx.env_dir / "ftllm-dflash.env").read_bytes() == env_a
+    assert active_units(sbx.systemd) == {"ftllm-dflash.service"}
+    assert "DEPLOYTOOL_TEST_RELEASE" not in _env_of_running(sbx, "ftllm-dflash.service")
+    assert chat(_port(with_a["cfg"]))["choices"][0]["message"]["content"]
+    r = dt(with_a["cfg"], "verify", "ftllm-dflash")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_untrusted_key_leaves_a_serving_release_alone(with_a, sbx):
+    """An untrusted bundle (B, whose key the box no longer trusts) on a box with A serving: exit 6; A's units,
+    current, process untouched."""
+    bx: Box = with_a["box"]
+    before = {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")}
+    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
+    with _trusting_only(bx, with_a["rogue_keys"]):
+        r = dt(with_a["cfg_b"], "install", str(with_a["b"]))
+    assert r.returncode == 6, r.stdout + r.stderr
+    assert {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")} == before
+    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
+    assert bx.current_release() == _rid(with_a["a"]) and bx.release_entries() == [_rid(with_a["a"])]
+
+
+def test_full_disk_on_upgrade_keeps_previous_release(with_a, sbx):
+    """Upgrade A->B with the releases dir full: exit 17; A keeps serving, unit files and current untouched."""
+    bx: Box = with_a["box"]
+    before = {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")}
+    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
+    # a tmpfs over releases/ in the install's own mount namespace: B's verify and lay-down run out of space there
+    a = _rid(with_a["a"])
+    r = dt(with_a["cfg_b"], "install", str(with_a["b"]), wrap=_in_full_disk(bx.releases, "20m"))
+    assert r.returncode == 17, r.stdout + r.stderr
+    assert "no space left" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in bx.unit_dir.glob("*.service")} == before
+    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
+    assert bx.current_release() == a and bx.release_entries() == [a]
+    assert bx.state()["operation"] is None and bx.state()["release"] == a
+
+
+def test_swap_while_serving_leaves_the_serving_release_alone(with_a, sbx, tmp_path):
+    """The same race on an upgrade A->B: refused with exit 6; A's process, units, env and current untouched."""
+    bx: Box = with_a["box"]
+    before = {p.name: p.read_bytes() for p in [*bx.unit_dir.glob("*.service"), *bx.env_dir.iterdir()]}
+    pid = sbx.systemd.show("ftllm-dflash.service").main_pid
+    bdir = _bundle_dir_copy(with_a["b"], tmp_path)
+    p = _stopped_install(with_a["cfg_b"], str(bdir), point="signature-checked")
+    try:
+        _swap(bdir / "env" / "ftllm-dflash.env")
+    finally:
+        os.kill(p.pid, 18)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 6 and "env/ftllm-dflash.env" in err, out + err
+    assert {p.name: p.read_bytes() for p in [*bx.unit_dir.glob("*.service"), *bx.env_dir.iterdir()]} == before
+    assert sbx.systemd.show("ftllm-dflash.service").main_pid == pid
+    assert bx.current_release() == _rid(with_a["a"]) and bx.release_entries() == [_rid(with_a["a"])]
+
+
+def test_upgrade_killed_then_install_again_completes(with_a, sbx):
+    """kill -9 of an upgrade A->B after the units were written; install B again undoes, then installs B."""
+    bx: Box = with_a["box"]
+    b = _rid(with_a["b"])
+    _kill_install(with_a["cfg_b"], with_a["b"], "units-written")
+    r = dt(with_a["cfg_b"], "install", str(with_a["b"]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = bx.state()
+    assert st["operation"] is None and st["release"] == b and st["previous_release"] == _rid(with_a["a"])
+    assert bx.current_release() == b
+    assert "DEPLOYTOOL_TEST_RELEASE=b" in _env_of_running(sbx, "ftllm-dflash.service")
+    assert chat(_port(with_a["cfg"]))["choices"][0]["message"]["content"]

@@ -43,7 +43,7 @@ FU, LU = f"{F}.service", f"{L}.service"
 #: the kill points of a switch (and of a rollback, which is a switch back), in order
 SWITCH_POINTS = ("intent", "preflight", "draining", "stopping-current", "starting-target", "gate", "committing")
 ROLLBACK_POINT = "rolling-back"  # reached only when the target failed
-#: the install's kill points (the real-sandbox suite tests/test_install_faults.py covers them)
+#: the install's kill points (tests/test_install_kills.py kills each, on this fake driver with a real bundle)
 INSTALL_POINTS = ("signature-checked", "verified", "venv-ready", "native-libs-checked", "tool-ready", "release-laid-down",
                   "units-written", "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
 #: the scripted behaviours a target must fail its start or gate with

@@ -242,6 +242,9 @@ class World:
         self.failing: dict[tuple[str, str | None], str] = {}
         #: (when, unit) each time a unit with OnFailure= failed for good (its restarts gave up)
         self.failed_for_good: list[tuple[float, str]] = []
+        #: run at a kill point before Killed unwinds the killed deploytool's stack (e.g. to freeze the files as
+        #: the kill left them: a SIGKILLed process runs none of its `except` and `finally` blocks)
+        self.on_kill: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ setting up
 
@@ -314,6 +317,8 @@ class World:
             self.kills.append(step)
             if self.current is not None:
                 self.current.dead = True
+            if self.on_kill is not None:
+                self.on_kill(step)
         raise Killed(step)
 
     def close(self) -> None:
