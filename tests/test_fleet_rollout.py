@@ -118,7 +118,7 @@ class TestFleet:
         res = run.task_results("install")
         for h in f.hosts:
             assert res[h]["changed"] is True and res[h]["before"]["release"] == r1.bundle_id, res[h]
-            assert res[h]["diff"]["after"]["release"] == r2.bundle_id, res[h]  # --diff: what would change
+            assert res[h]["after"]["release"] == r2.bundle_id, res[h]  # what diff mode shows as "after"
             assert status(f, h)["release"] == r1.bundle_id
             assert history_len(f, h) == before[h]
             assert f.exec(h, "test", "-e", f"/var/lib/deploytool/bundles/{r2.bundle_id}").returncode != 0
