@@ -143,9 +143,11 @@ def test_second_release_reuses_what_the_host_has_at_any_path(tmp_path, dest):
     assert r["reused_files"] == len(files_b) - 1
     final = dest / mb.bundle_id
     assert tree(final) == tree(src_b)
-    # reused by hard link: one inode for both bundles' copies
-    assert os.stat(final / "venv.tar.zst").st_ino == os.stat(dest / ma.bundle_id / "venv.tar.zst").st_ino
-    assert os.stat(final / "moved/a-1.whl").st_ino == os.stat(dest / ma.bundle_id / "wheels/a-1.whl").st_ino
+    # reused by a local copy, not a hard link: deploytool's bundle verify refuses a file with other links
+    for new, old in (("venv.tar.zst", "venv.tar.zst"), ("moved/a-1.whl", "wheels/a-1.whl")):
+        a, b = os.stat(final / new), os.stat(dest / ma.bundle_id / old)
+        assert a.st_ino != b.st_ino and a.st_nlink == b.st_nlink == 1
+    assert all(os.lstat(p).st_nlink == 1 for p in final.rglob("*") if p.is_file())
 
 
 def test_same_bytes_with_another_mode_are_copied_not_linked(tmp_path, dest):

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from tests.support.demo_box import REPO, make_demo, pack
+from tests.support.sandbox import RUN_PARENT
 
 WHEEL = "sniffio"  # small, pure Python, in the cpu-demo lock
 
@@ -106,13 +107,15 @@ def _inputs_key() -> str:
 
 def cached_pair() -> tuple[Path, Path]:
     """pack_pair's two bundle directories, packed once per change of their inputs (a pack of each takes about a
-    minute on a 2-core machine) and kept under .cache/ship-bundles/<inputs key>/ (older keys are removed).
+    minute on a 2-core machine) and kept under $DEPLOYTOOL_TEST_ROOT/ship-bundles/<inputs key>/ (default
+    /var/lib/deploytool-test; older keys are removed), never under the checkout: its path may hold a space, which
+    a config's paths cannot (the pack refuses them).
     The key leaves out the collection files a bundle may carry (ansible/): a pair packed with an older copy of
     them is still two valid bundles one wheel apart, which is all the ship tests and bench need."""
     import shutil
     import uuid
 
-    root = REPO / ".cache" / "ship-bundles"
+    root = Path(RUN_PARENT) / "ship-bundles"
     key = _inputs_key()
     done = root / key
     if not (done / "ok").is_file():

@@ -4,8 +4,9 @@ A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle
 
   prepare(dest, manifest)   which files of the MANIFEST the host already has, by SHA-256, in the bundles under
                             DEST (each checked before it is trusted: see TrustCache); a staging directory
-                            DEST/.incoming-<release>-<random> seeded with hard links (a copy when the mode differs
-                            or a link is impossible) of every file it has; the list of the missing ones.
+                            DEST/.incoming-<release>-<random> seeded with local copies of every file it has (not
+                            hard links: install refuses a bundle file with other links); the list of the missing
+                            ones.
   (the controller sends the missing files into the staging directory with rsync)
   commit(dest, staging, manifest, ...)
                             EVERY file of the staging directory checked against the MANIFEST (no extra or missing
@@ -332,15 +333,10 @@ def _mkparents(root, rel):
 
 
 def _place(src, dst, mode):
-    """Put a copy of trusted file `src` at `dst` with `mode`: a hard link when the mode is the same, else (or when
-    the file system refuses the link) a copy. Returns 'link' or 'copy'."""
-    if stat.S_IMODE(os.lstat(src).st_mode) == mode:
-        try:
-            os.link(src, dst)
-            return "link"
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
+    """Put a copy of trusted file `src` at `dst` with `mode`. Always a copy, never a hard link: deploytool's bundle
+    verify refuses a bundle directory whose files have other links (a file reachable by another name could change
+    under the bundle), so a shipped bundle must hold files of its own. The copy is local: nothing goes over the
+    network for it. Returns 'copy'."""
     tmp = dst + ".part"
     shutil.copyfile(src, tmp)
     os.chmod(tmp, mode)
@@ -535,10 +531,8 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None):
                 src, _ = found[e.sha256]
                 _mkparents(staging, e.path)
                 dst = os.path.join(staging, e.path)
-                how = _place(src, dst, e.mode)
+                _place(src, dst, e.mode)
                 touched.append((dst, e.sha256))
-                if how == "link":
-                    touched.append((src, e.sha256))
             _refresh(cache, touched)
             cache.save()
         except BaseException:
