@@ -279,7 +279,7 @@ def test_keep_removes_the_oldest_and_the_kept_stay_trusted(tmp_path, dest):
     assert ms[3][2]["commit"]["removed"] == [str(dest / ms[1][1].bundle_id)]
     assert ms[3][2]["reused_files"] == len(FILES_A)  # the shared files came from the earlier bundles
     time.sleep(sc.RACY_NS / 1e9)
-    # the unlinks of the removed bundles moved the shared files' ctime; the records were renewed under the lock
+    # removing the oldest bundles left the kept ones' files and their records as they were
     r = sc.prepare(str(dest), ms[2][1])
     assert r["present"] is True and r["hashed_bytes"] == 0
 

@@ -34,7 +34,6 @@ resets the clock; `rehash: true` re-reads everything for those.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -336,12 +335,11 @@ def _place(src, dst, mode):
     """Put a copy of trusted file `src` at `dst` with `mode`. Always a copy, never a hard link: deploytool's bundle
     verify refuses a bundle directory whose files have other links (a file reachable by another name could change
     under the bundle), so a shipped bundle must hold files of its own. The copy is local: nothing goes over the
-    network for it. Returns 'copy'."""
+    network for it."""
     tmp = dst + ".part"
     shutil.copyfile(src, tmp)
     os.chmod(tmp, mode)
     os.rename(tmp, dst)
-    return "copy"
 
 
 def _have(dest, manifest, cache, skip=None):
@@ -452,8 +450,8 @@ def _verify_tree(root, manifest, cache, fsync_new=False, allow_manifest=True):
 
 
 def _refresh(cache, paths):
-    """After our own link/unlink of trusted files (which moves their ctime), record them again: they are the files
-    we trusted a moment ago under the lock. Waits out RACY_NS once so the new records are usable."""
+    """Record the copies just made, under the lock, from files trusted a moment ago, with their sources' SHA-256.
+    Waits out RACY_NS once so the new records are usable."""
     if not cache.enabled or not paths:
         return
     time.sleep(RACY_NS / 1e9 * 1.2)
@@ -608,31 +606,15 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
             os.rename(staging, final)
             os.utime(final)  # newest: `keep` counts from it
             removed = []
-            gone = set()
             if trash:
                 if os.path.isdir(trash) and not os.path.islink(trash):
-                    gone.update(_inodes(trash))
                     shutil.rmtree(trash, ignore_errors=True)
                 else:
                     os.unlink(trash)  # a file or link where the release directory belongs
+            # bundles share no inode (_place copies), so removing one leaves the others' files and records as they were
             for old in bundle_dirs(dest)[keep:]:
-                gone.update(_inodes(old))
                 shutil.rmtree(old, ignore_errors=True)
                 removed.append(old)
-            # Our own unlinks moved the ctime of files still kept through other links: record them again.
-            again = []
-            for bdir in bundle_dirs(dest):
-                with contextlib.suppress(ShipError):
-                    for e in read_manifest(bdir).files:
-                        p = os.path.join(bdir, e.path)
-                        with contextlib.suppress(OSError):
-                            st = os.lstat(p)
-                            k = TrustCache.key(st)
-                            rec = cache.map.get(k)
-                            if k in gone and rec is not None and rec[3] == e.sha256 and \
-                                    (rec[0], rec[1]) == (st.st_size, st.st_mtime_ns):
-                                again.append((p, e.sha256))
-            _refresh(cache, again)
             live = set()
             for bdir in bundle_dirs(dest):
                 live.update(_inodes(bdir))
