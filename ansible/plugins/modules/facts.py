@@ -18,17 +18,8 @@ options:
     description: Also read what the running process loaded (C(status --deep)).
     type: bool
     default: false
-  config:
-    description: The box's config on the host.
-    type: path
-    default: /etc/deploytool/deploytool.yaml
-  root:
-    description: paths.root of the config.
-    type: path
-    default: /opt/deploytool
-  deploytool:
-    description: deploytool's CLI on the host (default ROOT/current/tool/bin/deploytool).
-    type: path
+extends_documentation_fragment:
+  - deploytool.fleet.common
 """
 
 RETURN = r"""

@@ -22,10 +22,6 @@ options:
     description: The bundle directory on the host (what deploytool.fleet.ship returns as C(path)).
     type: path
     required: true
-  config:
-    description: The box's config on the host (paths.config, what the units' ExecStartPre reads).
-    type: path
-    default: /etc/deploytool/deploytool.yaml
   config_content:
     description: The config to install at C(config) before the release (text); omitted, the host's own is used.
     type: str
@@ -48,13 +44,8 @@ options:
     description: Start the default backend behind the health gate (false - C(install --no-start)).
     type: bool
     default: true
-  root:
-    description: paths.root of the config (where C(current/tool/bin/deploytool) is found).
-    type: path
-    default: /opt/deploytool
-  deploytool:
-    description: deploytool's CLI on the host (default ROOT/current/tool/bin/deploytool).
-    type: path
+extends_documentation_fragment:
+  - deploytool.fleet.common
 """
 
 RETURN = r"""

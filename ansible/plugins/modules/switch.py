@@ -33,17 +33,8 @@ options:
     description: A fleet run id - before changing the host, record what it had in
       /var/lib/deploytool/fleet/last-run.json for revert.yml.
     type: str
-  config:
-    description: The box's config on the host.
-    type: path
-    default: /etc/deploytool/deploytool.yaml
-  root:
-    description: paths.root of the config.
-    type: path
-    default: /opt/deploytool
-  deploytool:
-    description: deploytool's CLI on the host (default ROOT/current/tool/bin/deploytool).
-    type: path
+extends_documentation_fragment:
+  - deploytool.fleet.common
 """
 
 RETURN = r"""

@@ -1,0 +1,22 @@
+# -*- coding: utf-8 -*-
+# The options every deploytool.fleet module that runs deploytool on the host shares (module_utils/deploytool.py
+# COMMON_ARGS): where the box's config and deploytool's CLI are.
+
+from __future__ import annotations
+
+
+class ModuleDocFragment:
+    DOCUMENTATION = r"""
+options:
+  config:
+    description: The box's config on the host (paths.config, what the units' ExecStartPre reads).
+    type: path
+    default: /etc/deploytool/deploytool.yaml
+  root:
+    description: paths.root of the config (where C(current/tool/bin/deploytool) is found).
+    type: path
+    default: /opt/deploytool
+  deploytool:
+    description: deploytool's CLI on the host (default ROOT/current/tool/bin/deploytool).
+    type: path
+"""
