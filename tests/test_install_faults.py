@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bundles import bundle_dir_copy, swap_same_size
 from tests.support.demo_box import Box, active_units, bundle_in, chat, dt, make_demo, pack, variant
 from tests.support.sandbox import free_port, new_run_dir
 
@@ -199,15 +200,6 @@ def test_full_disk_is_a_clean_error(fresh, sbx, size, where):
 
 # ------------------------------------------------------------------------------- verified bytes, box fitness
 
-def _bundle_dir_copy(bundle: Path, dest: Path) -> Path:
-    """A private copy of the bundle directory packed beside `bundle` (the form the README tells to rsync)."""
-    src = bundle.parent / bundle.name.split(".tar")[0]
-    out = dest / src.name
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(src, out)
-    return out
-
-
 def _stopped_install(cfg: Path, *args: str, point: str) -> subprocess.Popen[str]:
     """`deploytool install ARGS` that SIGSTOPs itself at fault point `point`; returned once it is stopped."""
     import time
@@ -230,19 +222,6 @@ def _stopped_install(cfg: Path, *args: str, point: str) -> subprocess.Popen[str]
     return p
 
 
-def _swap(p: Path) -> bytes:
-    """Replace p (rename over it, as an attacker would) with other bytes of the same size and mode."""
-    data = p.read_bytes()
-    other = bytes(b ^ 0x20 if 0x41 <= (b & 0xDF) <= 0x5A else b for b in data) if b"\0" not in data[:4096] \
-        else data[:-1] + bytes([data[-1] ^ 1])
-    assert other != data and len(other) == len(data)
-    tmp = p.with_name(p.name + ".swap")
-    tmp.write_bytes(other)
-    tmp.chmod(p.stat().st_mode & 0o7777)
-    os.replace(tmp, p)
-    return other
-
-
 # every kind of file swapped (and a swap after the copy) is tests/test_install_kills.py's, in-process; here, the CLI
 # SIGSTOPped for real, and its one error line
 @pytest.mark.parametrize("victim", ["env/ftllm-dflash.env"])
@@ -250,11 +229,11 @@ def test_file_swapped_after_the_signature_check_is_refused(fresh, sbx, victim, t
     """install of a bundle directory, stopped right after the signature check; VICTIM is swapped for other bytes
     of the same size and mode; install resumes: exit 6, one error line naming VICTIM, nothing installed."""
     bx: Box = fresh["box"]
-    bdir = _bundle_dir_copy(fresh["a"], tmp_path)
+    bdir = bundle_dir_copy(fresh["a"], tmp_path)
     assert (bdir / victim).is_file(), sorted(p.name for p in bdir.iterdir())
     p = _stopped_install(fresh["cfg"], str(bdir), point="signature-checked")
     try:
-        _swap(bdir / victim)
+        swap_same_size(bdir / victim)
     finally:
         os.kill(p.pid, 18)  # SIGCONT
     out, err = p.communicate(timeout=600)
@@ -393,10 +372,10 @@ def test_swap_while_serving_leaves_the_serving_release_alone(with_a, sbx, tmp_pa
     bx: Box = with_a["box"]
     before = {p.name: p.read_bytes() for p in [*bx.unit_dir.glob("*.service"), *bx.env_dir.iterdir()]}
     pid = sbx.systemd.show("ftllm-dflash.service").main_pid
-    bdir = _bundle_dir_copy(with_a["b"], tmp_path)
+    bdir = bundle_dir_copy(with_a["b"], tmp_path)
     p = _stopped_install(with_a["cfg_b"], str(bdir), point="signature-checked")
     try:
-        _swap(bdir / "env" / "ftllm-dflash.env")
+        swap_same_size(bdir / "env" / "ftllm-dflash.env")
     finally:
         os.kill(p.pid, 18)
     out, err = p.communicate(timeout=600)

@@ -38,6 +38,7 @@ from deploy_tool.errors import DeployError
 from deploy_tool.manifest import generate_keypair
 from tests.support import fake_systemd as fs
 from tests.support.backends import free_port
+from tests.support.bundles import bundle_dir_copy, swap_same_size
 from tests.support.configs import DELETE, example_dict, set_key, write_dict
 from tests.support.tiny_model import write_model
 
@@ -421,37 +422,16 @@ def test_upgrade_killed_then_install_again_completes(box: Box, saved_a: Path, st
 
 # ------------------------------------------------------------------------------------------------ verified bytes
 
-def _bundle_dir_copy(bundle: Path, dest: Path) -> Path:
-    """A private copy of the bundle directory packed beside `bundle` (the form the README tells to rsync)."""
-    src = bundle.parent / bundle.name.split(".tar")[0]
-    out = dest / src.name
-    shutil.copytree(src, out)
-    return out
-
-
-def _swap(p: Path) -> bytes:
-    """Replace p (rename over it, as an attacker would) with other bytes of the same size and mode."""
-    data = p.read_bytes()
-    other = bytes(b ^ 0x20 if 0x41 <= (b & 0xDF) <= 0x5A else b for b in data) if b"\0" not in data[:4096] \
-        else data[:-1] + bytes([data[-1] ^ 1])
-    assert other != data and len(other) == len(data)
-    tmp = p.with_name(p.name + ".swap")
-    tmp.write_bytes(other)
-    tmp.chmod(p.stat().st_mode & 0o7777)
-    os.replace(tmp, p)
-    return other
-
-
 @pytest.mark.parametrize("victim", ["env/ftllm-dflash.env", "units/llamacpp-tensor.service", "config.json",
                                     "templates/chat_template.jinja", "venv.tar.zst"])
 def test_file_swapped_after_the_signature_check_is_refused(box: Box, victim: str, tmp_path: Path) -> None:
     """install of a bundle directory, stopped right after the signature check; VICTIM is swapped for other bytes
     of the same size and mode; install goes on: exit 6, the error names VICTIM, nothing installed.
     (The CLI's one error line for it, on the real sandbox: tests/test_install_faults.py.)"""
-    bdir = _bundle_dir_copy(box.b.a, tmp_path)
+    bdir = bundle_dir_copy(box.b.a, tmp_path)
     assert (bdir / victim).is_file(), sorted(p.name for p in bdir.iterdir())
     swapped: list[str] = []
-    out = box.install_stopped(bdir, "signature-checked", lambda: swapped.append(_swap(bdir / victim) and victim))
+    out = box.install_stopped(bdir, "signature-checked", lambda: swapped.append(swap_same_size(bdir / victim) and victim))
     assert swapped == [victim]
     assert out.what == "error" and out.error is not None and int(out.error.exit_code) == 6, (out, box.log)
     assert victim in out.error.message.splitlines()[0], out.error.message
@@ -463,12 +443,12 @@ def test_file_swapped_after_the_signature_check_is_refused(box: Box, victim: str
 def test_swap_after_the_copy_installs_the_signed_bytes(box: Box, tmp_path: Path) -> None:
     """A swap after install has copied the bundle (stopped at venv-ready) changes nothing: the env file and unit
     installed are the signed ones, byte for byte."""
-    bdir = _bundle_dir_copy(box.b.a, tmp_path)
+    bdir = bundle_dir_copy(box.b.a, tmp_path)
     signed = {n: (bdir / n).read_bytes() for n in ("env/ftllm-dflash.env", "units/ftllm-dflash.service")}
 
     def swap_all() -> None:
         for n in signed:
-            _swap(bdir / n)
+            swap_same_size(bdir / n)
 
     out = box.install_stopped(bdir, "venv-ready", swap_all, start=False)
     assert out.what == "installed", (out, box.log)

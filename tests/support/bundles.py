@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import tarfile
 import zipfile
 from collections.abc import Callable
@@ -191,3 +192,25 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes | None = None, 
 def mutate_archive(src: Path, dst: Path, fn: Callable[[list[Member]], list[Member]], *,
                    compress: bool = True) -> Path:
     return write_members(dst, fn(read_members(src)), compress=compress)
+
+
+def bundle_dir_copy(bundle: Path, dest: Path) -> Path:
+    """A private copy of the bundle directory packed beside `bundle` (the form the README tells to rsync)."""
+    src = bundle.parent / bundle.name.split(".tar")[0]
+    out = dest / src.name
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out)
+    return out
+
+
+def swap_same_size(p: Path) -> bytes:
+    """Replace p (rename over it, as an attacker would) with other bytes of the same size and mode."""
+    data = p.read_bytes()
+    other = bytes(b ^ 0x20 if 0x41 <= (b & 0xDF) <= 0x5A else b for b in data) if b"\0" not in data[:4096] \
+        else data[:-1] + bytes([data[-1] ^ 1])
+    assert other != data and len(other) == len(data)
+    tmp = p.with_name(p.name + ".swap")
+    tmp.write_bytes(other)
+    tmp.chmod(p.stat().st_mode & 0o7777)
+    os.replace(tmp, p)
+    return other
