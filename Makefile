@@ -4,6 +4,9 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+# workers side by side (pytest-xdist): most of the suite waits on real servers and systemd, not on the CPU;
+# tests/support/groups.py keeps what shares a box, a fleet or a module's fixtures on one worker. 0: one process
+TEST_WORKERS ?= 3
 
 .PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check collection clean help
 
@@ -29,7 +32,7 @@ $(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples
 setup: $(STAMP)
 
 test: setup
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-e2e: setup
 	$(VPY) -m pytest -m e2e tests/test_e2e.py

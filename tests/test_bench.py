@@ -489,11 +489,11 @@ _CLI_WITH_BENCH = ("from deploy_tool.cli import main\n"
 @pytest.mark.backends
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_bench_the_installed_service_with_backend_and_release_from_state(request: pytest.FixtureRequest) -> None:
+def test_bench_the_installed_service_with_backend_and_release_from_state(installed: Path) -> None:
     """Against the service a real install runs under sandboxed systemd: BACKEND and release default to what
     state.json records, the baseline lands in <state_dir>/bench/<release>/<backend>.json, and perf_gate on the
     same service passes against it (with every kind compared)."""
-    cfg_path: Path = request.getfixturevalue("installed")
+    cfg_path = installed
     import subprocess
     import sys
 
