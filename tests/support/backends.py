@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shlex
 import signal
 import socket
@@ -94,11 +95,25 @@ def ftllm_binary() -> Path:
     return binary
 
 
+_PORTS = random.SystemRandom()  # not the `random` module: hypothesis seeds that alike in every xdist worker
+
+
 def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read, close)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago, picked at random just below the kernel's ephemeral port range.
+
+    Not port 0's pick, which lies inside that range: with tests running side by side (xdist workers), a served
+    port from there can become the local port of another process's outgoing connection once its listener has
+    closed, and a drain, which counts the established connections on the served port, then waits for it."""
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(500):
+        port = _PORTS.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} below {lo}")
 
 
 # --------------------------------------------------------------------------------------------- argv

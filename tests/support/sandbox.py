@@ -111,10 +111,10 @@ def leftover_cgroups() -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (tests.support.backends.free_port: why not port 0's)."""
+    from tests.support.backends import free_port as pick
+
+    return pick("127.0.0.1")
 
 
 def wait_http(port: int, timeout: float = 10.0) -> bool:
@@ -150,6 +150,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not hasattr(session.config, "workerinput"):  # the run's main process (xdist's controller, or the only one)
+        from tests.support import lock_cache
+
+        lock_cache.remove_own()
     before = session.config.stash.get(_P1_CGROUP, None)
     after = Path("/proc/1/cgroup").read_text()
     if before is not None and before != after:
