@@ -1,9 +1,9 @@
 """`deploytool lock` once per test run for every cpu-demo box of the run.
 
-Each test box (the session's installed box, the install fault box, the bootstrap, secrets and fleet boxes) is packed
-from the same requirements.in, so their locks are the same file and their tool wheels (deploytool's own
-wheel built from this checkout, and its dependencies) the same wheels; a lock costs ~12 s. The first box of a run (of any xdist worker) runs the
-real `deploytool lock`; every later box gets a copy of what it wrote. Nothing is kept between runs: the cache
+Each test box (the session's installed box, the install fault box, the bootstrap, secrets and fleet boxes) is
+packed from the same requirements.in, so their locks are the same file and their tool wheels (deploytool's own
+wheel built from this checkout, and its dependencies) the same wheels; a lock costs ~12 s. The first box of a run
+(of any xdist worker) runs the real `deploytool lock`; every later box gets a copy of what it wrote. Nothing is kept between runs: the cache
 lives in $DEPLOYTOOL_TEST_ROOT/lock-cache-<run>/, owned (owner.json) by the run's main pytest process, which
 removes it at the end (a killed run's is swept by the next, as a sandbox is).
 """
@@ -41,29 +41,30 @@ def _locked(d: Path) -> Iterator[None]:
         yield
 
 
-def _paths(cfg: Path) -> tuple[Path, Path, Path, bytes]:
+def _paths(cfg: Path) -> tuple[Path, Path, str]:
+    """cfg's lock file, its tool wheels directory (the config's default when unset), and the key of what a lock
+    of it depends on (the requirements, the lock mode, the python)."""
     b = yaml.safe_load(cfg.read_text())["bundle"]
 
     def at(p: str) -> Path:
         return (cfg.parent / p) if not p.startswith("/") else Path(p)
 
-    req = at(b["requirements"])
-    key = json.dumps([hashlib.sha256(req.read_bytes()).hexdigest(), b.get("lock_mode"), b.get("python"),
-                      bool(b.get("tool_wheels_dir"))]).encode()
-    return req, at(b["lock"]), at(b.get("tool_wheels_dir") or "tool-wheels"), key  # the config's default
+    key = json.dumps([hashlib.sha256(at(b["requirements"]).read_bytes()).hexdigest(), b.get("lock_mode"),
+                      b.get("python")]).encode()
+    return at(b["lock"]), at(b.get("tool_wheels_dir") or "tool-wheels"), hashlib.sha256(key).hexdigest()[:16]
 
 
 def lock(cfg: Path, real_lock: Callable[[], None]) -> bool:
     """Give cfg's box its lock and tool wheels: a copy of this run's first lock of the same inputs, else
     `real_lock()` (deploytool lock), whose results are then kept for the next box. True if it was a copy."""
-    _, lock_path, tool, key = _paths(cfg)
+    lock_path, tool, key = _paths(cfg)
     d = run_dir()
     RUN_PARENT.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         d.mkdir(mode=0o755)
         pid = _main_pid()
         (d / "owner.json").write_text(json.dumps({"pid": pid, "start": _start_time(pid)}))
-    entry = d / hashlib.sha256(key).hexdigest()[:16]
+    entry = d / key
     with _locked(d):
         if (entry / "done").is_file():
             shutil.copyfile(entry / "requirements.lock", lock_path)
