@@ -378,6 +378,17 @@ def _jits_ptx(e: FatbinEntry, major: int, minor: int) -> bool:
     return e.arch_number <= major * 10 + minor
 
 
+def runnable_code(info: FatbinInfo, cc: str) -> str | None:
+    """What of the library's device code a GPU of compute capability `cc` runs: "cubin" (machine code, exact or
+    by CUDA's compatibility rule), "ptx" (only PTX the driver compiles at start), or None (nothing)."""
+    major, minor = _parse_cc(cc)
+    if any(_runs_cubin(e, major, minor) for e in info.runtime_entries("cubin")):
+        return "cubin"
+    if any(_jits_ptx(e, major, minor) for e in info.runtime_entries("ptx")):
+        return "ptx"
+    return None
+
+
 def arch_supported(info: FatbinInfo, cc: str = "7.5", policy: str = "exact") -> tuple[bool, str]:
     """Whether the library's device code serves a GPU of compute capability `cc`, and why (one paragraph).
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from deploy_tool import gguf_header, portwait
+from deploy_tool import gguf_header, gpu, portwait
 from deploy_tool.config import (
     BUNDLED_NCCL,
     BUNDLED_TEMPLATE,
@@ -41,8 +41,8 @@ from deploy_tool.render import (
     NVIDIA_MODPROBE,
     NVIDIA_PERSISTENCED,
     backend_env,
-    launch_argv,
     render_backend,
+    server_argv,
 )
 
 Severity = Literal["error", "warning", "info"]
@@ -156,6 +156,15 @@ CATALOG: tuple[CheckInfo, ...] = (
               "issue 16: boot can lose the GPU"),
     CheckInfo("nvidia-persistenced-absent", "info", "no nvidia-persistenced.service for the units to start after",
               "issue 16: boot can lose the GPU"),
+    CheckInfo("cuda-no-driver", "error", "a cuda backend on a box without the NVIDIA driver",
+              "issue 24: a lost GPU serves on the CPU unnoticed"),
+    CheckInfo("gpu-missing", "error", "a host.gpus entry the box does not have",
+              "issue 24: a lost GPU serves on the CPU unnoticed"),
+    CheckInfo("gpu-nodes-closed", "error", "NVIDIA device nodes the service user cannot open (e.g. 0660 root:video "
+              "without host.gpu_group)", "field notes, pitfall 19"),
+    CheckInfo("gpu-jit-first-start", "info", "no machine code for this GPU in a binary: the first start compiles "
+              "PTX (JIT), kept in the unit's CUDA cache", "field notes, pitfall 20"),
+    CheckInfo("gpu-code-missing", "error", "a binary has no code at all that runs on this GPU", "field notes, pitfall 1"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -967,7 +976,7 @@ def _last_flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
 
 def _launch(cfg: Config, b: Backend) -> list[str]:
     # an argument systemd fills in (the API key's credential path) is no flag and no value a check compares
-    return [a if isinstance(a, str) else "%d/" + a.name for a in launch_argv(cfg, b)]
+    return [a if isinstance(a, str) else "%d/" + a.name for a in server_argv(cfg, b)]
 
 
 def check_extra_args_override(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
@@ -1015,8 +1024,8 @@ def _visible_cuda_devices(cfg: Config, b: Backend) -> tuple[list[str], str]:
 def _llama_devices(cfg: Config, b: LlamacppBackend) -> tuple[int, str]:
     """How many GPUs llama-server will split over: its -dev/--device list (or LLAMA_ARG_DEVICE) when given,
     else every visible CUDA device."""
-    argv = _launch(cfg, b)
-    dev = _last_flag_value(argv, ("-dev", "--device"))
+    # the --device the unit renders follows the visible GPUs; one the config adds (extra_args) decides
+    dev = _last_flag_value(list(b.extra_args), ("-dev", "--device"))
     if dev is None and "LLAMA_ARG_DEVICE" in _env(b):
         dev = _env(b)["LLAMA_ARG_DEVICE"]
         where = f"backends.{b.name}.env.LLAMA_ARG_DEVICE={dev!r}"
@@ -1434,15 +1443,18 @@ def check_gpu_boot(ctx: _Ctx) -> Iterator[Finding]:
         import shutil
 
         elsewhere = shutil.which("nvidia-modprobe") if HOST_ROOT == "/" else None
+        mk = " ".join(f"-c={int(g)}" for g in ctx.cfg.host.gpus) + " -c=255"
         nodes = ["/dev/nvidiactl", "/dev/nvidia-uvm", *(f"/dev/nvidia{int(g)}" for g in ctx.cfg.host.gpus)]
         absent = [n for n in nodes if not _host(n).exists()]
         yield _f("nvidia-modprobe-missing", "warning", None,
                  f"{NVIDIA_MODPROBE} does not exist{f' ({elsewhere} does)' if elsewhere else ''}: the units of "
-                 f"{who} skip their ExecStartPre=-+{NVIDIA_MODPROBE} -u -c=N, so nothing loads nvidia-uvm and "
-                 f"creates the device nodes before the server starts, and CUDA's own lazy call of the setuid "
-                 f"nvidia-modprobe is blocked by NoNewPrivileges=yes: after a cold boot the server can fail CUDA "
-                 f"init. Now " + (f"missing: {', '.join(absent)}" if absent else f"all of {', '.join(nodes)} exist"),
-                 (f"add a drop-in ({cuda[0]}.service.d/nvidia.conf) with ExecStartPre=-+{elsewhere} -u -c=N per GPU"
+                 f"{who} skip their ExecStartPre=-+{NVIDIA_MODPROBE} {mk} (the GPUs' nodes and /dev/nvidiactl) and "
+                 f"-u -c=0 (nvidia-uvm and /dev/nvidia-uvm), so nothing loads the modules and creates the device "
+                 f"nodes before the server starts, and CUDA's own lazy call of the setuid nvidia-modprobe is blocked "
+                 f"by NoNewPrivileges=yes: after a cold boot the server can fail CUDA init. Now "
+                 + (f"missing: {', '.join(absent)}" if absent else f"all of {', '.join(nodes)} exist"),
+                 (f"add a drop-in ({cuda[0]}.service.d/nvidia.conf) with ExecStartPre=-+{elsewhere} {mk} and "
+                  f"ExecStartPre=-+{elsewhere} -u -c=0 (with -u, -c is the uvm node's minor, not a GPU)"
                   if elsewhere else "install nvidia-modprobe (Debian/Ubuntu: apt install nvidia-modprobe; it comes "
                   "with NVIDIA's driver packages)") + ", or create the nodes at boot (NVIDIA's udev rules, "
                  "nvidia-persistenced)")
@@ -1455,15 +1467,132 @@ def check_gpu_boot(ctx: _Ctx) -> Iterator[Finding]:
                  "driver initialised and creates /dev/nvidia0.. and /dev/nvidiactl at boot, before the backends")
 
 
+def _service_groups(cfg: Config) -> tuple[str, ...] | None:
+    """The groups the backends' user is in, by name (None: root, which opens every node)."""
+    groups = [cfg.host.gpu_group] if cfg.host.gpu_group else []
+    user = cfg.serve.user
+    if user == "root":
+        return None
+    if user != "dynamic":
+        import grp
+        import pwd
+
+        try:
+            pw = pwd.getpwnam(user)
+            groups.append(grp.getgrgid(pw.pw_gid).gr_name)
+        except KeyError:
+            pass
+        groups += [g.gr_name for g in grp.getgrall() if user in g.gr_mem]
+    return tuple(groups)
+
+
+def check_gpu_box(ctx: _Ctx) -> Iterator[Finding]:
+    """The cuda backends' GPUs as the box has them: the driver loaded, every host.gpus entry a GPU of it, and the
+    nodes open to the service user (world read-writable, or through host.gpu_group): each failure otherwise makes
+    the server fall back to the CPU (llama-server) or fail CUDA init, without a word from systemd."""
+    cuda = sorted(b.name for b in ctx.cfg.backends.values() if b.device == "cuda")
+    if not cuda or not ctx.on_box:
+        return
+    who, cfg = ", ".join(cuda), ctx.cfg
+    gpus = gpu.driver_gpus(HOST_ROOT)
+    if gpus is None:
+        yield _f("cuda-no-driver", "error", None,
+                 f"{who} run on the GPUs (device: cuda), but this machine has no NVIDIA driver loaded "
+                 f"(/proc/driver/nvidia is missing): they would fail CUDA init at every start, and llama-server would "
+                 f"serve on the CPU", "install and load the NVIDIA driver (e.g. apt install nvidia-driver, then reboot), "
+                 "or set device: cpu for a machine without a GPU")
+        return
+    minors = {g.minor: g for g in gpus}
+    have = ", ".join(f"{g.minor} ({g.model}, {g.bus})" for g in gpus) or "none"
+    lost = [int(g) for g in cfg.host.gpus
+            if not (int(g) in minors if minors else gpu.node(gpu.gpu_node(g), HOST_ROOT) is not None)]
+    if lost:
+        yield _f("gpu-missing", "error", None,
+                 f"host.gpus lists GPU{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}, but the driver has "
+                 f"no GPU of {'those minors' if len(lost) > 1 else 'that minor'} "
+                 f"({', '.join(gpu.gpu_node(g) for g in lost)}); it has: {have}",
+                 "list the box's GPUs in host.gpus by their minor (`nvidia-smi -L` in PCI order, or "
+                 "`grep 'Device Minor' /proc/driver/nvidia/gpus/*/information`)")
+    groups = _service_groups(cfg)
+    if groups is None:
+        return
+    nodes = gpu.box_nodes(cfg.host.gpus, HOST_ROOT)
+    closed = gpu.closed_nodes(nodes, groups=groups)
+    if closed:
+        need = sorted({n.group for n in closed if n.mode & 0o060 == 0o060})
+        user = "the DynamicUser" if cfg.serve.user == "dynamic" else f"user {cfg.serve.user}"
+        fix = (f"set host.gpu_group: {need[0]} (the units get SupplementaryGroups={need[0]}), then pack and install "
+               f"again" if len(need) == 1 else "make the nodes world read-writable (NVreg_DeviceFileMode=0666) or "
+               "owned by one group, and set host.gpu_group to it")
+        yield _f("gpu-nodes-closed", "error", None,
+                 f"{user} of {who} cannot open {', '.join(n.describe() for n in closed)}"
+                 + (f" (host.gpu_group is {cfg.host.gpu_group})" if cfg.host.gpu_group else " (host.gpu_group unset)")
+                 + ": CUDA init fails and llama-server serves on the CPU (measured on an H200 with 0660 root:video "
+                   "nodes, with or without PrivateUsers=)", fix)
+
+
+def _gpu_binaries(cfg: Config, b: Backend) -> list[str]:
+    """The files with GPU code a cuda backend runs: llama-server and its libraries, or ftllm's CUDA library."""
+    if isinstance(b, LlamacppBackend):
+        return [f for f in llama_files(expand(cfg, b.binary)) if os.path.isfile(f)]
+    venv = Path(cfg.paths.current) / "venv" / "lib"
+    return sorted(str(p) for p in venv.glob("python3*/site-packages/ftllm/libfastllm_tools*.so")
+                  if "-cpu" not in p.name)
+
+
+def check_gpu_code(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
+    """Whether the backend's binaries carry machine code for host.compute_capability, or only PTX the driver
+    compiles at start (the JIT, kept in the unit's CacheDirectory= across starts)."""
+    if b.device != "cuda" or not ctx.inspect_files or not ctx.on_box:
+        return
+    from deploy_tool import binaries  # lazy: see the module's docstring
+
+    cc = ctx.cfg.host.compute_capability
+    sm = "sm_" + cc.replace(".", "")
+    for path in _gpu_binaries(ctx.cfg, b):
+        try:
+            info = binaries.read_fatbin(path)
+        except DeployError:
+            continue
+        if not info.has_fatbin:
+            continue
+        code = binaries.runnable_code(info, cc)
+        name = Path(path).name
+        if code == "ptx":
+            yield _f("gpu-jit-first-start", "info", b.name,
+                     f"{name} has no {sm} machine code (cubins: {', '.join(info.cubin_archs) or 'none'}; PTX: "
+                     f"{', '.join(info.ptx_archs)}): the driver compiles its PTX at the first start on this GPU, which "
+                     f"can take minutes for a large build; the unit's CUDA cache (CacheDirectory=, "
+                     f"CUDA_CACHE_PATH=/var/cache/deploytool-{b.name}/cuda) keeps the result across starts until the "
+                     f"driver changes or the cache passes CUDA_CACHE_MAXSIZE",
+                     f"nothing to do, or build it with {sm} code to skip the JIT")
+        elif code is None:
+            yield _f("gpu-code-missing", "error", b.name,
+                     f"{name} has no code that runs on a {cc} GPU (cubins: {', '.join(info.cubin_archs) or 'none'}; "
+                     f"PTX: {', '.join(info.ptx_archs) or 'none'}): CUDA fails with 'no kernel image is available'",
+                     f"use a build with {sm} code (or PTX of an architecture at most {sm})")
+
+
 BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_device, check_cuda_graph, check_nccl, check_draft_tokens, check_fp8_kv_dflash, check_cuda_embedding,
     check_gpu_mem_ratio, check_chat_template_thinking, check_think, check_capacity, check_split_row, check_tensor,
     check_mtp_kv, check_q8_f16_context, check_gguf, check_extra_args_override, check_tensor_one_device,
     check_visible_devices_allowed, check_llama_verbosity, check_threads, check_ctx_over_training,
-    check_draft_unused, check_api_key_exposed,
+    check_draft_unused, check_api_key_exposed, check_gpu_code,
 )
 BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_unit_visibility,
-                                    check_port_in_use, check_context_differs, check_os_libraries, check_gpu_boot)
+                                    check_port_in_use, check_context_differs, check_os_libraries, check_gpu_boot,
+                                    check_gpu_box)
+
+
+def gpu_box_errors(cfg: Config) -> list[Finding]:
+    """What install refuses before it changes anything: the errors of the cuda backends' GPU checks, on this box
+    (whatever nvidia_present() says: a box without the driver is the first such error)."""
+    ctx = _Ctx(cfg, inspect_files=True, on_box=True)
+    out = [*check_gpu_box(ctx)]
+    for name in sorted(cfg.backends):
+        out += check_gpu_code(ctx, cfg.backends[name])
+    return [f for f in out if f.severity == "error"]
 
 
 def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:

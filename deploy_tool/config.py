@@ -34,6 +34,7 @@ EXAMPLES = ("two-2080ti", "cpu-demo")
 BUNDLED_TEMPLATE = "templates/chat_template.jinja"
 BUNDLED_NCCL = "nccl/libnccl.so.2"
 BUNDLED_FTLLM_LAUNCHER = "launch/ftllm_launch.py"  # deploy_tool/box/ftllm_launch.py: ftllm with the API key
+BUNDLED_ENV_LAUNCHER_DIR = "launch/bin"  # deploy_tool/box/env_launch.py per server program: the server with its env
 
 Device = Literal["cuda", "cpu"]
 ArchPolicy = Literal["exact", "compatible"]
@@ -157,6 +158,17 @@ def _user(v: str) -> str | None:
             "letter or '_', at most 31 characters)")
 
 
+def _abs_python(v: str) -> str | None:
+    if not v.startswith("/") or any(c.isspace() for c in v):
+        return "must be an absolute path without white space (the servers' launchers run it from their shebang)"
+    return None
+
+
+def _group(v: str) -> str | None:
+    return None if USER_NAME_RE.match(v) else ("is not a group name (letters, digits, '_' and '-', starting with a "
+                                               "letter or '_', at most 31 characters)")
+
+
 def _host(v: str) -> str | None:
     import ipaddress  # lazy: only a non-default host needs it
 
@@ -187,11 +199,17 @@ def _unit_text(v: str) -> str | None:
 class Host:
     """host: the machine's GPUs and memory."""
 
-    gpus: tuple[int, ...] = _doc("GPU ids given to the services (CUDA_VISIBLE_DEVICES)", rng=GPU_ID, default=(0,))
+    gpus: tuple[int, ...] = _doc("the GPUs given to the services, by device minor (/dev/nvidiaN; nvidia-smi's index "
+                                 "in PCI order): CUDA_VISIBLE_DEVICES, --device, the nvidia-modprobe nodes and the "
+                                 "residency check", rng=GPU_ID, default=(0,))
     compute_capability: str = _doc("compute capability of the GPUs, e.g. '7.5' for Turing (sm_75)",
                                    _cc, default="7.5")
     vram_mib: int = _doc("memory per GPU in MiB (22528 for a modified 2080 Ti 22G)", rng=VRAM_MIB,
                          default=22528)
+    gpu_group: str | None = _doc("the group owning the NVIDIA device nodes when they are not world read-writable "
+                                 "(e.g. 'video', where the driver is set to NVreg_DeviceFileMode=0660): the cuda "
+                                 "units get SupplementaryGroups= with it. `deploytool check` on the box reads the "
+                                 "nodes and says when it is needed", _group, default=None)
 
 
 # IPAddressAllow= (systemd.resource-control(5)): its keywords besides addresses and networks
@@ -380,7 +398,8 @@ class BundleCfg:
     """bundle: what pack puts in a bundle."""
 
     name: str = _doc("bundle name prefix", default="deploytool")
-    python: str = _doc("the Python that builds and runs the release venv", default="/usr/bin/python3")
+    python: str = _doc("the Python that builds and runs the release venv, and runs the servers' env launchers "
+                       "(their shebang)", _abs_python, default="/usr/bin/python3")
     requirements: str | None = _doc("requirements input for `deploytool lock` (relative to the config)",
                                     default=None)
     lock_mode: Literal["resolve", "exact"] = _doc("'resolve': `lock` resolves dependencies; 'exact': the "
@@ -905,15 +924,16 @@ def _refuse_unsafe_text(obj: Any, path: str) -> None:
             _refuse_unsafe_text(v, f"{path}[{i}]")
 
 
-def _abs(base: Path, p: str | None) -> str | None:
-    """Relative paths are taken from the config file's directory; {current}/{venv} placeholders stay."""
+def _abs(base: Path, p: str | None, key: str = "") -> str | None:
+    """Relative paths are taken from the config file's directory; {current}/{venv} placeholders stay. `key`: the
+    config key the path came from, named in the error."""
     if p is None or p.startswith("{"):
         return p
     try:
         q = Path(p).expanduser()
         return str(q if q.is_absolute() else (base / q).resolve())
     except RuntimeError as exc:  # '~name/...' for a user this machine does not have; a symlink loop
-        raise ConfigError(f"{_fmt(p)}: cannot resolve this path ({exc})",
+        raise ConfigError(f"{key + ': ' if key else ''}{_fmt(p)}: cannot resolve this path ({exc})",
                           hint="write the path out (absolute, or relative to the config file)") from None
 
 
@@ -921,9 +941,9 @@ def _resolve_paths(cfg: Config, raw: dict[str, Any]) -> Config:
     base = cfg.base_dir
     rp = dataclasses.replace
     paths_raw = raw.get("paths") or {}
-    sandbox = _abs(base, cfg.systemd.sandbox)
+    sandbox = _abs(base, cfg.systemd.sandbox, "systemd.sandbox")
     paths = cfg.paths
-    paths = rp(paths, **{f.name: _abs(base, getattr(paths, f.name)) for f in dataclasses.fields(paths)
+    paths = rp(paths, **{f.name: _abs(base, getattr(paths, f.name), f"paths.{f.name}") for f in dataclasses.fields(paths)
                          if getattr(paths, f.name) != ""})
     if paths.metrics_file == "":  # off
         paths = rp(paths, metrics_file=None)
@@ -932,21 +952,25 @@ def _resolve_paths(cfg: Config, raw: dict[str, Any]) -> Config:
     if sandbox and "unit_dir" not in paths_raw:
         paths = rp(paths, unit_dir=str(Path(sandbox) / "etc-systemd-system"))
     b = cfg.bundle
-    ct = b.chat_template and rp(b.chat_template, source=_abs(base, b.chat_template.source))
-    nc = b.nccl and rp(b.nccl, library=_abs(base, b.nccl.library))
-    bundle = rp(b, requirements=_abs(base, b.requirements), lock=_abs(base, b.lock),
-                wheels_dir=_abs(base, b.wheels_dir), tool_wheels_dir=_abs(base, b.tool_wheels_dir),
+    ct = b.chat_template and rp(b.chat_template, source=_abs(base, b.chat_template.source, "bundle.chat_template.source"))
+    nc = b.nccl and rp(b.nccl, library=_abs(base, b.nccl.library, "bundle.nccl.library"))
+    bundle = rp(b, requirements=_abs(base, b.requirements, "bundle.requirements"), lock=_abs(base, b.lock, "bundle.lock"),
+                wheels_dir=_abs(base, b.wheels_dir, "bundle.wheels_dir"),
+                tool_wheels_dir=_abs(base, b.tool_wheels_dir, "bundle.tool_wheels_dir"),
                 chat_template=ct, nccl=nc)
     backends: dict[str, Backend] = {}
     for name, be in cfg.backends.items():
-        upd: dict[str, Any] = {"model": _abs(base, be.model), "model_config": _abs(base, be.model_config)}
+        k = f"backends.{name}"
+        upd: dict[str, Any] = {"model": _abs(base, be.model, f"{k}.model"),
+                               "model_config": _abs(base, be.model_config, f"{k}.model_config")}
         if isinstance(be, FtllmBackend):
-            upd["executable"] = _abs(base, be.executable)
+            upd["executable"] = _abs(base, be.executable, f"{k}.executable")
             if be.speculative is not None:
-                upd["speculative"] = rp(be.speculative, draft_model=_abs(base, be.speculative.draft_model))
+                upd["speculative"] = rp(be.speculative, draft_model=_abs(base, be.speculative.draft_model,
+                                                                          f"{k}.speculative.draft_model"))
         else:
-            upd["binary"] = _abs(base, be.binary)
-            upd["mmproj"] = _abs(base, be.mmproj)
+            upd["binary"] = _abs(base, be.binary, f"{k}.binary")
+            upd["mmproj"] = _abs(base, be.mmproj, f"{k}.mmproj")
         backends[name] = rp(be, **upd)
     return rp(cfg, paths=paths, systemd=rp(cfg.systemd, sandbox=sandbox), bundle=bundle,
               backends=types.MappingProxyType(backends))

@@ -45,9 +45,10 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_por
         if path is None:
             local = Path("deploytool.yaml")
             path = str(local if local.exists() else config_mod.DEFAULT_CONFIG_PATH)
+        fingerprint.check_unit_environment()
         cfg = config_mod.load(path)
         b = cfg.backend(backend)
-        report = fingerprint.verify(cfg, b, use_cache=not no_cache)
+        report = fingerprint.verify(cfg, b, use_cache=not no_cache, loaded_env=fingerprint.loaded_env_file())
         sys.stdout.write(fingerprint.format_report(report) + "\n")
         sys.stdout.flush()
         if not report.ok:
@@ -83,7 +84,7 @@ def fast_await_ready(config_path: str | None, backend: str) -> int:
 
     from deploy_tool import config as config_mod
     from deploy_tool.box import ready
-    from deploy_tool.errors import DeployError, HealthError
+    from deploy_tool.errors import DeployError, GpuError, HealthError
 
     try:
         path = config_path or os.environ.get("DEPLOYTOOL_CONFIG") or None
@@ -96,7 +97,7 @@ def fast_await_ready(config_path: str | None, backend: str) -> int:
         sys.stdout.write(f"{b.name} serves {cfg.serve.model_name!r} at {rep.base_url} "
                          f"(ready after {rep.seconds:.1f}s)\n")
         return 0
-    except HealthError as exc:
+    except (HealthError, GpuError) as exc:
         sys.stderr.write(f"not ready: {exc.message}\n" + (f"hint: {exc.hint}\n" if exc.hint else ""))
         return int(exc.exit_code)
     except DeployError as exc:

@@ -33,6 +33,7 @@ class ExitCode(IntEnum):
     DEGRADED = 20  # serving, but a backend's fingerprints drifted, a fallback unit failed, or systemd is unreachable
     PENDING = 21  # serving, but an interrupted operation awaits `deploytool recover`
     NOT_SERVING = 22  # no backend serves the model: none active, its unit is down, or its health check fails
+    GPU = 30  # a cuda backend's GPUs are missing on the box, closed to its user, or not held by its server
     INTERNAL = 70  # a bug in deploytool
 
 
@@ -123,3 +124,7 @@ class RuntimeTruthError(DeployError):
 
 class PerformanceError(DeployError):
     exit_code = ExitCode.PERFORMANCE
+
+
+class GpuError(DeployError):
+    exit_code = ExitCode.GPU

@@ -32,6 +32,7 @@ from deploy_tool import __version__
 from deploy_tool.config import (
     ALLOW_KEYWORDS,
     BACKEND_NAME_RE,
+    BUNDLED_ENV_LAUNCHER_DIR,
     BUNDLED_FTLLM_LAUNCHER,
     BUNDLED_NCCL,
     BUNDLED_TEMPLATE,
@@ -60,6 +61,17 @@ NVIDIA_DEVICE_CLASSES = ("char-nvidia-frontend", "char-nvidia", "char-nvidiactl"
                          "char-nvidia-caps")
 #: The ordering a cuda unit gets: nvidia-persistenced keeps the driver initialised and creates the nodes at boot.
 NVIDIA_PERSISTENCED = "nvidia-persistenced.service"
+#: nvidia-modprobe's minor of /dev/nvidiactl (`-c=255` makes it; NVIDIA's driver README, "Device files")
+NVIDIACTL_MINOR = 255
+#: The credential (LoadCredential=) that carries a backend's env file to its launcher (deploy_tool/box/env_launch.py);
+#: `deploytool verify` checks that copy (box/fingerprint.py ENV_CREDENTIAL, the same name)
+ENV_CREDENTIAL = "environment"
+#: Variables no root step of a unit may run with (UnsetEnvironment=, applied to every command of the unit, after
+#: every Environment= of a drop-in too): the dynamic loader's and Python's ways to run code before any check. The
+#: server's own environment (its LD_PRELOAD of the bundled NCCL included) comes from its env file, through the
+#: launcher, which sets it after this.
+UNSAFE_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "LD_DEBUG_OUTPUT", "LD_PROFILE", "GCONV_PATH",
+              "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONINSPECT", "PYTHONEXECUTABLE")
 
 
 @dataclass(frozen=True)
@@ -226,6 +238,35 @@ def ftllm_launcher_argv(cfg: Config, b: FtllmBackend) -> list[Arg]:
             Credential(API_KEY_FILE), exe]
 
 
+def tool_argv(cfg: Config, *args: Arg) -> list[Arg]:
+    """`deploytool ARGS` as a unit's root step runs it: the release's own deploytool, whose console script runs
+    its interpreter with -I (written so by the bootstrap installer: no PYTHON* variables, no user site)."""
+    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, *args]
+
+
+def launcher_name(b: Backend) -> str:
+    """The file name of a backend's env launcher: its server program's (`llama-server`, `ftllm`), so that systemd,
+    which names a command's journal lines after the program it runs, tags the server's lines as before."""
+    return posixpath.basename(b.executable if isinstance(b, FtllmBackend) else b.binary)
+
+
+def launcher_path(cfg: Config, b: Backend) -> str:
+    return f"{cfg.paths.current}/{BUNDLED_ENV_LAUNCHER_DIR}/{launcher_name(b)}"
+
+
+def env_launcher_argv(cfg: Config, b: Backend) -> list[Arg]:
+    """What heads every backend's ExecStart=: the launcher that reads the unit's env-file credential and execs the
+    server with it (deploy_tool/box/env_launch.py, packed as launch/bin/NAME with a `python -I -S` shebang)."""
+    return [launcher_path(cfg, b), Credential(ENV_CREDENTIAL)]
+
+
+def launcher_script(cfg: Config, source: bytes) -> bytes:
+    """A backend's launcher file in the bundle (one per server program name, the same bytes): env_launch.py's
+    source under a shebang that runs the box's Python (bundle.python) isolated and without site (-I -S: the
+    launcher needs the standard library alone)."""
+    return f"#!{cfg.bundle.python} -IS\n".encode() + source
+
+
 def ftllm_argv(cfg: Config, b: FtllmBackend) -> list[Arg]:
     head = ftllm_launcher_argv(cfg, b) if cfg.serve.api_key_file else [expand(cfg, b.executable)]
     argv: list[Arg] = [*head, "server", "-p", b.model, "--model_name", cfg.serve.model_name]
@@ -281,6 +322,10 @@ def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[Arg]:
         argv += ["-t", str(b.threads)]
     if b.device == "cpu":
         argv += ["-ngl", "0"]
+    elif not any(a in ("--device", "-dev") or a.startswith(("--device=", "-dev=")) for a in b.extra_args):
+        # the GPUs pinned: without them llama-server serves on the CPU after a failed CUDA init, with /health 200
+        # (measured on an H200); with them it exits ("invalid device: CUDA0") and the start fails
+        argv += ["--device", llama_devices(cfg, b)]
     if "--metrics" not in b.extra_args:  # its own Prometheus metrics at /metrics on the serving port
         argv += ["--metrics"]
     argv += ["--host", cfg.serve.host, "--port", str(cfg.serve.port)]
@@ -289,16 +334,46 @@ def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[Arg]:
     return argv + list(b.extra_args)
 
 
-def launch_argv(cfg: Config, b: Backend) -> list[Arg]:
-    """The backend's launch line as an argv list (placeholders expanded; a Credential left for systemd)."""
+def visible_gpus(cfg: Config, b: Backend) -> tuple[int, ...]:
+    """The GPUs (minors) a cuda backend's server sees: its own CUDA_VISIBLE_DEVICES when its env sets one of plain
+    numbers (a subset of host.gpus: `check` refuses others), else host.gpus."""
+    own = dict(b.env).get("CUDA_VISIBLE_DEVICES")
+    if own is not None:
+        parts = [p.strip() for p in own.split(",") if p.strip()]
+        if parts and all(p.isdigit() for p in parts):
+            return tuple(int(p) for p in parts)
+    return tuple(int(g) for g in cfg.host.gpus)
+
+
+def llama_devices(cfg: Config, b: Backend) -> str:
+    """llama-server's --device for the GPUs it sees: CUDA numbers the visible GPUs (CUDA_VISIBLE_DEVICES) from 0."""
+    return ",".join(f"CUDA{i}" for i in range(len(visible_gpus(cfg, b))))
+
+
+def server_argv(cfg: Config, b: Backend) -> list[Arg]:
+    """The server's own command line (placeholders expanded; a Credential left for systemd)."""
     return ftllm_argv(cfg, b) if isinstance(b, FtllmBackend) else llamacpp_argv(cfg, b)
+
+
+def launch_argv(cfg: Config, b: Backend) -> list[Arg]:
+    """The unit's ExecStart=: the env launcher, then the server's command line."""
+    return [*env_launcher_argv(cfg, b), *server_argv(cfg, b)]
+
+
+def cache_dir(b: Backend) -> str:
+    """CacheDirectory= of a cuda backend (under /var/cache): the CUDA JIT cache that lasts across starts."""
+    return f"deploytool-{b.name}"
 
 
 def backend_env(cfg: Config, b: Backend) -> list[tuple[str, str]]:
     """The environment the backend runs with, in a stable order: derived variables first, then the config's."""
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"HOME": "/tmp"}  # PrivateTmp=yes: a writable home of its own
     if b.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.host.gpus)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers the GPUs as nvidia-smi and /dev/nvidiaN do
+        # the driver's JIT cache (PTX compiled for this GPU): $HOME/.nv under PrivateTmp is thrown away at every
+        # stop (25 MB on the H200); the unit's CacheDirectory= lasts
+        env["CUDA_CACHE_PATH"] = f"/var/cache/{cache_dir(b)}/cuda"
     if isinstance(b, FtllmBackend) and b.use_bundle_nccl:
         env["LD_PRELOAD"] = f"{cfg.paths.current}/{BUNDLED_NCCL}"
     for k, v in b.env:
@@ -309,20 +384,25 @@ def backend_env(cfg: Config, b: Backend) -> list[tuple[str, str]]:
 def verify_argv(cfg: Config, b: Backend) -> list[Arg]:
     # --await-port: a switch starts the target while the current backend exits; the server execs once the
     # port is free (and a foreign holder fails the start at once, named)
-    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "verify", b.name, "--await-port"]
+    return tool_argv(cfg, "verify", b.name, "--await-port")
 
 
 def nvidia_modprobe_argvs(cfg: Config, b: Backend) -> list[list[Arg]]:
-    """The ExecStartPre command lines that load nvidia-uvm and create /dev/nvidia-uvm, /dev/nvidiactl and the
-    node of each configured GPU before a cuda backend starts (none for a cpu backend)."""
-    if b.device != "cuda":
+    """The ExecStartPre command lines that load the NVIDIA modules and create the nodes before a cuda backend
+    starts (none for a cpu backend). nvidia-modprobe's -c=MINOR means two things (its source, main()): without
+    -u it makes /dev/nvidia<MINOR> (255 is /dev/nvidiactl); with -u it is the base minor of /dev/nvidia-uvm and
+    /dev/nvidia-uvm-tools, which must be 0 (`-u -c=1` rewrote them as 238:1 and 238:2 on an H200, and CUDA init
+    then failed for every non-root process of the box). So: one line for the GPUs' nodes and nvidiactl, one for
+    nvidia-uvm."""
+    if b.device != "cuda" or not cfg.host.gpus:
         return []
-    return [[NVIDIA_MODPROBE, "-u", f"-c={int(g)}"] for g in cfg.host.gpus]
+    return [[NVIDIA_MODPROBE, *(f"-c={int(g)}" for g in cfg.host.gpus), f"-c={NVIDIACTL_MINOR}"],
+            [NVIDIA_MODPROBE, "-u", "-c=0"]]
 
 
 def await_ready_argv(cfg: Config, b: Backend) -> list[Arg]:
     # the ExecStartPost: the start job ends once the server answers (see cli await-ready)
-    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "await-ready", b.name]
+    return tool_argv(cfg, "await-ready", b.name)
 
 
 def _finalize(value: object) -> object:
@@ -378,6 +458,10 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
         nvidia_modprobe=[exec_line(a, f"{key} (ExecStartPre=)") for a in nvidia_modprobe_argvs(cfg, b)],
         nvidia_classes=[Escaped(c) for c in NVIDIA_DEVICE_CLASSES] if b.device == "cuda" else [],
         env_file=unit_path(f"{cfg.paths.env_dir}/{b.name}.env", "paths.env_dir"),
+        env_credential=Escaped(ENV_CREDENTIAL), unsafe_env=Escaped(" ".join(UNSAFE_ENV)),
+        cache_dir=Escaped(cache_dir(b)) if b.device == "cuda" else None,
+        gpu_group=(user_name(cfg.host.gpu_group, "host.gpu_group")
+                   if b.device == "cuda" and cfg.host.gpu_group else None),
         api_key_file=(unit_path(f"{cfg.paths.env_dir}/{API_KEY_FILE}", "paths.env_dir")
                       if cfg.serve.api_key_file else None),
         ip_allow=ip_allow(cfg),
@@ -397,7 +481,7 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
 
 def failover_argv(cfg: Config) -> list[Arg]:
     """`deploytool failover`'s command line in the failover unit, but its `--from %i` (see render_failover)."""
-    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "failover"]
+    return tool_argv(cfg, "failover")
 
 
 def render_failover(cfg: Config) -> RenderedFile:
@@ -416,7 +500,7 @@ LIVENESS_UNIT = "deploytool-liveness.service"
 
 
 def liveness_argv(cfg: Config) -> list[Arg]:
-    return [expand(cfg, cfg.paths.deploytool), "--config", cfg.paths.config, "liveness", "--watch"]
+    return tool_argv(cfg, "liveness", "--watch")
 
 
 def _rw_path(value: str, key: str) -> Escaped:

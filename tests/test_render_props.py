@@ -239,6 +239,12 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
                 "ExecStartPost": render.await_ready_argv(cfg, b)}
         for a in argv.values():
             _stub(str(a[0]), root, stub)
+        # ExecStart= runs the real env launcher (bundle.python: the machine's /usr/bin/python3), which execs the server
+        server = render.server_argv(cfg, b)
+        _stub(str(server[0]), root, stub)
+        launcher = Path(render.launcher_path(cfg, b))
+        launcher.write_bytes(render.launcher_script(cfg, (REPO / "deploy_tool/box/env_launch.py").read_bytes()))
+
         ds = _directives(unit)
         keys = [k for k, _ in ds]
         assert set(keys) <= set(TEMPLATE_KEYS), f"a directive the template does not have: {keys}"
@@ -250,10 +256,12 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
         for k in ("Description", "Documentation", "Type", "User", "DynamicUser", "TimeoutStartSec"):
             assert keys.count(k) == (0 if (k, cfg.serve.user) in (("User", "dynamic"),) or (
                 k == "DynamicUser" and cfg.serve.user != "dynamic") else 1), (k, keys)
-        assert keys.count("EnvironmentFile") == 1
-        assert keys.count("LoadCredential") == (1 if cfg.serve.api_key_file else 0)
-        if cfg.serve.api_key_file:
-            assert dict(ds)["LoadCredential"].replace("%%", "%") == f"api-key:{cfg.paths.env_dir}/api-key"
+        # no EnvironmentFile= or Environment=: the env file reaches the launcher alone, as a credential
+        assert keys.count("EnvironmentFile") == 0 and keys.count("Environment") == 0
+        creds = [v.replace("%%", "%") for k, v in ds if k == "LoadCredential"]
+        assert creds == [f"environment:{cfg.paths.env_dir}/{name}.env",
+                         *([f"api-key:{cfg.paths.env_dir}/api-key"] if cfg.serve.api_key_file else [])]
+        assert dict(ds)["UnsetEnvironment"].split() == list(render.UNSAFE_ENV)
         vals = dict(ds)
         for k, want in argv.items():
             prefix, got = _exec_argv(vals[k])
@@ -261,8 +269,6 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
             assert got == want, f"{k}: systemd would run {got!r}, the config meant {want!r}"
         desc = vals["Description"]
         assert desc.replace("%%", "%") == (b.description or f"{b.kind} inference server {name}")
-        env_files = [v.replace("%%", "%") for k, v in ds if k == "EnvironmentFile"]
-        assert env_files[0] == f"{cfg.paths.env_dir}/{name}.env"
         env_text = by_name[f"{name}.env"].content
         assert _env_file(env_text) == dict(render.backend_env(cfg, b))
         env_path = Path(cfg.paths.env_dir) / f"{name}.env"
@@ -425,18 +431,20 @@ def test_real_systemd_runs_the_rendered_units_with_exactly_the_intended_argv_and
                 log = sd.journal(f"{name}.service", since_cursor=cursor)
                 got = [json.loads(ln.split("RT=", 1)[1]) for ln in log.splitlines() if "RT=" in ln]
                 time.sleep(0.1) if len(got) < 3 else None
-            assert len(got) == 3, log  # ExecStartPre, ExecStart, ExecStartPost
-            want_env = dict(render.backend_env(cfg, b))
+            assert len(got) == 3, log  # ExecStartPre, the server (exec'd by the launcher), ExecStartPost
+            want_env = {k: v for k, v in render.backend_env(cfg, b)
+                        if k.startswith("RT_") or k in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD")}
             cred = f"/run/credentials/{name}.service/api-key"
             shown = sandbox_env.run("systemctl", "show", "-p", "Description", "--value", f"{name}.service").stdout
             assert shown.rstrip("\n") == (b.description or f"{b.kind} inference server {name}")
-            for rec, argv in zip(got, (render.verify_argv(cfg, b), render.launch_argv(cfg, b),
-                                       render.await_ready_argv(cfg, b)), strict=True):
+            for rec, argv, env_seen in zip(got, (render.verify_argv(cfg, b), render.server_argv(cfg, b),
+                                                 render.await_ready_argv(cfg, b)), ({}, want_env, {}), strict=True):
                 assert rec["argv"] == [cred if isinstance(a, render.Credential) else a for a in argv]
-                assert rec["env"] == want_env
+                # the root steps see none of the server's environment; the server sees exactly it
+                assert rec["env"] == env_seen
                 has_cred = any(isinstance(a, render.Credential) for a in argv)
                 assert rec["creds"] == ({cred: f"{api_key}\n"} if has_cred else {})
-            assert any(isinstance(a, render.Credential) for a in render.launch_argv(cfg, b)) == (api_key is not None)
+            assert any(isinstance(a, render.Credential) for a in render.server_argv(cfg, b)) == (api_key is not None)
     finally:
         for name in names:
             for p in (sandbox_env.unit_dir / f"{name}.service.d", sandbox_env.unit_dir / f"{name}.service"):

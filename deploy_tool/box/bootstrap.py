@@ -360,15 +360,18 @@ def _safe_rel(name, what):
 
 
 def _shebang(python):
-    """The first line(s) of a console script. The kernel ends `#!` at the first blank and reads at most 127 bytes,
-    so under a path with a space (a checkout in "/tmp/x y") a plain shebang runs "/tmp/x", or nothing: there, as
-    pip does, /bin/sh execs the interpreter and Python reads that exec line as a string literal."""
-    if " " not in python and "\t" not in python and len(python) <= 125:
-        return "#!%s\n" % python
+    """The first line(s) of a console script, which runs the interpreter isolated (-I: no PYTHON* variables, no
+    user site, not the script's directory on sys.path): the units run deploytool as root before every start, and
+    nothing in the environment may steer what Python imports then. The kernel ends `#!` at the first blank (one
+    argument may follow) and reads at most 127 bytes, so under a path with a space (a checkout in "/tmp/x y") a
+    plain shebang runs "/tmp/x", or nothing: there, as pip does, /bin/sh execs the interpreter and Python reads
+    that exec line as a string literal."""
+    if " " not in python and "\t" not in python and len(python) <= 122:
+        return "#!%s -I\n" % python
     if any(c in python for c in "\"$`\\'\n"):
         raise Refused("cannot write a console script for the interpreter path %r (a quote, $, ` or \\ in it)"
                       % python, EXIT_OS)
-    return "#!/bin/sh\n'''exec' \"%s\" \"$0\" \"$@\"\n' '''\n" % python
+    return "#!/bin/sh\n'''exec' \"%s\" -I \"$0\" \"$@\"\n' '''\n" % python
 
 
 def _script(python, module, attr):

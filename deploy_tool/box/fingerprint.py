@@ -325,6 +325,7 @@ class _Collector:
         self._files_cache: HashCache | None = None
         self.use_cache = use_cache
         self.snapshots: dict[str, Any] = {}  # prefix -> the snapshot saved for the next run
+        self.loaded_env: str | None = None  # the env file as systemd loaded it for this start (verify in a unit)
 
     def value(self, id: str, label: str, path: str | os.PathLike[str] | None, value: str) -> None:
         self.specs.append((id, label, None if path is None else str(path), value))
@@ -695,7 +696,10 @@ def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:
     for e in _listdir(unit_dir / f"{b.unit}.d"):
         if e.name.endswith(".conf") and _is_file(e):
             c.sha256(f"unit.d/{e.name}", f"unit drop-in {b.unit}.d/{e.name}", e.path)
-    c.sha256("env", f"env file {b.name}.env", Path(cfg.paths.env_dir) / f"{b.name}.env")
+    if c.loaded_env:  # the unit's credential copy: exactly what the launcher hands the server in this start
+        c.sha256("env", f"env file {b.name}.env (as systemd loaded it for this start)", c.loaded_env)
+    else:
+        c.sha256("env", f"env file {b.name}.env", Path(cfg.paths.env_dir) / f"{b.name}.env")
 
 
 def _build_value(path: str) -> str:
@@ -806,7 +810,8 @@ def collect(cfg: Config, backend: Backend | str, *, use_cache: bool = True, expe
 
 def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, str] | None, workers: int | None,
              racy_margin_s: float, cache_file: Path | None | bool,
-             fresh: HashCache | None = None) -> tuple[list[Item], dict[str, TreePin], Stats]:
+             fresh: HashCache | None = None, loaded_env: str | None = None
+             ) -> tuple[list[Item], dict[str, TreePin], Stats]:
     """`fresh`: with use_cache=False, an in-memory cache whose values were all computed in this process (pins of
     several backends in one install share it, so the release is read once)."""
     cpath = cache_path(cfg, b.name) if cache_file is True else (cache_file or None)
@@ -823,6 +828,7 @@ def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, st
         return fc
 
     c = _Collector(cache, expected, workers, files_cache=files_cache, use_cache=use_cache)
+    c.loaded_env = loaded_env
     _collect_release(c, cfg)
     if isinstance(b, FtllmBackend):
         _collect_ftllm(c, cfg, b)
@@ -1001,15 +1007,47 @@ def tree_diff(pinned: dict[str, TreePin], current: dict[str, TreePin]) -> list[D
 
 
 def verify(cfg: Config, backend: Backend | str, *, use_cache: bool = True, workers: int | None = None,
-           racy_margin_s: float = CACHE_RACY_MARGIN_S) -> VerifyReport:
-    """Compare the current fingerprints with the pins (StateError if there are no pins)."""
+           racy_margin_s: float = CACHE_RACY_MARGIN_S, loaded_env: str | None = None) -> VerifyReport:
+    """Compare the current fingerprints with the pins (StateError if there are no pins). `loaded_env`: the env
+    file as systemd copied it for the start being checked (the unit's credential), checked in place of the file."""
     b = _resolve(cfg, backend)
     pins = load_pins(cfg, b)
     items, trees, stats = _collect(cfg, b, use_cache=use_cache, expected=pins.values(), workers=workers,
-                                   racy_margin_s=racy_margin_s, cache_file=True)
+                                   racy_margin_s=racy_margin_s, cache_file=True, loaded_env=loaded_env)
     rows = diff(pins.items, items) + tree_diff(pins.trees, trees)
     return VerifyReport(ok=not rows, rows=rows, backend=b.name, pins=pins, items=tuple(items), stats=stats,
                         trees=trees)
+
+
+#: The credential (LoadCredential=) through which a unit hands its env file to the server's launcher (render.py)
+ENV_CREDENTIAL = "environment"
+
+
+def loaded_env_file(environ: dict[str, str] | os._Environ[str] | None = None) -> str | None:
+    """In a unit's ExecStartPre: the env file as systemd copied it for this start ($CREDENTIALS_DIRECTORY/
+    environment, what the launcher will hand the server); None elsewhere."""
+    env = os.environ if environ is None else environ
+    d = env.get("CREDENTIALS_DIRECTORY")
+    if not d:
+        return None
+    p = os.path.join(d, ENV_CREDENTIAL)
+    return p if os.path.isfile(p) else None
+
+
+def check_unit_environment(environ: dict[str, str] | os._Environ[str] | None = None) -> None:
+    """Under systemd (INVOCATION_ID set), refuse a root step whose own environment carries a variable of the
+    dynamic loader (LD_*) or of Python (PYTHON*): the units name no EnvironmentFile= and unset these
+    (UnsetEnvironment=), so one that arrives came from a drop-in or the manager's environment, and is drift."""
+    env = os.environ if environ is None else environ
+    if not env.get("INVOCATION_ID"):
+        return
+    bad = sorted(k for k in env if k.startswith(("LD_", "PYTHON")))
+    if bad:
+        raise DriftError(f"the unit's root step runs with {', '.join(bad)} in its environment: an Environment= of a "
+                         "drop-in, or the manager's environment (systemctl set-environment), sets it, and it can "
+                         "run code as root before any check",
+                         hint="remove it (systemctl show-environment; grep -r Environment /etc/systemd/system/*.d); "
+                              "the server's environment belongs in its env file, which only the server sees")
 
 
 def drift_error(r: VerifyReport) -> DriftError:

@@ -22,6 +22,7 @@ from deploy_tool.box.systemd import Systemd
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import DeployError, HealthError, InputError, RuntimeTruthError, SandboxError
 from deploy_tool.manifest import Manifest
+from deploy_tool.render import visible_gpus
 
 
 @dataclass
@@ -301,7 +302,8 @@ def runtime_truth(cfg: Config, b: Backend, main_pid: int, *, journal_text: Calla
         ctx = getattr(b, "tokens", None) or getattr(b, "ctx_size", None)
         rep = runtime.inspect_runtime(pid, kind=b.kind, pins=pins if pins is not None else release_pins(cfg, b.kind),
                                       log_text=journal_text, device_profile=b.device, configured_ctx=ctx,
-                                      hash_file=hash_file or verified_hasher(cfg, b))
+                                      hash_file=hash_file or verified_hasher(cfg, b),
+                                      gpus=visible_gpus(cfg, b) if b.device == "cuda" else ())
     except Exception as exc:  # the check must never turn into a crash of the gate
         return {"status": "unknown", "rows": [], "failures": [], "warnings": [f"could not determine: {exc}"]}
     out = rep.to_json()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import archive, binaries, proc, venv
+from deploy_tool import archive, binaries, checks, proc, venv
 from deploy_tool import bundle as bundle_mod
 from deploy_tool.box import bootstrap, fingerprint
 from deploy_tool.box import systemd as systemd_mod
@@ -45,6 +45,7 @@ from deploy_tool.errors import (
     BundleError,
     DeployError,
     ExitCode,
+    GpuError,
     InputError,
     InstallError,
     MissingTool,
@@ -292,6 +293,16 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             shutil.rmtree(staging_root, ignore_errors=True)
 
 
+def check_gpus(cfg: Config) -> None:
+    """Refuse, before anything changes, a config whose cuda backends would lose their GPUs on this box: no NVIDIA
+    driver, a host.gpus entry the driver does not have, device nodes the service user cannot open."""
+    errs = checks.gpu_box_errors(cfg)
+    if errs:
+        raise GpuError("this box cannot give the cuda backends their GPUs: " + "; ".join(f.message for f in errs),
+                       hint="; ".join(dict.fromkeys(f.fix for f in errs)),
+                       details={"findings": [f.to_json() for f in errs]})
+
+
 def api_key_credential(cfg: Config) -> RenderedFile | None:
     """The root-only copy of serve.api_key_file's key the units load as their credential; None without a key.
     A missing, empty or unusable key is refused before the install changes anything."""
@@ -319,6 +330,7 @@ def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: St
                       staging_root: Path, *, rebuild: bool, start: bool, log: Log, progress, t0: float) -> InstallResult:
     vb = _verify(cfg, path, keys, staging_root, log)
     api_key_credential(cfg)  # a missing or unusable key fails here, before anything changes
+    check_gpus(cfg)  # so does a cuda backend whose GPUs this box lacks or closes to it
     rid = vb.manifest.bundle_id
     final = Path(cfg.paths.releases_dir) / rid
     installed = st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \

@@ -46,11 +46,12 @@ from deploy_tool.box.state import Store
 from deploy_tool.config import Backend, Config, LivenessCfg
 from deploy_tool.errors import DeployError, HealthError, LockedError
 from deploy_tool.fsutil import atomic_write
+from deploy_tool.render import visible_gpus
 
 STATE_FILE = "liveness.json"
 DROPIN = "zz-deploytool-liveness-gave-up.conf"  # the runtime drop-in of a give-up (removed once the unit failed)
 EVENT = "liveness"
-PROPS = ("ActiveState", "SubState", "InvocationID", "CPUUsageNSec", "ExecMainStartTimestampMonotonic")
+PROPS = ("ActiveState", "SubState", "InvocationID", "CPUUsageNSec", "ExecMainStartTimestampMonotonic", "MainPID")
 
 Log = Callable[[str], None]
 
@@ -230,7 +231,23 @@ class Prober:
                                gated=gated)
         if loading:
             return Observation(inv, False, "still loading (/health 503)", loading=True, up_s=up, gated=gated)
+        lost = self._gpus_lost(b, props.get("MainPID", ""))
+        if lost:  # it answers, but from the CPU: a failure like no answer (nothing in flight excuses it)
+            return Observation(inv, False, lost, up_s=up, gated=gated)
         return Observation(inv, True, completion_done=due, up_s=up, gated=gated)
+
+    def _gpus_lost(self, b: Backend, main_pid: str) -> str | None:
+        """Why a cuda backend that answers does not count as alive: its server holds none of, or not all, its
+        GPUs' nodes (deploy_tool.gpu); None when it holds them, for a cpu backend, or when it cannot be read."""
+        if b.device != "cuda" or not main_pid.isdigit() or int(main_pid) <= 0:
+            return None
+        from deploy_tool.box import gate, runtime  # the sandbox's PID mapping, the process tree
+
+        try:
+            res = runtime.gpu_residency(gate.host_pid(self.cfg, int(main_pid)), visible_gpus(self.cfg, b))
+        except DeployError:
+            return None
+        return res.describe(b.name) if res.known and not res.ok else None
 
     def _probe(self, b: Backend, *, completion: bool) -> bool:
         """One readiness probe within timeout_s (and a 1-token completion when due); True when the server says

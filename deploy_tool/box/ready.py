@@ -19,8 +19,11 @@ import select
 import time
 from collections.abc import Callable
 
-from deploy_tool.box import health
+from deploy_tool import gpu
+from deploy_tool.box import health, runtime
 from deploy_tool.config import Backend, Config
+from deploy_tool.errors import GpuError
+from deploy_tool.render import visible_gpus
 
 
 def main_pid_from_env(environ: dict[str, str] | None = None) -> int | None:
@@ -75,17 +78,34 @@ class MainProcess:
 
 
 def await_ready(cfg: Config, b: Backend, *, main_pid: int | None, timeout: float | None = None,
-                clock: Callable[[], float] | None = None) -> health.ReadyReport:
-    """Wait until `b` serves the configured model; HealthError when its process exits first or time runs out.
+                clock: Callable[[], float] | None = None, proc: str = "/proc") -> health.ReadyReport:
+    """Wait until `b` serves the configured model; HealthError when its process exits first or time runs out;
+    GpuError when a cuda backend's server is ready without holding its GPUs (it fell back to the CPU).
 
     `timeout` defaults to the backend's start timeout (what the unit's TimeoutStartSec= is rendered from, so
     systemd's own timeout, counted from the start of the job, normally ends the start first)."""
     watch = MainProcess(main_pid, b.unit)
     try:
-        return health.wait_ready(b.kind, health.base_url(cfg), cfg.serve.model_name, api_key=health.api_key(cfg),
-                                 timeout=timeout if timeout is not None else (b.start_timeout_s
-                                                                              or cfg.health.start_timeout_s),
-                                 interval=cfg.health.interval_s, unit_state=watch.state, sleep=watch.sleep,
-                                 clock=clock)
+        rep = health.wait_ready(b.kind, health.base_url(cfg), cfg.serve.model_name, api_key=health.api_key(cfg),
+                                timeout=timeout if timeout is not None else (b.start_timeout_s
+                                                                             or cfg.health.start_timeout_s),
+                                interval=cfg.health.interval_s, unit_state=watch.state, sleep=watch.sleep,
+                                clock=clock)
     finally:
         watch.close()
+    check_gpus(cfg, b, main_pid, proc=proc)
+    return rep
+
+
+def check_gpus(cfg: Config, b: Backend, main_pid: int | None, *, proc: str = "/proc") -> gpu.Residency | None:
+    """A ready cuda server must hold /dev/nvidia<N> of each of host.gpus (deploy_tool.gpu: residency); GpuError
+    naming the missing ones otherwise. None for a cpu backend, or without a main PID to look at."""
+    if b.device != "cuda" or main_pid is None:
+        return None
+    res = runtime.gpu_residency(main_pid, visible_gpus(cfg, b), proc=proc)
+    if res.known and not res.ok:
+        raise GpuError(res.describe(b.name),
+                       hint="its CUDA init failed, so it serves on the CPU: read its log (journalctl -u "
+                            f"{b.unit}) and run `deploytool check` on the box (device nodes, their group, "
+                            "nvidia-uvm)", details={"reason": "gpu-missing", "gpu": res.to_json()})
+    return res

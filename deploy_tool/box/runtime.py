@@ -45,7 +45,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
-from deploy_tool import hashing
+from deploy_tool import gpu, hashing
 from deploy_tool.errors import RuntimeTruthError
 
 # --------------------------------------------------------------------------------------------------------------
@@ -552,6 +552,8 @@ def _deleted_finding(lib: LoadedLib, pinned: str | None) -> RuntimeFinding:
 
 _FT_LOAD_RE = re.compile(r"(?:^|[\s:\]])Load (libfastllm_tools[\w.-]*\.so)\s*$", re.M)  # journal prefixes ok
 _LL_NO_GPU_RE = re.compile(r"no usable GPU found", re.I)
+# ggml-cuda's one line when CUDA init fails (measured on an H200, five causes): llama-server then serves on the CPU
+_LL_CUDA_INIT_RE = re.compile(r"ggml_cuda_init: failed to initialize CUDA: ?([^\n]*)")
 _LL_OFFLOADED_RE = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _LL_BUFFER_RE = re.compile(r"(?:load_tensors|llama_kv_cache|llama_context|sched_reserve):\s+(\S+)\s+"
                            r"(?:model|KV|compute|output)\s+buffer size")
@@ -594,6 +596,12 @@ def detect_cpu_fallback(kind: str, log_text: str, device_profile: str) -> Runtim
                            hint="see 'FastLLM load errors' in the log; check the CUDA runtime and NCCL paths")
         return None
     if kind == "llamacpp":
+        init = _LL_CUDA_INIT_RE.search(text)
+        if init and profile == "cuda":
+            return RuntimeFinding("cpu-fallback", FAIL, kind,
+                           f"the cuda backend runs on the CPU: llama-server says 'ggml_cuda_init: failed to initialize "
+                           f"CUDA: {init.group(1).strip()}'",
+                           hint="see the unit's device access (DeviceAllow=, nodes and their group, nvidia-uvm)")
         if _LL_NO_GPU_RE.search(text):
             return RuntimeFinding("cpu-fallback", FAIL, kind,
                            f"the {profile} backend runs on the CPU: llama-server says 'no usable GPU found'",
@@ -781,6 +789,31 @@ def _llamacpp_capacity(text: str, configured: int | None, policy: str) -> Capaci
 
 
 # --------------------------------------------------------------------------------------------------------------
+# GPU residency
+# --------------------------------------------------------------------------------------------------------------
+
+
+def gpu_residency(pid: int, gpus: Iterable[int], *, proc: str = "/proc") -> gpu.Residency:
+    """Which of its GPUs' nodes the server `pid` and its descendants hold open (deploy_tool.gpu)."""
+    try:
+        pids = [pid, *descendants(pid, proc=proc)]
+    except InspectError:
+        pids = [pid]
+    return gpu.residency(pids, gpus, proc=proc)
+
+
+def residency_finding(res: gpu.Residency, who: str) -> RuntimeFinding | None:
+    """FAIL when the server does not hold every one of its GPUs, UNKNOWN when that cannot be read, else None."""
+    if not res.known:
+        return RuntimeFinding("gpu-residency", UNKNOWN, who, res.describe(who))
+    if not res.ok:
+        return RuntimeFinding("gpu-residency", FAIL, who, res.describe(who),
+                              hint="its CUDA init failed: see the unit's device access (DeviceAllow=, the nodes and "
+                                   "their group, nvidia-uvm) and `deploytool check` on the box")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
 # One call for the gate and `status --deep`
 # --------------------------------------------------------------------------------------------------------------
 
@@ -817,8 +850,14 @@ class RuntimeReport:
             ceiling = "?" if self.capacity.ceiling_tokens is None else _fmt_tokens(self.capacity.ceiling_tokens)
             rows.append({"what": "capacity", "name": f"{ceiling} tokens", "detail": self.capacity.message,
                          "pinned": "-", "status": self.capacity.status})
+        res = self.extra.get("gpu")
+        if isinstance(res, dict):
+            held = ", ".join(res["held"]) or "no NVIDIA device"
+            rows.append({"what": "gpu", "name": ", ".join(res["required"]),
+                         "detail": f"held: {held}", "pinned": "-",
+                         "status": OK if res["ok"] else FAIL if res["known"] else UNKNOWN})
         for f in self.findings:
-            if f.check in ("cpu-fallback", "inspect"):
+            if f.check in ("cpu-fallback", "inspect", "gpu-residency"):
                 rows.append({"what": f.check, "name": f.subject, "detail": f.message, "pinned": "-",
                              "status": f.status})
         return rows
@@ -827,14 +866,15 @@ class RuntimeReport:
         return {"pid": self.pid, "kind": self.kind, "status": self.status,
                 "libraries": [r.to_json() for r in self.libraries],
                 "findings": [f.to_json() for f in self.findings],
-                "capacity": self.capacity.to_json() if self.capacity else None}
+                "capacity": self.capacity.to_json() if self.capacity else None, **self.extra}
 
 
 def inspect_runtime(pid: int, *, kind: str, pins: Mapping[str, Pin],
                     log_text: str | Callable[[], str] | None = None,
                     device_profile: str = "cpu", configured_ctx: int | None = None,
                     capacity_policy: str = WARN, hash_file: Callable[[str], str] = sha256_cached,
-                    include_children: bool = True, proc: str = "/proc") -> RuntimeReport:
+                    include_children: bool = True, proc: str = "/proc",
+                    gpus: Iterable[int] = ()) -> RuntimeReport:
     """Inspect a running backend; never raises for a vanished process, unreadable /proc or an unknown log.
 
     `log_text` may be a function, called once the libraries are assessed (a log read in the background)."""
@@ -849,6 +889,14 @@ def inspect_runtime(pid: int, *, kind: str, pins: Mapping[str, Pin],
         report = assess_libraries(libs, pins, hash_file=hash_file)
         rows = report.rows
         findings.extend(report.findings)
+    extra: dict[str, object] = {}
+    gpus = tuple(gpus)
+    if (device_profile or "").lower() == "cuda" and gpus:
+        res = gpu_residency(pid, gpus, proc=proc)
+        extra["gpu"] = res.to_json()
+        found = residency_finding(res, f"pid {pid}")
+        if found is not None:
+            findings.append(found)
     capacity = None
     if callable(log_text):
         log_text = log_text()
@@ -860,4 +908,4 @@ def inspect_runtime(pid: int, *, kind: str, pins: Mapping[str, Pin],
         cap_finding = capacity.to_finding(kind)
         if cap_finding is not None:
             findings.append(cap_finding)
-    return RuntimeReport(pid, kind, rows, tuple(findings), capacity)
+    return RuntimeReport(pid, kind, rows, tuple(findings), capacity, extra)

@@ -16,6 +16,7 @@ from deploy_tool.errors import SandboxError
 MARKER = ".deploytool-sandbox"
 FORMAT = 1
 NSENTER_FLAGS = ("-m", "-p", "-u", "-i", "-C")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,20 @@ class SandboxHandle:
     def __init__(self, dir: str | os.PathLike[str]) -> None:
         self.dir = Path(os.path.realpath(os.fspath(dir)))
         self.cgroup_name = procfs.sandbox_cgroup(self.dir)
+        self._systemd_root: str | None | bool = False  # read from the marker on first use
+
+    @property
+    def systemd_root(self) -> str | None:
+        """The tree the sandbox's systemd was unpacked into (`sandbox up --systemd-root`), or None when it runs the
+        machine's own systemd."""
+        if self._systemd_root is False:
+            try:
+                meta = json.loads((self.dir / MARKER).read_text())
+                root = meta.get("systemd_root") if isinstance(meta, dict) else None
+            except (OSError, ValueError):
+                root = None
+            self._systemd_root = root if isinstance(root, str) else None
+        return self._systemd_root  # type: ignore[return-value]
 
     # ----------------------------------------------------------------- paths
 
@@ -101,9 +116,15 @@ class SandboxHandle:
         return st is not None and procfs.start_time(1) == st["pid_start"]
 
     def exec_argv(self, *cmd: str) -> list[str]:
-        """The argv that runs `cmd` inside the sandbox (nsenter into all its namespaces but the network one)."""
-        p = self._require_up()
-        return ["nsenter", "-t", str(p.pid), *NSENTER_FLAGS, "--", *cmd]
+        """The argv that runs `cmd` inside the sandbox (nsenter into all its namespaces but the network one); with a
+        systemd root, its systemctl and journalctl come first on the PATH."""
+        return self.ns_argv(self._require_up(), *cmd)
+
+    def ns_argv(self, p: Proc, *cmd: str) -> list[str]:
+        """exec_argv for the sandbox's PID 1 `p` (while it is starting or stopping, too)."""
+        root = self.systemd_root
+        env = ["env", f"PATH={root}/bin:{root}/usr/bin:{DEFAULT_PATH}"] if root else []
+        return ["nsenter", "-t", str(p.pid), *NSENTER_FLAGS, "--", *env, *cmd]
 
     def systemctl_prefix(self) -> list[str]:
         return self.exec_argv("systemctl")

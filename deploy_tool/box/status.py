@@ -5,8 +5,8 @@ code alone (the worst situation found wins):
   0   serving as recorded: the active backend's unit is active, it answers its health check, every backend's
       fingerprints match their pins, no operation is pending
   20  degraded: it serves, but a backend's fingerprints drifted (or cannot be read), another backend's unit is
-      failed (the fallback would not come), the running process loaded something unpinned (--deep), or systemd
-      cannot be asked
+      failed (the fallback would not come), the running process loaded something unpinned (--deep), a cuda
+      backend serves without holding its GPUs (it fell back to the CPU), or systemd cannot be asked
   21  pending: an interrupted install, switch or rollback awaits `deploytool recover` (an operation running now,
       its holder alive, is not pending)
   22  not serving: no active backend is recorded, its unit is not active, or it fails its health check
@@ -15,17 +15,20 @@ code alone (the worst situation found wins):
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import click
 
-from deploy_tool.box import fingerprint, health
+from deploy_tool import gpu, proc
+from deploy_tool.box import fingerprint, health, runtime
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.gate import api_key, base_url, runtime_truth
+from deploy_tool.box.gate import api_key, base_url, host_pid, runtime_truth
 from deploy_tool.box.state import State, Store
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError, ExitCode
+from deploy_tool.render import visible_gpus
 
 # a unit whose server runs while its readiness wait (ExecStartPost) has not ended yet
 STARTING_SERVER = ("activating", "start-post")
@@ -71,6 +74,9 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
             rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
         except DeployError as exc:
             rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
+    active = cfg.backends.get(st.active_backend or "")
+    if active is not None and active.device == "cuda" and st.active_backend in rep["units"]:
+        rep["gpu"] = _gpu(cfg, visible_gpus(cfg, active), rep["units"][st.active_backend].get("main_pid", 0))
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
     code, reasons = verdict(rep)
@@ -111,6 +117,9 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
         if not fp.get("ok"):
             what = fp.get("error") or ", ".join(d.get("label", "?") for d in fp.get("drift") or []) or "drifted"
             degraded.append(f"{name} drifted from its pins: {what}")
+    g = rep.get("gpu")
+    if g and g.get("known") and not g.get("ok"):
+        degraded.append(f"{active} serves without its GPUs: no process of it holds {', '.join(g.get('missing', []))}")
     rt = rep.get("runtime")
     if rt and rt.get("failures"):
         degraded.append(f"{active} loaded something unpinned: {rt['failures'][0]}")
@@ -165,6 +174,31 @@ def _health(cfg: Config, active: str | None) -> dict[str, Any]:
         return {"ok": False, "detail": exc.message.splitlines()[0]}
 
 
+def _gpu(cfg: Config, gpus: tuple[int, ...], main_pid: int) -> dict[str, Any]:
+    """The active cuda backend's hold on its GPUs (deploy_tool.gpu), and the GPU memory its processes use as the
+    driver's nvidia-smi lists it (when the box has nvidia-smi)."""
+    out: dict[str, Any] = {"gpus": list(gpus)}
+    if not main_pid:
+        return {**out, "known": False, "detail": "no main process"}
+    try:
+        hp = host_pid(cfg, main_pid)
+    except DeployError as exc:
+        return {**out, "known": False, "detail": exc.message}
+    res = runtime.gpu_residency(hp, gpus)
+    out.update(res.to_json())
+    out["detail"] = res.describe("the server")
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            r = proc.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         timeout=10, ok=range(256))
+            apps = gpu.parse_compute_apps(r.stdout) if r.returncode == 0 else {}
+            out["memory_mib"] = sum(apps.get(p, 0) for p in res.pids)
+        except DeployError:
+            pass
+    return out
+
+
 def _runtime(cfg: Config, name: str, pid: int) -> dict[str, Any]:
     if not pid:
         return {"status": "unknown", "rows": [], "detail": "no main process"}
@@ -217,6 +251,10 @@ def format_status(rep: dict[str, Any]) -> str:
                                                                              ", ".join(d["label"] for d in fp["drift"]))))
         lines.append(f"  {name:20} {u['active']}/{u['sub']:10} {u['enabled']:9} pid {u['main_pid'] or '-':>7}"
                      f"  restarts {u['restarts']}{fps}")
+    if rep.get("gpu"):
+        g = rep["gpu"]
+        mem = f", {g['memory_mib']} MiB in use" if g.get("memory_mib") is not None else ""
+        lines.append(f"gpus      {ok(bool(g.get('ok')))} {g.get('detail', '')}{mem}")
     if rep.get("runtime"):
         rt = rep["runtime"]
         lines.append(f"runtime   {rt.get('status')}")

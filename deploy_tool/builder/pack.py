@@ -22,7 +22,7 @@ from typing import Any
 import deploy_tool
 from deploy_tool import archive, bundle, proc, render
 from deploy_tool.binaries import arch_supported, read_fatbin
-from deploy_tool.config import BUNDLED_FTLLM_LAUNCHER, Config
+from deploy_tool.config import BUNDLED_ENV_LAUNCHER_DIR, BUNDLED_FTLLM_LAUNCHER, Config
 from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
 from deploy_tool.manifest import hash_file, hash_files, hash_native_libs
@@ -300,7 +300,11 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         # `python3 BUNDLE/bootstrap` on a box with no deploytool (deploy_tool/box/bootstrap.py, stdlib only)
         ents.append(bundle.Entry("bootstrap", bootstrap_script(), 0o755))
         # what an ftllm unit runs when the box has an API key (render.ftllm_launcher_argv)
-        ents.append(bundle.Entry(BUNDLED_FTLLM_LAUNCHER, ftllm_launcher(), 0o644))
+        ents.append(bundle.Entry(BUNDLED_FTLLM_LAUNCHER, launcher("ftllm_launch.py"), 0o644))
+        # what every unit's ExecStart= runs: the server with its env file, which no root step sees (render.py)
+        script = render.launcher_script(cfg, launcher("env_launch.py"))
+        for name in sorted({render.launcher_name(b) for b in cfg.backends.values()}):
+            ents.append(bundle.Entry(f"{BUNDLED_ENV_LAUNCHER_DIR}/{name}", script, 0o755))
         # the deploytool.fleet collection: `ansible-galaxy collection install BUNDLE/ansible` on a controller
         ents += [bundle.Entry(f"ansible/{rel}", data, 0o644) for rel, data in collection_files()]
         log("bundle: hashing, signing and archiving")
@@ -308,9 +312,9 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
                                    key_path=key_path, archive=True, progress=progress)
 
 
-def ftllm_launcher() -> bytes:
-    """The release's launch/ftllm_launch.py: deploy_tool/box/ftllm_launch.py as shipped in deploytool's wheel."""
-    return files("deploy_tool.box").joinpath("ftllm_launch.py").read_bytes()
+def launcher(name: str) -> bytes:
+    """The release's launch/NAME: deploy_tool/box/NAME as shipped in deploytool's wheel."""
+    return files("deploy_tool.box").joinpath(name).read_bytes()
 
 
 def collection_files() -> list[tuple[str, bytes]]:

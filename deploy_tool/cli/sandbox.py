@@ -32,15 +32,21 @@ def sandbox() -> None:
 
 @sandbox.command()
 @click.argument("dir", type=click.Path(path_type=Path))
+@click.option("--systemd-root", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Run the systemd unpacked in this directory (dpkg-deb -x of Debian's systemd and "
+                   "libsystemd-shared packages) instead of the machine's own: for a machine without systemd, such "
+                   "as a bare CUDA image.")
 @pass_ctx
-def up(ctx: Ctx, dir: Path) -> None:
+def up(ctx: Ctx, dir: Path, systemd_root: Path | None) -> None:
     """Start the sandbox in DIR.
 
     DIR is created if missing; it must be new, empty or a sandbox. Already up: nothing to do.
+    The machine's NVIDIA device nodes, if it has any, are re-created in the sandbox's /dev, so units there
+    run on the real GPU.
     """
     from deploy_tool.rehearsal.sandbox import Sandbox
 
-    st = Sandbox(dir).up()
+    st = Sandbox(dir, systemd_root=systemd_root).up()
     human = (f"sandbox {st.dir}: {st.detail}" if st.detail else
              f"sandbox {st.dir} is up: systemd pid {st.pid}, {st.system_state}\n"
              f"unit files: {st.unit_dir}\n"

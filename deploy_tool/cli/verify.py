@@ -41,9 +41,10 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
     """
     from deploy_tool.box import fingerprint
 
+    fingerprint.check_unit_environment()
     cfg = ctx.load_config()
     b = cfg.backend(backend)
-    report = fingerprint.verify(cfg, b, use_cache=not no_cache)
+    report = fingerprint.verify(cfg, b, use_cache=not no_cache, loaded_env=fingerprint.loaded_env_file())
 
     def port_line() -> str:  # after the report: a terminal shows the verdict before the wait
         from deploy_tool import portwait
@@ -128,17 +129,19 @@ def await_ready(ctx: Ctx, backend: str, timeout: float | None) -> None:
     \b
     So `systemctl start BACKEND` returns, and units ordered After= it start, only once the server answers:
     llama-server's /health, then /v1/models naming the model (with the API key, if one is configured).
-    Under systemd ($MAINPID set) it exits at once, non-zero, when the server's process exits first.
-    Exit codes: 0 ready, 9 not ready (process exited, timeout, wrong model, refused key).
+    Under systemd ($MAINPID set) it exits at once, non-zero, when the server's process exits first, and a cuda
+    backend's server must hold its GPUs (/dev/nvidia<N> of each of host.gpus): one that fell back to the CPU
+    fails the start.
+    Exit codes: 0 ready, 9 not ready (process exited, timeout, wrong model, refused key), 30 ready without its GPUs.
     """
     from deploy_tool.box import ready
-    from deploy_tool.errors import HealthError
+    from deploy_tool.errors import GpuError, HealthError
 
     cfg = ctx.load_config()
     b = cfg.backend(backend)
     try:
         rep = ready.await_ready(cfg, b, main_pid=ready.main_pid_from_env(), timeout=timeout)
-    except HealthError as exc:
+    except (HealthError, GpuError) as exc:
         # "not ready:", not "error:": a switch reads a start's "deploytool[PID]: error:" journal line as the
         # ExecStartPre's refusal; the server's own failure is what the gate reports
         if ctx.json:

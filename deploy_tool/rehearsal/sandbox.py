@@ -19,6 +19,14 @@ Layout of a sandbox directory DIR:
     empty/                the (empty) generator directory
     console.log           PID 1's console output; launcher.log the launcher's output
 
+A machine without a systemd of its own (the GPU rehearsal's: a bare CUDA image) can run one unpacked from Debian's
+packages (`dpkg-deb -x systemd_252*.deb SD`, libsystemd-shared and what the machine lacks beside it): `up
+--systemd-root SD`. Inside the namespaces only, SD/lib/systemd is bound over /usr/lib/systemd and an ld.so.cache
+of the machine's libraries plus the ones only SD has (DIR/xlib) over /etc/ld.so.cache; the stock units come from
+SD, and systemctl and journalctl from SD/bin. The machine's NVIDIA device nodes (/dev/nvidia*, /dev/nvidia-caps/*)
+are re-created in the private /dev with the same major:minor, mode and owner, with their /dev/char links (what
+nvidia-modprobe updates), so units run on the real GPU; on a machine without them nothing changes.
+
 Every process this module signals is first checked to be ours: PID 1 by its start time and its namespace
 PID (1), anything else by membership in this sandbox's own sub-cgroup.
 """
@@ -142,8 +150,9 @@ class Sandbox(SandboxHandle):
     one (its systemctl, journalctl, PIDs) is SandboxHandle's, which the box side's systemd driver uses."""
 
     def __init__(self, dir: str | os.PathLike[str], *, up_timeout: float = 20.0, down_timeout: float = 10.0,
-                 lock_timeout: float = 30.0) -> None:
+                 lock_timeout: float = 30.0, systemd_root: str | os.PathLike[str] | None = None) -> None:
         super().__init__(dir)
+        self._want_root = os.path.realpath(os.fspath(systemd_root)) if systemd_root else None
         self.up_timeout = up_timeout
         self.down_timeout = down_timeout
         self.lock_timeout = lock_timeout
@@ -159,7 +168,14 @@ class Sandbox(SandboxHandle):
             if shutil.which(tool) is None:
                 raise MissingTool(f"program not found: {tool} (needed by the systemd sandbox)",
                                   hint="apt-get install util-linux mount coreutils bash")
-        if not any(Path(p).is_file() for p in ("/usr/lib/systemd/systemd", "/lib/systemd/systemd")):
+        if self._want_root is not None:
+            if not Path(self._want_root, "lib/systemd/systemd").is_file():
+                raise SandboxError(f"--systemd-root {self._want_root} holds no lib/systemd/systemd",
+                                   hint="unpack Debian's systemd there: dpkg-deb -x systemd_*.deb DIR (and "
+                                        "libsystemd-shared_*.deb)")
+            if shutil.which("ldconfig") is None and not Path("/sbin/ldconfig").exists():
+                raise MissingTool("program not found: ldconfig (needed for --systemd-root)", hint="apt-get install libc-bin")
+        elif not any(Path(p).is_file() for p in ("/usr/lib/systemd/systemd", "/lib/systemd/systemd")):
             raise MissingTool("systemd is not installed (/usr/lib/systemd/systemd missing)",
                               hint="apt-get install systemd (it need not be PID 1)")
 
@@ -271,11 +287,18 @@ class Sandbox(SandboxHandle):
 
     def _prepare(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.dir / MARKER, json.dumps({"format": FORMAT, "cgroup": self.cgroup_name}) + "\n")
+        root = self._want_root
+        _write_atomic(self.dir / MARKER, json.dumps({"format": FORMAT, "cgroup": self.cgroup_name,
+                                                     **({"systemd_root": root} if root else {})}) + "\n")
+        self._systemd_root = root
         self.unit_dir.mkdir(exist_ok=True)
         (self.dir / "empty").mkdir(exist_ok=True)
         (self.dir / "console.log").write_bytes(b"")
-        self._make_vendor_units(self.dir / "vendor-units")
+        self._make_vendor_units(self.dir / "vendor-units", Path(root, "lib/systemd/system") if root else STOCK_UNITS)
+        if root:
+            self._prepare_root(Path(root))
+        elif (self.dir / "systemd-root").exists():
+            (self.dir / "systemd-root").unlink()
         hier = _hierarchies()
         if not hier:
             raise SandboxError("no cgroup hierarchy found under /sys/fs/cgroup; cannot isolate a systemd sandbox")
@@ -295,13 +318,46 @@ class Sandbox(SandboxHandle):
         finally:
             _write_atomic(self._cgroups_file, "".join(c + "\n" for c in created))
 
+    def _prepare_root(self, root: Path) -> None:
+        """DIR/systemd-root (read by init.sh) and DIR/ld.so.cache: the machine's libraries, then systemd's private
+        ones and those of SD that the machine lacks (copied to DIR/xlib, found as the loader would not)."""
+        xlib = self.dir / "xlib"
+        if xlib.exists():
+            shutil.rmtree(xlib)
+        xlib.mkdir()
+        private = [d for d in (root / "usr/lib/x86_64-linux-gnu/systemd", root / "lib/x86_64-linux-gnu/systemd")
+                   if d.is_dir()]
+        libdirs = [d for d in (root / "usr/lib/x86_64-linux-gnu", root / "lib/x86_64-linux-gnu") if d.is_dir()]
+        progs = [p for p in (root / "lib/systemd/systemd", root / "lib/systemd/systemd-journald",
+                             root / "lib/systemd/systemd-shutdown", root / "bin/systemctl", root / "bin/journalctl",
+                             root / "usr/bin/systemd-run", root / "usr/bin/systemd-analyze") if p.is_file()]
+        search = ":".join(str(d) for d in [*private, xlib])
+        for _ in range(5):  # what is missing, then what that needs
+            missing = set()
+            for f in [*progs, *xlib.iterdir()]:
+                res = proc.run(["ldd", str(f)], env={**os.environ, "LD_LIBRARY_PATH": search}, ok=range(256))
+                missing |= {ln.split()[0] for ln in res.stdout.splitlines() if "not found" in ln}
+            if not missing:
+                break
+            for so in sorted(missing):
+                src = next((d / so for d in libdirs if (d / so).exists()), None)
+                if src is None:
+                    raise SandboxError(f"the systemd in {root} needs {so}, which neither this machine nor {root} has",
+                                       hint="unpack the Debian package that holds it there as well (dpkg-deb -x)")
+                shutil.copy2(src, xlib / so, follow_symlinks=True)
+        conf = self.dir / "ld.so.conf"
+        conf.write_text("include /etc/ld.so.conf.d/*.conf\n" + "".join(f"{d}\n" for d in [*private, xlib]))
+        proc.run([shutil.which("ldconfig") or "/sbin/ldconfig", "-X", "-C", str(self.dir / "ld.so.cache"),
+                  "-f", str(conf)])
+        _write_atomic(self.dir / "systemd-root", f"{root}\n")
+
     @staticmethod
-    def _make_vendor_units(dest: Path) -> None:
+    def _make_vendor_units(dest: Path, stock: Path = STOCK_UNITS) -> None:
         if dest.exists():
             shutil.rmtree(dest)
         (dest / "sockets.target.wants").mkdir(parents=True)
         (dest / "sysinit.target.wants").mkdir()
-        for src in sorted(STOCK_UNITS.iterdir()):
+        for src in sorted(stock.iterdir()):
             if src.name.endswith((".target", ".slice")) or src.name in _VENDOR_SERVICES:
                 if src.is_symlink():
                     os.symlink(os.readlink(src), dest / src.name)
@@ -351,7 +407,7 @@ class Sandbox(SandboxHandle):
 
     def _wait_running(self, started: float) -> None:
         p = self._require_up()
-        argv = ["nsenter", "-t", str(p.pid), *NSENTER_FLAGS, "--", "systemctl", "is-system-running"]
+        argv = self.ns_argv(p, "systemctl", "is-system-running")
         state = ""
         while time.monotonic() - started < self.up_timeout:
             if not alive(p):
@@ -401,7 +457,7 @@ class Sandbox(SandboxHandle):
 
         A systemd still booting may not answer systemctl yet nor handle signals, so the request is repeated.
         """
-        argv = ["nsenter", "-t", str(p.pid), *NSENTER_FLAGS, "--", "systemctl", "poweroff", "--no-block"]
+        argv = self.ns_argv(p, "systemctl", "poweroff", "--no-block")
         deadline = time.monotonic() + self.down_timeout
         asked = False
         next_try = 0.0

@@ -5,9 +5,13 @@
 #                                 support ones end in .sup and are skipped), then become `unshare`, whose
 #                                 forked child runs `inner` as PID 1 of fresh pid/mount/uts/ipc/cgroup namespaces
 #   sandbox_init.sh inner  DIR   private /run, /proc, read-only /proc/sys and /sys, cgroup hierarchies rooted at
-#                                 the namespace, private /dev, volatile journal, DIR/etc-systemd-system over
-#                                 /etc/systemd/system, DIR/vendor-units over /usr/lib/systemd/system, then exec
-#                                 the real systemd with generators disabled
+#                                 the namespace, private /dev (with the machine's NVIDIA nodes re-created, when it
+#                                 has any), volatile journal, DIR/etc-systemd-system over /etc/systemd/system,
+#                                 DIR/vendor-units over /usr/lib/systemd/system, then exec the real systemd with
+#                                 generators disabled
+#
+# DIR/systemd-root, when present, names a tree holding an unpacked systemd (sandbox up --systemd-root): its
+# lib/systemd is bound over /usr/lib/systemd and DIR/ld.so.cache over /etc/ld.so.cache, inside only.
 #
 # DIR/cgroup-mounts (written by sandbox.py from the host's mount table) holds one "MOUNTPOINT OPTIONS" line per
 # legacy (v1) hierarchy to re-mount inside, plus "unified" when a hybrid host has cgroup2 at
@@ -25,7 +29,14 @@ launch() {
 }
 
 inner() {
-  local B=$1 mp opts n SYSTEMD
+  local B=$1 mp opts n SYSTEMD SD="" nv nvn mode uid gid ma mi
+  if [ -s "$B/systemd-root" ]; then
+    SD=$(head -n1 "$B/systemd-root")
+    if [ -f /etc/ld.so.cache ]; then mount --bind "$B/ld.so.cache" /etc/ld.so.cache; fi
+    mount --bind "$SD/lib/systemd" /usr/lib/systemd
+  fi
+  # the machine's NVIDIA nodes, read before the private /dev hides them: "PATH MODE UID GID MAJOR MINOR" (hex)
+  nv=$(for n in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$n" ] && stat -c '%n %a %u %g %t %T' "$n"; done 2>/dev/null || true)
   # /run first: on some hosts it is on disk, and mount(8) would otherwise create /run/mount/ there
   mount -n -t tmpfs -o nosuid,nodev,mode=755 tmpfs /run
   mount -t proc -o nosuid,nodev,noexec proc /proc
@@ -72,8 +83,25 @@ inner() {
   ln -s /proc/self/fd/2 /dev/stderr
   touch /dev/console
   mount --bind "$B/console.log" /dev/console
+  if [ -n "$nv" ]; then
+    # same major:minor, mode and owner as the machine's; /dev/char/MAJ:MIN as udev makes them (nvidia-modprobe
+    # updates these links and fails where it cannot)
+    mkdir -p /dev/char
+    while read -r nvn mode uid gid ma mi; do
+      mkdir -p "$(dirname "$nvn")"
+      mknod -m "$mode" "$nvn" c $((16#$ma)) $((16#$mi))
+      chown "$uid:$gid" "$nvn"
+      ln -sf "../${nvn#/dev/}" "/dev/char/$((16#$ma)):$((16#$mi))"
+    done <<< "$nv"
+  fi
   mkdir -p /run/systemd/journald.conf.d /run/lock
   printf '[Journal]\nStorage=volatile\n' > /run/systemd/journald.conf.d/volatile.conf
+  if [ -n "$SD" ]; then
+    # the services' PATH finds SD's systemctl and journalctl (deploytool's failover and liveness call them)
+    mkdir -p /run/systemd/system.conf.d
+    printf '[Manager]\nDefaultEnvironment="PATH=%s/bin:%s/usr/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"\n' \
+      "$SD" "$SD" > /run/systemd/system.conf.d/sandbox-path.conf
+  fi
   for n in /var/log/journal /var/lib/systemd; do
     if [ -d "$n" ]; then mount -t tmpfs -o mode=755 tmpfs "$n"; fi
   done
