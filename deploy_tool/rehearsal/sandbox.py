@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy_tool import proc, procfs
-from deploy_tool.box.sandbox_handle import FORMAT, MARKER, NSENTER_FLAGS, Proc, SandboxHandle, alive
+from deploy_tool.box.sandbox_handle import FORMAT, MARKER, Proc, SandboxHandle, alive
 from deploy_tool.errors import DeployError, MissingTool, SandboxError
 
 LOCK = ".deploytool-sandbox.lock"
