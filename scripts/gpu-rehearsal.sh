@@ -92,7 +92,7 @@ SB=$BOX/sandbox
 BIN=/opt/lcpp/bin/llama-server
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$S"; }
 left() { echo $(( T0 + LIMIT - $(date +%s) )); }
-hostdt() { PYTHONPATH=/tmp/dtsite python3.11 -I -m deploy_tool "$@"; }  # deploytool beside the box, for the sandbox
+hostdt() { PYTHONPATH=/tmp/dtsite /usr/bin/python3.11 -P -m deploy_tool "$@"; }  # -P: not the checkout  # deploytool beside the box, for the sandbox
 bdt() { "$BOX/opt/deploytool/current/tool/bin/deploytool" --config "$CFG" "$@"; }  # the box's own deploytool
 sx() { hostdt sandbox exec "$SB" -- "$@"; }
 step() {  # NAME CMD...: run, keep stdout+stderr and the exit code under $R/steps
@@ -147,7 +147,7 @@ undrop() {  # BACKEND NAME
 }
 
 serving() {  # the active backend and whether status says serving, one line
-  bdt status --json 2>/dev/null | python3.11 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("active_backend"), d["verdict"]["state"], (d.get("gpu") or {}).get("held"))'
+  bdt status --json 2>/dev/null | /usr/bin/python3.11 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("active_backend"), d["verdict"]["state"], (d.get("gpu") or {}).get("held"))'
 }
 
 await_active() {  # BACKEND SECONDS: until status names BACKEND active and serving
@@ -163,7 +163,7 @@ evidence() {  # TAG: the serving process as /proc, the driver and nvidia-smi sho
   local d=$R/evidence/$1 hp
   mkdir -p "$d"
   bdt status --deep --json > "$d/status-deep.json" 2>&1
-  hp=$(python3.11 -c 'import json,sys; print(((json.load(open(sys.argv[1])).get("gpu") or {}).get("pids") or [""])[0])' "$d/status-deep.json" 2>/dev/null)
+  hp=$(/usr/bin/python3.11 -c 'import json,sys; print(((json.load(open(sys.argv[1])).get("gpu") or {}).get("pids") or [""])[0])' "$d/status-deep.json" 2>/dev/null)
   if [ -n "$hp" ]; then
     awk '{print $6}' "/proc/$hp/maps" | grep '^/' | sort -u > "$d/maps.txt"
     for f in /proc/"$hp"/fd/*; do readlink "$f"; done | grep '^/dev/' | sort | uniq -c > "$d/device-fds.txt"
@@ -194,13 +194,13 @@ device() {
   # 2. the machine as the box: Debian 12's Python 3.11 (bundle.python) beside the image's own, nvidia-modprobe
   rm -rf /tmp/py311 && mkdir /tmp/py311 && for f in "$C"/py311/*.deb; do dpkg-deb -x "$f" /tmp/py311; done
   cp -rn /tmp/py311/usr/. /usr/  # no file of the image is replaced (-n): Python 3.11 is new here
-  log "python3.11: $(python3.11 -c 'import sys, ssl, sqlite3, ctypes, zlib; print(sys.version.split()[0])' 2>&1 | tail -1)"
+  log "python3.11: $(/usr/bin/python3.11 -c 'import sys, ssl, sqlite3, ctypes, zlib; print(sys.version.split()[0])' 2>&1 | tail -1)"
   [ -n "${DRY:-}" ] || install -m 0755 "$C/tools/nvidia-modprobe" /usr/bin/nvidia-modprobe
   rm -rf /opt/sd && mkdir -p /opt/sd && for f in "$C"/debs/*.deb; do dpkg-deb -x "$f" /opt/sd; done
   [ -s /etc/machine-id ] || tr -d - < /proc/sys/kernel/random/uuid > /etc/machine-id
   mountpoint -q /sys/fs/cgroup || mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 /sys/fs/cgroup
   rm -rf /tmp/dtsite && mkdir /tmp/dtsite && for w in "$C"/bundle/tool/wheels/*.whl; do
-    python3.11 -m zipfile -e "$w" /tmp/dtsite; done
+    /usr/bin/python3.11 -m zipfile -e "$w" /tmp/dtsite; done
   {
     echo "## os"; cat /etc/os-release; uname -a
     echo "## nvidia"; nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
@@ -221,7 +221,7 @@ device() {
   log "llama-server: $("$BIN" --version 2>&1 | tail -2 | tr '\n' ' ')"
   # 5. a fresh box: bootstrap (signature before anything runs), install, the gate on the GPU
   step check-box bdt_check_or_host
-  step bootstrap python3.11 "$C/bundle/bootstrap" --config "$CFG" || { collect; return 1; }
+  step bootstrap /usr/bin/python3.11 "$C/bundle/bootstrap" --config "$CFG" || { collect; return 1; }
   step status-after-install bdt status --deep
   evidence installed
   step switch-gpu2 bdt switch gpu2 --no-drain
