@@ -1,5 +1,6 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
+# Copyright: deploytool maintainers; MIT License (see LICENSE)
 # deploytool.fleet.facts: `deploytool status --json` as ansible_facts.deploytool.
 
 from __future__ import annotations

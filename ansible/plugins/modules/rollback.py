@@ -1,5 +1,6 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
+# Copyright: deploytool maintainers; MIT License (see LICENSE)
 # deploytool.fleet.rollback: switch back to the previous backend through the same health gate.
 
 from __future__ import annotations

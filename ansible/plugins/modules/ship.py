@@ -1,3 +1,5 @@
+# -*- coding: utf-8 -*-
+# Copyright: deploytool maintainers; MIT License (see LICENSE)
 # The host side of deploytool.fleet.ship (the action plugin of the same name drives it from the controller).
 
 from __future__ import annotations

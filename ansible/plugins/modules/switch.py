@@ -1,5 +1,6 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
+# Copyright: deploytool maintainers; MIT License (see LICENSE)
 # deploytool.fleet.switch: swap the backend behind the port, health-gated, rolled back on failure.
 
 from __future__ import annotations
