@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # tests/support/groups.py keeps what shares a box, a fleet or a module's fixtures on one worker. 0: one process
 TEST_WORKERS ?= 3
 
-.PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check collection clean help
+.PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check collection collection-readme sanity clean help
 
 help:
 	@echo "make demo           install, switch and rollback on a sandboxed real systemd with real CPU backends"
@@ -22,10 +22,12 @@ help:
 	@echo "make rebuild-check  rebuild a bundle's venv offline and compare its native libraries"
 	@echo "                    (BUNDLE=path CONFIG=path KEYS=dir; default: the newest bundle beside ./deploytool.yaml)"
 	@echo "make collection     build the deploytool.fleet Ansible collection into artifacts/ (ansible-galaxy)"
+	@echo "make collection-readme  regenerate the module reference in ansible/README.md from the modules' docs"
+	@echo "make sanity         ansible-test sanity of the collection as built (scripts/sanity.sh; ARGS=... passes options)"
 	@echo "make clean          remove build leftovers and caches of the checkout"
 
 $(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples/cpu-demo/requirements.in \
-         tests/support/fleet/requirements.txt
+         tests/support/fleet/requirements.txt scripts/ansible-test-get-pip.py
 	bash scripts/setup.sh
 	@touch $(STAMP)
 
@@ -58,6 +60,12 @@ rebuild-check: setup
 
 collection: setup
 	.cache/fleet-ansible/bin/ansible-galaxy collection build ansible --output-path artifacts --force
+
+collection-readme: setup
+	$(VPY) scripts/collection_readme.py
+
+sanity: setup
+	bash scripts/sanity.sh $(ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache demo-run

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-time set-up of a fresh machine for the demo and the tests: system packages, the project venv,
 # the real CPU backends (FastLLM ftllm 0.1.8.2 and a prebuilt llama-server), test tools, and what the fleet test bed
-# needs (openssh-server and rsync for its hosts, ansible-core in .cache/fleet-ansible). Idempotent.
+# needs (openssh-server and rsync for its hosts, ansible-core in .cache/fleet-ansible) and ansible-test sanity's
+# tools (.cache/ansible-test). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -84,5 +85,26 @@ if ! cmp -s tests/support/fleet/requirements.txt "$FLEET_VENV/requirements.insta
   "$PY" -m venv "$FLEET_VENV"
   "$FLEET_VENV/bin/pip" install -q -r tests/support/fleet/requirements.txt
   cp tests/support/fleet/requirements.txt "$FLEET_VENV/requirements.installed"
+fi
+# `ansible-test sanity` of the collection (scripts/sanity.sh: make sanity, tests/test_collection_sanity.py) with that
+# ansible-core: its HOME is .cache/ansible-test, where ansible-test keeps a virtual environment per sanity test
+# (pylint, pycodestyle, yamllint, voluptuous: pinned by ansible-test, from PyPI) and the pip bootstrap it would
+# download from ci-files.testing.ansible.com (unreachable here): scripts/ansible-test-get-pip.py with the pip wheel
+# ansible-core 2.19's ansible-test pins (24.2, python_requirements.get_venv_packages). Primed once; runs offline after.
+SANITY_HOME=.cache/ansible-test
+SANITY_PIP=24.2
+if ! cmp -s tests/support/fleet/requirements.txt "$SANITY_HOME/primed" \
+   || ! cmp -s scripts/ansible-test-get-pip.py "$SANITY_HOME/.ansible/test/cache/get_pip_${SANITY_PIP//./_}.py"; then
+  echo "setup: preparing ansible-test sanity's tools in $SANITY_HOME"
+  rm -rf "$SANITY_HOME"
+  mkdir -p "$SANITY_HOME/.ansible/test/cache"
+  "$FLEET_VENV/bin/pip" download -q --no-deps --dest "$SANITY_HOME/.ansible/test/cache" "pip==$SANITY_PIP"
+  cp scripts/ansible-test-get-pip.py "$SANITY_HOME/.ansible/test/cache/get_pip_${SANITY_PIP//./_}.py"
+  log=$(mktemp)
+  if ! bash scripts/sanity.sh --prime-venvs >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"; exit 1
+  fi
+  rm -f "$log"
+  cp tests/support/fleet/requirements.txt "$SANITY_HOME/primed"
 fi
 echo "setup: done"

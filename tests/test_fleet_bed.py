@@ -113,6 +113,18 @@ class TestThreeHosts:
                 assert resp.read().decode().strip() == h
         assert not Path("/etc/systemd/system/demo-web.service").exists()
 
+    def test_a_dynamic_user_service_reads_its_own_credential(self, fleet3):
+        """LoadCredential= works as on a booted box (the host's / has shared propagation): a DynamicUser= service
+        reads its credential, which stays root-only on the host (a deploytool unit with serve.api_key_file needs it)."""
+        f = fleet3
+        r = f.exec("h1", "sh", "-c", "mkdir -p /etc/fleet-bed && echo bed-secret > /etc/fleet-bed/k && "
+                   "chmod 600 /etc/fleet-bed/k && systemd-run --wait --pipe -q -p LoadCredential=k:/etc/fleet-bed/k "
+                   "-p DynamicUser=yes -p PrivateUsers=yes -p ProtectSystem=strict "
+                   "sh -c 'id -u; cat \"$CREDENTIALS_DIRECTORY/k\"'", timeout=60)
+        assert r.returncode == 0, r
+        uid, text = r.stdout.split()
+        assert int(uid) != 0 and text == "bed-secret", r
+
     def test_a_host_off_the_bridge_is_unreachable_and_the_others_succeed(self, fleet3):
         f = fleet3
         mark = Path("/root/fleet-bed-mark")

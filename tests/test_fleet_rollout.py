@@ -1,9 +1,12 @@
 """The deploytool.fleet collection on the fleet test bed: real hosts (each its own systemd and sshd), real
-ansible-core, real cpu-demo releases installed by the collection's modules and playbooks.
+ansible-core, real cpu-demo releases installed by the collection's modules and playbooks. The fleet's servers want
+an API key (serve.api_key_file; each host has the key root-only, as an operator puts it there): every gate asks them
+for a real one-token completion with a key, the box's own credential unless the controller gives one.
 
 One fleet of 3 hosts for the whole class, in this order: check mode on fresh hosts changes nothing; rollout.yml
-bootstraps release 1 on all three behind the controller's gate; the same rollout again changes nothing; check mode
-of release 2 changes nothing; a host whose gate fails stops the roll of release 2 (the host before it serves
+bootstraps release 1 on all three behind the controller's gate (a completion, with the key); the same rollout again
+changes nothing; the same rollout with a wrong key on the controller stops at the canary, named as the gate's key,
+every host still serving; check mode of release 2 changes nothing; a host whose gate fails stops the roll of release 2 (the host before it serves
 release 2, the host after it is untouched) and revert.yml puts the changed hosts back on release 1; an unreachable
 host stops a roll; status.yml prints one table; switch.yml switches the fleet host by host (the hosts' switch
 events do not overlap). How long that takes against one host's switch is bench/bench_fleet_switch.py's figure.
@@ -14,31 +17,38 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import secrets
 import shutil
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support.fleet import Fleet, running_fleet
-from tests.support.fleet_release import MODEL, PORT, Release, make_release
+from tests.support.fleet_release import API_KEY_FILE, MODEL, PORT, Release, make_release
 from tests.support.sandbox import RUN_PARENT
 
 REPO = Path(__file__).resolve().parents[1]
 PLAYBOOKS = REPO / "ansible" / "playbooks"
 DT = "/opt/deploytool/current/tool/bin/deploytool"
+CREDENTIAL = "/etc/deploytool/env/api-key"  # the root-only copy install makes of serve.api_key_file
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.fleet]
 
 
 @pytest.fixture(scope="module")
 def releases() -> Iterator[tuple[Release, Release]]:
-    """Two releases of the same fleet config, signed by the same key; the second differs in ftllm's env."""
+    """Two releases of the same fleet config (with an API key), signed by the same key; the second differs in
+    ftllm's env."""
     d = Path(RUN_PARENT) / f"fleet-releases-{id(object()):x}"
+    key = f"fleet-{secrets.token_hex(16)}"
     try:
-        r1 = make_release(d / "r1")
-        r2 = make_release(d / "r2", env={"FLEET_RELEASE": "2"}, keys=d / "r1" / "keys")
+        r1 = make_release(d / "r1", api_key=key)
+        r2 = make_release(d / "r2", env={"FLEET_RELEASE": "2"}, keys=d / "r1" / "keys", api_key=key)
         assert r1.id != r2.id
         yield r1, r2
     finally:
@@ -75,6 +85,25 @@ def switch_spans(f: Fleet, host: str, since: float) -> list[tuple[float, float]]
     return spans
 
 
+def model_name(r: Release) -> str:
+    return str(yaml.safe_load(r.config.read_text())["serve"]["model_name"])
+
+
+def completion_status(f: Fleet, host: str, r: Release, *, key: str | None) -> int:
+    """The HTTP status of a one-token completion asked of the host's server from the controller, with `key`."""
+    body = json.dumps({"model": model_name(r), "messages": [{"role": "user", "content": "Say hello."}],
+                       "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://{f.ip(host)}:{PORT}/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the bridge, never a proxy
+    try:
+        with opener.open(req, timeout=60) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def history_len(f: Fleet, host: str) -> int:
     r = f.exec(host, "sh", "-c", "cat /var/lib/deploytool/history.jsonl 2>/dev/null | wc -l")
     return int(r.stdout.strip() or 0)
@@ -93,6 +122,10 @@ class TestFleet:
                 f.install_collection()
                 run = f.ansible("fleet", "-m", "ansible.builtin.copy",
                                 "-a", f"src={r1.model} dest={Path(MODEL).parent}/ mode=0644")
+                assert run.returncode == 0, str(run)
+                run = f.ansible("fleet", "-m", "ansible.builtin.copy",
+                                "-a", f"src={r1.api_key_file} dest={Path(API_KEY_FILE).parent}/ mode=0600")
+                assert Path(API_KEY_FILE).name == r1.api_key_file.name, "copy keeps the file's name"
                 assert run.returncode == 0, str(run)
                 yield f
         finally:
@@ -120,11 +153,34 @@ class TestFleet:
         inst, gate = run.task_results("install"), run.task_results("gate")
         for h in f.hosts:
             assert inst[h]["changed"] and inst[h]["bootstrapped"] and inst[h]["release"] == r1.bundle_id, inst[h]
-            assert gate[h]["status"] == 200 and gate[h]["url"] == f"http://{f.ip(h)}:{PORT}/v1/models", gate[h]
+            assert gate[h]["status"] == 200, gate[h]
+            assert gate[h]["url"] == f"http://{f.ip(h)}:{PORT}/v1/chat/completions", gate[h]
+            assert gate[h]["model"] == model_name(r1) and isinstance(gate[h]["content"], str), gate[h]
+            assert gate[h]["key_source"] == f"the box's credential {CREDENTIAL}", gate[h]
             assert status(f, h) == {"release": r1.bundle_id, "active_backend": "ftllm-dflash", "code": 0}
+            # the key is what let the gate in: the same completion without it is refused
+            assert completion_status(f, h, r1, key=None) == 401
+            assert completion_status(f, h, r1, key=r1.api_key_file.read_text().strip()) == 200
         again = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "r1"), timeout=600)
         assert again.returncode == 0, str(again)
         assert {h: again.stats[h]["changed"] for h in f.hosts} == {h: 0 for h in f.hosts}, again
+
+    def test_a_wrong_key_on_the_controller_stops_the_roll_at_the_canary_as_the_gates_key(self, fleet3, releases):
+        f, (r1, _) = fleet3, releases
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r1, "wrongkey", deploytool_api_key="not-the-key",
+                                                                 deploytool_gate_timeout=120), timeout=600)
+        assert run.returncode == 2, str(run)
+        gate = run.task_results("gate")
+        assert sorted(gate) == ["h1"] and gate["h1"]["_status"] == "failed", gate
+        g = gate["h1"]
+        assert g["reason"] == "key-wrong" and g["status"] == 401 and g["attempts"] == 1, g
+        assert g["msg"].startswith("the gate's key is wrong:") and "the api_key option" in g["msg"], g
+        assert g["seconds"] < 30, g  # at once, not after the 120 s the gate had
+        assert "not-the-key" not in run.stdout + run.stderr
+        assert "h2" not in run.stats and "h3" not in run.stats, run.stats
+        assert run.stats["h1"]["changed"] == 0, run.stats
+        for h in f.hosts:  # nothing changed, and the box the gate refused serves
+            assert status(f, h) == {"release": r1.bundle_id, "active_backend": "ftllm-dflash", "code": 0}, h
 
     def test_check_mode_of_the_next_release_changes_nothing(self, fleet3, releases):
         f, (r1, r2) = fleet3, releases
@@ -149,6 +205,7 @@ class TestFleet:
                          timeout=900)
         assert run.returncode != 0, str(run)
         assert run.stats["h2"]["failures"] == 1, run.stats
+        assert run.task_results("gate")["h2"]["reason"] == "unhealthy", run.task_results("gate")["h2"]
         assert "h3" not in run.stats or run.stats["h3"]["ok"] == 0, run.stats
         assert status(f, "h1")["release"] == r2.bundle_id and status(f, "h1")["code"] == 0
         assert status(f, "h2")["release"] == r2.bundle_id  # installed; its gate (the controller's) failed
@@ -226,9 +283,13 @@ class TestFleet:
         back = f.ansible("h1", "-m", "deploytool.fleet.switch", "-a", "backend=ftllm")
         assert back.returncode == 0 and status(f, "h1")["active_backend"] == "ftllm-dflash", str(back)
         t0 = time.time()
+        # the key from a file on the controller this time (deploytool_api_key_file), not the box's credential
         run = f.playbook(PLAYBOOKS / "switch.yml", "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
-                         timeout=600)
+                         "-e", f"deploytool_api_key_file={releases[0].api_key_file}", timeout=600)
         assert run.returncode == 0, str(run)
+        gate = run.task_results("gate")
+        assert all(gate[h]["status"] == 200 and gate[h]["key_source"] ==
+                   f"the api_key_file {releases[0].api_key_file}" for h in f.hosts), gate
         for h in f.hosts:
             assert status(f, h)["active_backend"] == "llamacpp-tensor", h
         # serial 1: each host's switch (its history event: end time and duration) ran after the one before it

@@ -28,6 +28,7 @@ MODULE = "deploytool.fleet.ship"
 DEFAULT_DEST = "/var/lib/deploytool/bundles"
 MAX_BASIS = 20  # rsync takes at most 20 --copy-dest directories
 
+
 class ActionModule(ActionBase):
 
     TRANSFERS_FILES = False
@@ -67,7 +68,8 @@ class ActionModule(ActionBase):
             src = self._loader.path_dwim(src)  # relative to the playbook's directory, as copy's src is
         src = os.path.realpath(src)
         manifest, signature = self._read_bundle(src)
-        common = {"dest": dest, "keep": keep, "rehash": rehash, "manifest": to_text(manifest.raw),
+        # src (the controller's path) goes along only because the module declares it required, as the task does
+        common = {"src": src, "dest": dest, "keep": keep, "rehash": rehash, "manifest": to_text(manifest.raw),
                   "signature": to_text(signature) if signature is not None else None}
 
         timings = {}
@@ -116,8 +118,8 @@ class ActionModule(ActionBase):
         timings["commit"] = round(time.monotonic() - t1, 3)
         if done.get("unreachable") or done.get("failed"):
             done.pop("invocation", None)
-            done["msg"] = "ship of %s to %s failed on the host: %s" % (manifest.bundle_id, prep["path"],
-                                                                      done.get("msg", "?"))
+            done["msg"] = "ship of %s to %s failed on the host: %s" % (
+                manifest.bundle_id, prep["path"], done.get("msg", "?"))
             return dict(result, **done)
         out.update(changed=True, sent_files=len(missing), sent_bytes=stats.get("sent_bytes", 0),
                    literal_bytes=stats.get("literal_bytes", 0), matched_bytes=stats.get("matched_bytes", 0),
@@ -168,7 +170,7 @@ class ActionModule(ActionBase):
         ControlPath, so rsync rides the connection's master when there is one)."""
         conn = self._connection
         transport = getattr(conn, "transport", None) or getattr(conn, "_load_name", "")
-        name = str(transport).split(".")[-1]
+        name = str(transport).rsplit(".", 1)[-1]
         rsync_path = None
         if self._play_context.become and (self._play_context.become_user or "root") == "root":
             method = self._play_context.become_method or "sudo"
@@ -212,7 +214,7 @@ class ActionModule(ActionBase):
             cmd += list(extra)
             cmd += [src.rstrip("/") + "/", "%s%s/" % (prefix, staging)]
             self._display.vvv("ship: %s" % " ".join(shlex.quote(c) for c in cmd), host=self._play_context.remote_addr)
-            r = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL)
+            r = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL, check=False)
         finally:
             os.unlink(listing)
         out, err = to_text(r.stdout, errors="replace"), to_text(r.stderr, errors="replace")

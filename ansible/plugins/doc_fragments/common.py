@@ -9,14 +9,14 @@ class ModuleDocFragment:
     DOCUMENTATION = r"""
 options:
   config:
-    description: The box's config on the host (paths.config, what the units' ExecStartPre reads).
+    description: The box's config on the host (its C(paths.config), what the units' C(ExecStartPre) reads).
     type: path
     default: /etc/deploytool/deploytool.yaml
   root:
-    description: paths.root of the config (where C(current/tool/bin/deploytool) is found).
+    description: The config's C(paths.root) (where C(current/tool/bin/deploytool) is found).
     type: path
     default: /opt/deploytool
   deploytool:
-    description: deploytool's CLI on the host (default ROOT/current/tool/bin/deploytool).
+    description: deploytool's CLI on the host (default O(root)/current/tool/bin/deploytool).
     type: path
 """

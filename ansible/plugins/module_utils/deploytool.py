@@ -15,12 +15,15 @@ FLEET_DIR = "/var/lib/deploytool/fleet"
 # `deploytool status` exits with the box's state: these are states, not errors
 STATUS_STATES = {0: "serving", 20: "degraded", 21: "pending", 22: "not-serving"}
 
+# the options of every module that runs deploytool on the host (doc_fragments/common.py documents them)
 COMMON_ARGS = dict(
-    record_run=dict(type="str", default=None),
     config=dict(type="path", default=DEFAULT_CONFIG),
     deploytool=dict(type="path", default=None),
     root=dict(type="path", default=DEFAULT_ROOT),
 )
+
+# the modules that change a host (release, switch, rollback) also take a fleet run id to record what it had
+RECORD_ARGS = dict(record_run=dict(type="str", default=None))
 
 
 def tool_path(module):
@@ -102,7 +105,7 @@ def journal_tail(module, tool, data, config=None):
     """The failed backend's journal tail: the last history event's (switch, rollback, install record it), else
     the lines deploytool put in its message after "journal tail:"."""
     if tool is not None:
-        rc, events, _, _ = dt(module, tool, "history", "--limit", "1", config=config)
+        rc, events = dt(module, tool, "history", "--limit", "1", config=config)[:2]
         if rc == 0 and isinstance(events, list) and events and events[-1].get("journal_tail"):
             return str(events[-1]["journal_tail"])
     msg = str(data.get("message", "")) if isinstance(data, dict) else ""
@@ -114,7 +117,7 @@ def journal_tail(module, tool, data, config=None):
         units += ["-u", "%s.service" % name]
     if not units:
         return ""
-    rc, out, _ = module.run_command(["journalctl", "--no-pager", "-q", "-n", "20"] + units)
+    rc, out = module.run_command(["journalctl", "--no-pager", "-q", "-n", "20"] + units)[:2]
     return out.strip() if rc == 0 else ""
 
 

@@ -104,6 +104,11 @@ class Manifest:
         return dict((e.path, e) for e in self.files)
 
 
+def _is_int(v):
+    """An int and not a bool (JSON's true is not a size, a mode or a version)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _canonical(obj, indent):
     seps = (",", ": ") if indent is not None else (",", ":")
     return (json.dumps(obj, sort_keys=True, ensure_ascii=True, allow_nan=False, indent=indent, separators=seps)
@@ -133,7 +138,7 @@ def parse_manifest(raw):
         raise ShipError("MANIFEST is not a deploytool bundle manifest (keys %s)"
                         % sorted(obj) if isinstance(obj, dict) else "MANIFEST is not a JSON object",
                         "manifest-malformed")
-    if obj["format_version"] != 1 or type(obj["format_version"]) is not int:
+    if obj["format_version"] != 1 or not _is_int(obj["format_version"]):
         raise ShipError("MANIFEST format_version %r is not supported (this collection reads 1)"
                         % (obj["format_version"],), "format-version-unsupported")
     bid = obj["bundle_id"]
@@ -149,7 +154,7 @@ def parse_manifest(raw):
             raise ShipError("MANIFEST files[%d] is not {path, size, mode, sha256}" % i, "manifest-malformed")
         path = check_relpath(rf["path"])
         size, mode_s, sha = rf["size"], rf["mode"], rf["sha256"]
-        if type(size) is not int or size < 0:
+        if not _is_int(size) or size < 0:
             raise ShipError("MANIFEST %s: size %r is not a non-negative integer" % (path, size), "manifest-malformed",
                             path)
         if not isinstance(mode_s, str) or not _MODE.match(mode_s) or int(mode_s, 8) not in FILE_MODES:
@@ -322,7 +327,7 @@ def bundle_dirs(dest):
             if stat.S_ISDIR(st.st_mode) and os.path.isfile(os.path.join(p, MANIFEST_NAME)):
                 out.append((st.st_mtime_ns, name, p))
     out.sort(reverse=True)
-    return [p for _, _, p in out]
+    return [p for _mtime, _name, p in out]
 
 
 def _mkparents(root, rel):
@@ -511,7 +516,7 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None):
                 return out
         found, refused = _have(dest, manifest, cache)
         out["refused"] = refused
-        out["basis"] = [b for b in bundle_dirs(dest)][:20]
+        out["basis"] = bundle_dirs(dest)[:20]
         missing = [e for e in manifest.files if e.sha256 not in found]
         out["missing"] = [e.path for e in missing]
         out["missing_bytes"] = sum(e.size for e in missing)
@@ -526,7 +531,7 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None):
         try:
             touched = []
             for e in reused:
-                src, _ = found[e.sha256]
+                src = found[e.sha256][0]
                 _mkparents(staging, e.path)
                 dst = os.path.join(staging, e.path)
                 _place(src, dst, e.mode)
@@ -577,7 +582,7 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
     release = manifest.bundle_id
     staging = _staging_ok(dest, staging, release)
     final = os.path.join(dest, release)
-    if type(keep) is not int or keep < 1:
+    if not _is_int(keep) or keep < 1:
         raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
     cache = TrustCache(dest, enabled=not rehash)
     try:
@@ -628,7 +633,7 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
 
 def _inodes(root):
     out = set()
-    for top, _, fnames in os.walk(root):
+    for top, _dirs, fnames in os.walk(root):
         for fn in fnames:
             with contextlib.suppress(OSError):
                 out.add(TrustCache.key(os.lstat(os.path.join(top, fn))))

@@ -1,18 +1,23 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
+# Copyright: deploytool maintainers; MIT License (see LICENSE)
 # deploytool.fleet.facts: `deploytool status --json` as ansible_facts.deploytool.
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
+---
 module: facts
 short_description: deploytool's status of a box as ansible_facts.deploytool
+version_added: 0.1.0
+author: deploytool maintainers (@deploytool)
 description:
   - Runs C(deploytool status --json) on the host and returns it as C(ansible_facts.deploytool), with C(state)
     (serving, degraded, pending, not-serving) and C(exit_code) (0, 20, 21, 22) added.
   - Never fails on a box that is not serving - that is a state, reported in the facts. A host without deploytool
     gets C(installed=false) and C(state=absent). It fails only when status itself cannot run (a broken config).
-  - With C(fleet_record), the facts also carry the host's last fleet run record (revert.yml reads it).
+  - The facts also carry the host's last fleet run record as C(ansible_facts.deploytool_fleet_run) (what the
+    C(deploytool.fleet.revert) playbook reads), or null.
 options:
   deep:
     description: Also read what the running process loaded (C(status --deep)).
@@ -20,18 +25,46 @@ options:
     default: false
 extends_documentation_fragment:
   - deploytool.fleet.common
+attributes:
+  check_mode:
+    support: full
+    description: It only reads; check mode runs it as usual.
+  diff_mode:
+    support: none
+    description: Nothing changes, so there is no diff.
+  facts:
+    support: full
+    description: Returns C(ansible_facts.deploytool) and C(ansible_facts.deploytool_fleet_run).
+  platform:
+    support: full
+    platforms: posix
+    description: A Linux box with systemd (with or without deploytool).
 """
 
 RETURN = r"""
 ansible_facts:
-  description: C(deploytool) - status' report (release, active_backend, units, verdict, ...), state, exit_code,
-    installed, and C(fleet_run) - the host's last fleet run record or null.
+  description: What the box reports.
   type: dict
+  returned: always
+  contains:
+    deploytool:
+      description:
+        - The report of C(deploytool status --json) (release, active_backend, units, verdict, ...) plus
+          C(state) (serving, degraded, pending, not-serving, absent), C(exit_code) and C(installed).
+      type: dict
+      returned: always
+    deploytool_fleet_run:
+      description: The host's last fleet run record (C(/var/lib/deploytool/fleet/last-run.json)), or null.
+      type: dict
+      returned: always
 """
 
 EXAMPLES = r"""
-- deploytool.fleet.facts:
-- ansible.builtin.debug:
+- name: Read the box's status
+  deploytool.fleet.facts:
+
+- name: Show it
+  ansible.builtin.debug:
     msg: "{{ ansible_facts.deploytool.release }} {{ ansible_facts.deploytool.state }}"
 """
 

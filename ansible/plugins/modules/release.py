@@ -1,69 +1,140 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
+# Copyright: deploytool maintainers; MIT License (see LICENSE)
 # deploytool.fleet.release: install a release from a bundle directory on the host.
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
+---
 module: release
 short_description: Install a deploytool release from a bundle directory on the host
+version_added: 0.1.0
+author: deploytool maintainers (@deploytool)
 description:
-  - Installs the bundle directory C(bundle) on the host with deploytool's own C(install) (verify, unpack, units,
+  - Installs the bundle directory O(bundle) on the host with deploytool's own C(install) (verify, unpack, units,
     pins, start the default backend behind the health gate). A host without deploytool is bootstrapped from the
     bundle (C(python3 BUNDLE/bootstrap)), with no network and no pip.
   - Idempotent - the release already installed and serving is C(changed=false) (install says "no-op").
-  - Check mode runs C(deploytool install --dry-run) and changes nothing; diff mode shows the release, the active
-    backend and the units before and after.
-  - The config - a bundle is packed for one config and install refuses it under another. With C(config_content)
-    (the fleet's config, e.g. C(lookup('file', 'deploytool.yaml'))) the module puts it at C(config) first (only
+  - The config - a bundle is packed for one config and install refuses it under another. With O(config_content)
+    (the fleet's config, e.g. C(lookup('file', 'deploytool.yaml'))) the module puts it at O(config) first (only
     when it differs; put back as it was if the install fails).
 options:
   bundle:
-    description: The bundle directory on the host (what deploytool.fleet.ship returns as C(path)).
+    description: The bundle directory on the host (what M(deploytool.fleet.ship) returns as C(path)).
     type: path
     required: true
   config_content:
-    description: The config to install at C(config) before the release (text); omitted, the host's own is used.
+    description: The config to install at O(config) before the release (text); omitted, the host's own is used.
     type: str
   record_run:
-    description: A fleet run id - before changing the host, record what it had (release, backend, config) in
-      /var/lib/deploytool/fleet/last-run.json for revert.yml.
+    description:
+      - A fleet run id - before changing the host, record what it had (release, backend, config) in
+        C(/var/lib/deploytool/fleet/last-run.json) for the C(deploytool.fleet.revert) playbook.
     type: str
   dest:
-    description: Where the host keeps bundles (DEST/<release id>; the record names the previous one there).
+    description: Where the host keeps bundles (O(dest)/<release id>; the record names the previous one there).
     type: path
     default: /var/lib/deploytool/bundles
   keys_dir:
-    description: Trusted public keys on the host to check the bundle with (default paths.keys_dir).
+    description: Trusted public keys on the host to check the bundle with (default the config's C(paths.keys_dir)).
     type: path
   python:
     description: The interpreter that runs the bundle's bootstrap on a host without deploytool (3.11 or newer).
     type: str
     default: python3
   start:
-    description: Start the default backend behind the health gate (false - C(install --no-start)).
+    description: Start the default backend behind the health gate (V(false) - C(install --no-start)).
     type: bool
     default: true
 extends_documentation_fragment:
   - deploytool.fleet.common
+attributes:
+  check_mode:
+    support: full
+    description: Runs C(deploytool install --dry-run) (with O(config_content) in a file beside O(config)) and changes
+      nothing; a bundle not shipped yet is reported as planned.
+  diff_mode:
+    support: full
+    description: The release, active backend and unit states before and after.
+  platform:
+    support: full
+    platforms: posix
+    description: A Linux box with systemd, python3 and the bundle directory.
+seealso:
+  - module: deploytool.fleet.ship
 """
 
 RETURN = r"""
-release: {description: The release installed (the bundle's id)., type: str, returned: success}
-backend: {description: The backend serving after the install., type: str, returned: success}
-action: {description: install's action - installed, started, noop, planned, bootstrap-planned., type: str}
-bootstrapped: {description: The host had no deploytool and was bootstrapped from the bundle., type: bool}
-before: {description: Release, active backend and units before., type: dict}
-after: {description: The same after (or as planned in check mode)., type: dict}
-exit_code: {description: deploytool's exit code (failures)., type: int}
-reason: {description: deploytool's reason (failures)., type: str}
-journal_tail: {description: The backend's journal tail (failures)., type: str}
+release:
+  description: The release installed (the bundle's id; in check mode, the one that would be).
+  type: str
+  returned: success
+  sample: 1be71fe02a5d08cc
+backend:
+  description: The backend serving after the install.
+  type: str
+  returned: success
+action:
+  description:
+    - What install did - V(installed), V(started), V(noop) (already installed and serving), V(planned) (check
+      mode) or V(bootstrap-planned) (check mode on a host without deploytool).
+  type: str
+  returned: success
+bootstrapped:
+  description: The host had no deploytool and was bootstrapped from the bundle.
+  type: bool
+  returned: always
+config_changed:
+  description: O(config_content) differed from the host's config and was written (in check mode, would be).
+  type: bool
+  returned: when the bundle is on the host
+bundle:
+  description: The bundle directory installed from.
+  type: str
+  returned: always
+config:
+  description: The config on the host.
+  type: str
+  returned: always
+install:
+  description: C(deploytool install --json)'s own report.
+  type: dict
+  returned: success
+plan:
+  description: The steps the install would take.
+  type: list
+  elements: str
+  returned: check mode
+before:
+  description: Release, active backend and unit states before.
+  type: dict
+  returned: always
+  sample: {release: 1be71fe02a5d08cc, active_backend: ftllm-dflash, units: {ftllm-dflash: active}}
+after:
+  description: The same after (or as planned in check mode).
+  type: dict
+  returned: success
+exit_code:
+  description: deploytool's exit code.
+  type: int
+  returned: failure
+reason:
+  description: deploytool's reason for the failure.
+  type: str
+  returned: failure
+journal_tail:
+  description: The backend's journal tail.
+  type: str
+  returned: failure
 """
 
 EXAMPLES = r"""
-- deploytool.fleet.release:
-    bundle: /var/lib/deploytool/bundles/cpu-demo-1a2b3c
+- name: Install the release shipped before
+  deploytool.fleet.release:
+    bundle: /var/lib/deploytool/bundles/1be71fe02a5d08cc
     config_content: "{{ lookup('file', 'deploytool.yaml') }}"
+    record_run: "{{ run_id }}"
 """
 
 import os
@@ -111,7 +182,7 @@ def _write_atomic(path, data):
 
 
 def main():
-    spec = dict(dtu.COMMON_ARGS)
+    spec = dict(dtu.COMMON_ARGS, **dtu.RECORD_ARGS)
     spec.update(bundle=dict(type="path", required=True), dest=dict(type="path", default="/var/lib/deploytool/bundles"),
                 config_content=dict(type="str", default=None),
                 keys_dir=dict(type="path", default=None), start=dict(type="bool", default=True),
@@ -202,8 +273,8 @@ def main():
             steps = [s.get("name") or s.get("step") for s in data.get("steps") or []]
             rid = _manifest_id(bundle) or os.path.basename(bundle)
             same = before["release"] is not None and before["release"] in (rid, os.path.basename(bundle))
-            res["changed"] = bool(cfg_changes) or not same or any(u != "active" for u in
-                                                                 [before["units"].get(before["active_backend"])])
+            res["changed"] = bool(cfg_changes) or not same or \
+                before["units"].get(before["active_backend"]) != "active"
             res["release"] = rid if not same else before["release"]
             res["plan"] = steps
             res["after"] = dict(release=res["release"], active_backend=before["active_backend"] if same

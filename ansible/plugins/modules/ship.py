@@ -1,3 +1,5 @@
+# -*- coding: utf-8 -*-
+# Copyright: deploytool maintainers; MIT License (see LICENSE)
 # The host side of deploytool.fleet.ship (the action plugin of the same name drives it from the controller).
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ description:
   - The task runs as an action plugin on the controller (reading the bundle's MANIFEST, running rsync) and this
     module on the host (what it has, seeding, verifying, renaming). Needs rsync on the controller and the host.
 version_added: 0.1.0
-author: deploytool maintainers
+author: deploytool maintainers (@deploytool)
 options:
   src:
     description: The unpacked bundle directory on the controller (holding MANIFEST and MANIFEST.sig).
@@ -64,12 +66,21 @@ options:
     description: Internal; the staging directory of a commit or abort.
     type: str
 attributes:
+  action:
+    support: full
+    description: Runs on the controller as an action plugin (the MANIFEST, rsync) and on the host as this module.
   check_mode:
     support: full
+    description: Can run in check mode.
     details: Reports what would be sent (files, bytes) and changes nothing on the host.
   diff_mode:
     support: full
+    description: Shows what it changes.
     details: The list of files, each marked as sent (+) or reused (=).
+  platform:
+    support: full
+    platforms: posix
+    description: A Linux host reached over ssh, with rsync.
 notes:
   - Connections other than ssh and local are refused (rsync needs a shell on the host over ssh).
 """
@@ -144,7 +155,7 @@ from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import 
 def main():
     module = AnsibleModule(
         argument_spec=dict(
-            src=dict(type="path"),
+            src=dict(type="path", required=True),
             dest=dict(type="path", default="/var/lib/deploytool/bundles"),
             keep=dict(type="int", default=3),
             rehash=dict(type="bool", default=False),

@@ -122,6 +122,12 @@ inner() {  # runs as PID 1 of the new namespaces (already inside netns fleet-NAM
   # the overlay becomes / and the copied mount tree of the machine is detached (it holds the other
   # hosts' /run/netns/* mounts, which would keep their netns alive after 'ip netns del')
   cd "$R"; pivot_root . run/.oldroot; umount -l /run/.oldroot; rmdir /run/.oldroot; cd /
+  # shared propagation, as systemd sets it when the kernel boots it (under a container manager it leaves that to
+  # the manager): what systemd mounts for a service in a namespace of its own, such as the service's credentials
+  # (LoadCredential= -> /run/credentials/UNIT), reaches PID 1's view and the service only this way (without it a
+  # DynamicUser= service gets "Permission denied" on its own credential). Within this host's mount namespace only:
+  # unshare made every mount here a private copy, so nothing propagates to the machine or the other hosts.
+  mount --make-rshared /
   exec env -i container=fleet-ns PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
        SYSTEMD_GENERATOR_PATH=/run/fleet-empty SYSTEMD_ENVIRONMENT_GENERATOR_PATH=/run/fleet-empty \
        /usr/lib/systemd/systemd --log-target=console --show-status=no
