@@ -282,7 +282,7 @@ def test_draft_model_without_speculation_warns(cfgs) -> None:
     assert b.speculative is not None
     off = dataclasses.replace(b, speculative=dataclasses.replace(b.speculative, algorithm="none"))
     found = run(checks.check_draft_unused, with_backend(cfg, off), off)
-    assert len(found) == 1 and "--speculative_algorithm" not in " ".join(launch_argv(cfg, off))
+    assert len(found) == 1 and "--speculative_algorithm" not in " ".join(map(str, launch_argv(cfg, off)))
     assert run(checks.check_draft_unused, cfg, b) == []
 
 

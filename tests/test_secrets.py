@@ -49,25 +49,29 @@ def test_units_hand_the_key_over_as_a_credential(example: str, tmp_path: Path) -
     for name in (F, L):
         text = _unit(cfg, name)
         assert f"LoadCredential=api-key:{cfg.paths.env_dir}/api-key" in text.splitlines()
-        assert [ln for ln in text.splitlines() if ln.startswith("EnvironmentFile=")] == [
-            f"EnvironmentFile={cfg.paths.env_dir}/{name}.env"]
+        # the env file goes to the server's launcher as a credential too, never as an EnvironmentFile=
+        assert [ln for ln in text.splitlines() if ln.startswith(("EnvironmentFile=", "Environment="))] == []
+        assert f"LoadCredential=environment:{cfg.paths.env_dir}/{name}.env" in text.splitlines()
         assert "API_KEY" not in text and "secrets.env" not in text
     ll = next(ln for ln in _unit(cfg, L).splitlines() if ln.startswith("ExecStart="))
     assert " --api-key-file %d/api-key" in ll and "--api-key " not in ll
     ft = next(ln for ln in _unit(cfg, F).splitlines() if ln.startswith("ExecStart="))
     cur = cfg.paths.current
-    assert ft.startswith(f"ExecStart={cur}/venv/bin/python {cur}/launch/ftllm_launch.py %d/api-key "
-                         f"{cur}/venv/bin/ftllm server -p ")
+    assert ft.startswith(f"ExecStart={cur}/launch/bin/ftllm %d/environment {cur}/venv/bin/python "
+                         f"{cur}/launch/ftllm_launch.py %d/api-key {cur}/venv/bin/ftllm server -p ")
     assert "--api_key" not in ft
 
 
 def test_without_a_key_the_units_are_as_before(tmp_path: Path) -> None:
-    """No serve.api_key_file: no credential, ftllm runs its console script directly."""
+    """No serve.api_key_file: no key credential, ftllm's env launcher runs its console script directly."""
     cfg = load_example(tmp_path, "cpu-demo")
     for name in (F, L):
         text = _unit(cfg, name)
-        assert "LoadCredential" not in text and "%d/" not in text and "launch/" not in text
-    assert f"ExecStart={cfg.paths.current}/venv/bin/ftllm server" in _unit(cfg, F)
+        assert "api-key" not in text and "ftllm_launch" not in text
+        assert [ln for ln in text.splitlines() if ln.startswith("LoadCredential=")] == [
+            f"LoadCredential=environment:{cfg.paths.env_dir}/{name}.env"]
+    cur = cfg.paths.current
+    assert f"ExecStart={cur}/launch/bin/ftllm %d/environment {cur}/venv/bin/ftllm server" in _unit(cfg, F)
 
 
 @pytest.mark.parametrize("bad", ["two\nlines", " padded", "tab\tinside", "", "bell\x07"])
