@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from deploy_tool import render
@@ -81,6 +81,8 @@ FILE = st.lists(st.tuples(st.sampled_from(["RT_A", "RT_B", "RT_C", " RT_D", "RT_
 @pytest.mark.sandbox
 @settings(max_examples=80, deadline=30000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=FILE)
+@example(text="RT_A='\n")  # an unclosed quote at the end of the file: systemd keeps what it holds
+@example(text='RT_B="x\\')
 def test_the_launcher_reads_an_env_file_as_systemd_does(sandbox_env: Any, visible_dir: Path, text: str) -> None:
     """The same env file through systemd's EnvironmentFile= and through the launcher, in one real sandbox."""
     envf = visible_dir / "rt.env"

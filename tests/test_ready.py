@@ -317,7 +317,8 @@ def test_a_unit_ordered_after_the_backend_sees_it_serving(installed, systemd_san
     sd, port = systemd_sandbox.systemd, _port(installed)
     unit = (systemd_sandbox.unit_dir / LU).read_text()
     exec_line = next(ln for ln in unit.splitlines() if ln.startswith("ExecStart="))
-    assert '"' not in exec_line and "%" not in exec_line
+    # the launcher's credential (%d/environment) is the only specifier; no quoting
+    assert '"' not in exec_line and exec_line.count("%") == 1 and " %d/environment " in exec_line
     slow = f'ExecStart=\nExecStart=/bin/sh -c "sleep 2; exec {exec_line.split("=", 1)[1]}"\n'
     d = _dropin(systemd_sandbox, installed, "[Service]\n" + slow + ("" if post else "ExecStartPost=\n"))
     probe = systemd_sandbox.unit_dir / "ready-probe.service"

@@ -47,7 +47,7 @@ def parse(text: str) -> list[tuple[str, str]]:
         if _NAME.match(name):
             out.append((name, val))
 
-    for c in text + "\n":
+    for c in text:
         if state == "pre_key":
             if c in "#;":
                 state = "comment"
@@ -113,6 +113,12 @@ def parse(text: str) -> list[tuple[str, str]]:
                 state = "pre_key"
         elif state == "comment_escape":
             state = "comment"
+    # the end of the file ends a value as a newline would, with what the value holds so far (an unclosed quote
+    # included, as systemd takes it)
+    if state in ("pre_value", "value", "value_escape", "single", "double", "double_escape"):
+        if state == "value" and last_ws:
+            del value[-last_ws:]
+        emit()
     return out
 
 

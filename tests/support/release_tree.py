@@ -140,6 +140,12 @@ def build_template(d: Path) -> Path:
     native.build_cuda_so(d / "build/nccl80/libnccl.so.2", "arch=compute_80,code=sm_80")
     shutil.copy2(d / "build/nccl75/libnccl.so.2", rel / "nccl/libnccl.so.2")
     (rel / "MANIFEST").write_text('{"bundle_id": "0000000000000000"}\n')
+    # the servers' env launchers, as pack writes them (render.launcher_script: bundle.python's shebang, -I -S)
+    (rel / "launch/bin").mkdir(parents=True)
+    source = (Path(__file__).resolve().parents[2] / "deploy_tool/box/env_launch.py").read_bytes()
+    for name in ("ftllm", "llama-server"):
+        (rel / "launch/bin" / name).write_bytes(b"#!/usr/bin/python3 -IS\n" + source)
+        (rel / "launch/bin" / name).chmod(0o755)
     # the real llama-server and the libraries it loads
     lb = d / "llama/bin"
     lb.mkdir(parents=True)
