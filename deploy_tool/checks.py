@@ -156,6 +156,8 @@ CATALOG: tuple[CheckInfo, ...] = (
               "issue 16: boot can lose the GPU"),
     CheckInfo("nvidia-persistenced-absent", "info", "no nvidia-persistenced.service for the units to start after",
               "issue 16: boot can lose the GPU"),
+    CheckInfo("path-not-root-only", "error", "a path a root step reads to run a backend is not owned by root or is "
+              "writable by group or other (StrictModes)", "issue 25: files that steer root steps are root's alone"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -1462,8 +1464,23 @@ BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_visible_devices_allowed, check_llama_verbosity, check_threads, check_ctx_over_training,
     check_draft_unused, check_api_key_exposed,
 )
+def check_strict_modes(ctx: _Ctx) -> Iterator[Finding]:
+    """On a box where this config's install exists (`current` is there), every path a root step reads that is not
+    root's alone (deploy_tool.strictmodes), one finding each; verify refuses every start until they are fixed. A
+    packaging machine (no install of the config) is not held to it: its checkout is the builder's own."""
+    if not os.path.lexists(ctx.cfg.paths.current):
+        return
+    from deploy_tool import strictmodes
+
+    for u in strictmodes.scan(ctx.cfg):
+        yield _f("path-not-root-only", "error", None, f"{u.path} ({u.what}): owner {u.uid}:{u.gid}, mode "
+                 f"{u.mode & 0o7777:04o}, {' and '.join(u.problems)}: every start of a backend is refused until "
+                 "it is root's alone", u.fix)
+
+
 BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_unit_visibility,
-                                    check_port_in_use, check_context_differs, check_os_libraries, check_gpu_boot)
+                                    check_port_in_use, check_context_differs, check_os_libraries, check_gpu_boot,
+                                    check_strict_modes)
 
 
 def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:

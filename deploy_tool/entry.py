@@ -37,6 +37,7 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_por
     from pathlib import Path
 
     from deploy_tool import config as config_mod
+    from deploy_tool import strictmodes
     from deploy_tool.box import fingerprint
     from deploy_tool.errors import DeployError
 
@@ -47,6 +48,7 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_por
             path = str(local if local.exists() else config_mod.DEFAULT_CONFIG_PATH)
         cfg = config_mod.load(path)
         b = cfg.backend(backend)
+        strictmodes.require(cfg, [b], f"{b.name} may not start")
         report = fingerprint.verify(cfg, b, use_cache=not no_cache)
         sys.stdout.write(fingerprint.format_report(report) + "\n")
         sys.stdout.flush()

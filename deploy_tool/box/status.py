@@ -5,8 +5,9 @@ code alone (the worst situation found wins):
   0   serving as recorded: the active backend's unit is active, it answers its health check, every backend's
       fingerprints match their pins, no operation is pending
   20  degraded: it serves, but a backend's fingerprints drifted (or cannot be read), another backend's unit is
-      failed (the fallback would not come), the running process loaded something unpinned (--deep), or systemd
-      cannot be asked
+      failed (the fallback would not come), the running process loaded something unpinned (--deep), a path a
+      root step reads is not root's alone (deploy_tool.strictmodes: no backend may start until it is fixed), or
+      systemd cannot be asked
   21  pending: an interrupted install, switch or rollback awaits `deploytool recover` (an operation running now,
       its holder alive, is not pending)
   22  not serving: no active backend is recorded, its unit is not active, or it fails its health check
@@ -20,6 +21,7 @@ from typing import Any
 
 import click
 
+from deploy_tool import strictmodes
 from deploy_tool.box import fingerprint, health
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.gate import api_key, base_url, runtime_truth
@@ -71,6 +73,7 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
             rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
         except DeployError as exc:
             rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
+    rep["unsafe_paths"] = [u.to_json() for u in strictmodes.scan(cfg)]
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
     code, reasons = verdict(rep)
@@ -111,6 +114,9 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
         if not fp.get("ok"):
             what = fp.get("error") or ", ".join(d.get("label", "?") for d in fp.get("drift") or []) or "drifted"
             degraded.append(f"{name} drifted from its pins: {what}")
+    for u in rep.get("unsafe_paths") or []:
+        degraded.append(f"{u['path']} is not root's alone ({' and '.join(u['problems'])}), so no backend may start: "
+                        f"{u['fix']}")
     rt = rep.get("runtime")
     if rt and rt.get("failures"):
         degraded.append(f"{active} loaded something unpinned: {rt['failures'][0]}")
@@ -206,6 +212,9 @@ def format_status(rep: dict[str, Any]) -> str:
                                      f"at step {op['step']} (pid {op['pid']}): run `deploytool recover`", fg="yellow"))
     if rep.get("systemd_error"):
         lines.append(click.style(f"systemd: {rep['systemd_error']}", fg="red"))
+    for u in rep.get("unsafe_paths") or []:
+        lines.append(click.style(f"unsafe    {u['path']} ({u['what']}): owner {u['uid']}:{u['gid']}, mode {u['mode']}, "
+                                 f"{' and '.join(u['problems'])}; fix: {u['fix']}", fg="red"))
     lines.append("units")
     for name, u in rep["units"].items():
         if "error" in u:
