@@ -8,10 +8,11 @@ The rule, for one path by its lstat (`judge`):
     which takes write access to its directory): a link is held to the owner rule only, and its target is checked
     as a path of its own (the chain of its real path, below);
   - a directory ABOVE a checked path may be writable by group or other when it is sticky, owned by root and the
-    next path component in it exists and is owned by root (/tmp, 1777, above a root-owned /tmp/box): in a sticky
-    directory only an entry's owner (or the directory's) can rename or remove it, so no one can put their own
-    entry in place of root's. The same directory is refused as a checked path itself (anyone could add entries
-    there) and above a name that does not exist yet (anyone could create it first).
+    next path component in it exists (/tmp, 1777, above /tmp/box): in a sticky directory only an entry's owner
+    (or the directory's) can rename or remove it, so no one can put their own entry in place of root's. That
+    entry is judged on its own: one not owned by root is named itself (`chown root /tmp/box`, not `chmod go-w
+    /tmp`). The same directory is refused as a checked path itself (anyone could add entries there) and above a
+    name that does not exist yet (anyone could create it first).
 
 What is checked (`box_paths`), each with every directory above it up to /, along the path as written and along its
 real path (so a symlink on the way, and where it leads, are both checked):
@@ -61,7 +62,7 @@ def judge(uid: int, mode: int, *, role: str = PATH, child_uid: int | None = None
         return tuple(problems)
     w = mode & 0o022
     sticky_ok = (role == ABOVE and stat.S_ISDIR(mode) and bool(mode & stat.S_ISVTX) and uid == 0
-                 and child_uid == 0)
+                 and child_uid is not None)
     if w and not sticky_ok:
         who = "group and others" if w == 0o022 else "group" if w & 0o020 else "others"
         problems.append(f"writable by {who}")
@@ -115,7 +116,7 @@ def dropin_dirs(unit: str) -> list[str]:
     out = [f"{unit}.d"]
     if "@" in stem and not stem.endswith("@"):
         out.append(f"{stem.split('@', 1)[0]}@.{suffix}.d")
-    parts = stem.split("-")
+    parts = stem.split("@", 1)[0].split("-")  # systemd truncates the name's prefix (before any @instance)
     for i in range(len(parts) - 1, 0, -1):
         out.append(f"{'-'.join(parts[:i])}-.{suffix}.d")
     out.append(f"{suffix}.d")
@@ -206,19 +207,25 @@ class _Stats:
 
 
 def _walk(what: str, path: str, lstat: _Stats) -> Iterator[tuple[str, str, os.stat_result, str, int | None]]:
-    """(what, path, lstat, role, child uid) along the chain of `path` as written and of its real path; stops at
-    the first component that does not exist (nothing below it can be read)."""
-    for chain in dict.fromkeys([tuple(_chain(path)), tuple(_chain(os.path.realpath(path)))]):
-        for i, p in enumerate(chain):
+    """(what, path, lstat, role, child uid) along the chain of `path` as written and, when a symlink is on the way
+    (or is the path), along its real path too; a chain stops at the first component that does not exist (nothing
+    below it can be read) or at a link (the real path's chain goes on from there)."""
+    chain: list[str] | None = _chain(path)
+    followed = False
+    while chain is not None:
+        walk, chain = chain, None
+        for i, p in enumerate(walk):
             st = lstat(p)
             if st is None:
                 break
-            last = i == len(chain) - 1
-            child = None if last else lstat(chain[i + 1])
+            last = i == len(walk) - 1
+            child = None if last else lstat(walk[i + 1])
             yield (what if last else f"above the {what}"), p, st, PATH if last else ABOVE, \
                 None if child is None else child.st_uid
-            if stat.S_ISLNK(st.st_mode) and not last:
-                break  # the rest of this chain runs through the link: the real path's chain covers it
+            if stat.S_ISLNK(st.st_mode):
+                if not followed:  # once: a real path has no links (a loop's has, and ends here)
+                    followed, chain = True, _chain(os.path.realpath(path))
+                break
 
 
 def scan(cfg: Config, backends: Iterable[Backend] | None = None,
@@ -239,8 +246,9 @@ def scan(cfg: Config, backends: Iterable[Backend] | None = None,
 def refusal(unsafe: list[Unsafe], doing: str) -> UnsafePathError:
     """The one error for a refused operation: the first path in the message, all in details, the fix as hint."""
     first = unsafe[0]
-    more = f" (and {len(unsafe) - 1} more: {', '.join(u.path for u in unsafe[1:4])}{' ...' if len(unsafe) > 4 else ''})" \
-        if len(unsafe) > 1 else ""
+    more = ""
+    if len(unsafe) > 1:
+        more = f" (and {len(unsafe) - 1} more: {', '.join(u.path for u in unsafe[1:4])}{' ...' if len(unsafe) > 4 else ''})"
     return UnsafePathError(f"{doing}: {first.line()}{more}",
                            hint=f"{first.fix}; a path a root step reads must be owned by root and not writable by "
                                 "group or other (`deploytool check` lists them all)",

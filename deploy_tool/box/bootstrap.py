@@ -345,7 +345,7 @@ def judge(uid, mode, above=False, child_uid=None):
     if stat.S_ISLNK(mode):
         return problems
     w = mode & 0o022
-    sticky_ok = above and stat.S_ISDIR(mode) and bool(mode & stat.S_ISVTX) and uid == 0 and child_uid == 0
+    sticky_ok = above and stat.S_ISDIR(mode) and bool(mode & stat.S_ISVTX) and uid == 0 and child_uid is not None
     if w and not sticky_ok:
         problems.append("writable by %s" % ("group and others" if w == 0o022 else "group" if w & 0o020 else "others"))
     return problems
