@@ -155,6 +155,10 @@ class InstallFacts:
     tool: bool = True  # the bundle carries deploytool's own wheels
 
 
+# what the first step refuses besides a bad signature or file (keyring, box.sequence)
+VERIFY_ALSO = " (a revoked or expired key is refused), refuse a sequence below the box's highest of its name"
+
+
 def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: InstallFacts | None,
                  rebuild: bool = False, start: bool = True) -> list[Step]:
     """The steps of an install after the lock; `facts` None: the bundle is not verified yet (--dry-run), so
@@ -162,7 +166,7 @@ def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: Insta
     releases, paths = Path(cfg.paths.releases_dir), cfg.paths
     rid = facts.release if facts else "<id>"
     final = releases / rid
-    steps = [Step("verified", f"verify {bundle} against keys in {keys}", (f"{releases}/.verify-*",))]
+    steps = [Step("verified", f"verify {bundle} against keys in {keys}{VERIFY_ALSO}", (f"{releases}/.verify-*",))]
     if facts is not None and facts.installed:
         if start and not facts.running:
             name = _backend_to_start(cfg, st)
