@@ -165,6 +165,8 @@ CATALOG: tuple[CheckInfo, ...] = (
     CheckInfo("gpu-jit-first-start", "info", "no machine code for this GPU in a binary: the first start compiles "
               "PTX (JIT), kept in the unit's CUDA cache", "field notes, pitfall 20"),
     CheckInfo("gpu-code-missing", "error", "a binary has no code at all that runs on this GPU", "field notes, pitfall 1"),
+    CheckInfo("path-not-root-only", "error", "a path a root step reads to run a backend is not owned by root or is "
+              "writable by group or other (StrictModes)", "issue 25: files that steer root steps are root's alone"),
 )
 CHECK_IDS = frozenset(c.id for c in CATALOG)
 _SOURCE = {c.id: c.source for c in CATALOG}
@@ -1580,9 +1582,23 @@ BACKEND_CHECKS: tuple[BackendCheck, ...] = (
     check_visible_devices_allowed, check_llama_verbosity, check_threads, check_ctx_over_training,
     check_draft_unused, check_api_key_exposed, check_gpu_code,
 )
+def check_strict_modes(ctx: _Ctx) -> Iterator[Finding]:
+    """On a box where this config's install exists (`current` is there), every path a root step reads that is not
+    root's alone (deploy_tool.strictmodes), one finding each; verify refuses every start until they are fixed. A
+    packaging machine (no install of the config) is not held to it: its checkout is the builder's own."""
+    if not os.path.lexists(ctx.cfg.paths.current):
+        return
+    from deploy_tool import strictmodes
+
+    for u in strictmodes.scan(ctx.cfg):
+        yield _f("path-not-root-only", "error", None, f"{u.path} ({u.what}): owner {u.uid}:{u.gid}, mode "
+                 f"{u.mode & 0o7777:04o}, {' and '.join(u.problems)}: every start of a backend is refused until "
+                 "it is root's alone", u.fix)
+
+
 BOX_CHECKS: tuple[BoxCheck, ...] = (check_serve, check_template, check_files, check_unit_visibility,
                                     check_port_in_use, check_context_differs, check_os_libraries, check_gpu_boot,
-                                    check_gpu_box)
+                                    check_gpu_box, check_strict_modes)
 
 
 def gpu_box_errors(cfg: Config) -> list[Finding]:

@@ -112,6 +112,8 @@ WINDOW_S = Range(1, 7 * 86400, "seconds (at most a week)")
 COMPLETION_EVERY_S = Range(0, 86400, "seconds between tiny completions (0: never; at most a day)")
 DRAIN_TIMEOUT_S = Range(0, 86400, "seconds a planned stop waits for requests in flight (0: no drain; a request "
                                   "that takes a day is not one to wait for)")
+SEQUENCE = Range(0, (1 << 53) - 1, "a bundle's place in its name's order of releases; up to 2**53-1, which JSON "
+                 "carries exactly (a build number, or a UNIX time in seconds)")
 CONTEXT = Range(64, 1 << 24, "tokens of KV cache: below 64 no chat fits, above 16777216 no model was trained (a "
                              "digit too many asks for terabytes)")
 
@@ -397,7 +399,12 @@ class Nccl:
 class BundleCfg:
     """bundle: what pack puts in a bundle."""
 
-    name: str = _doc("bundle name prefix", default="deploytool")
+    name: str = _doc("bundle name prefix; a box keeps the highest sequence it installed per name", default="deploytool")
+    sequence: int | None = _doc("the bundle's sequence, signed in its MANIFEST: a box refuses a bundle of this name "
+                                "with a lower sequence than it installed (exit 24). `pack --sequence N` overrides it; "
+                                "null: SOURCE_DATE_EPOCH (0 when unset), so `SOURCE_DATE_EPOCH=$(git log -1 "
+                                "--format=%ct) deploytool pack` orders the bundles by commit time",
+                                rng=SEQUENCE, default=None)
     python: str = _doc("the Python that builds and runs the release venv, and runs the servers' env launchers "
                        "(their shebang)", _abs_python, default="/usr/bin/python3")
     requirements: str | None = _doc("requirements input for `deploytool lock` (relative to the config)",

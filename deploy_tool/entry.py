@@ -37,6 +37,7 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_por
     from pathlib import Path
 
     from deploy_tool import config as config_mod
+    from deploy_tool import strictmodes
     from deploy_tool.box import fingerprint
     from deploy_tool.errors import DeployError
 
@@ -48,6 +49,7 @@ def fast_verify(config_path: str | None, backend: str, no_cache: bool, await_por
         fingerprint.check_unit_environment()
         cfg = config_mod.load(path)
         b = cfg.backend(backend)
+        strictmodes.require(cfg, [b], f"{b.name} may not start")
         report = fingerprint.verify(cfg, b, use_cache=not no_cache, loaded_env=fingerprint.loaded_env_file())
         sys.stdout.write(fingerprint.format_report(report) + "\n")
         sys.stdout.flush()

@@ -33,6 +33,9 @@ class ExitCode(IntEnum):
     DEGRADED = 20  # serving, but a backend's fingerprints drifted, a fallback unit failed, or systemd is unreachable
     PENDING = 21  # serving, but an interrupted operation awaits `deploytool recover`
     NOT_SERVING = 22  # no backend serves the model: none active, its unit is down, or its health check fails
+    UNSAFE_PATH = 23  # a path a root step reads is not root's alone (another owner, or writable by group/other)
+    DOWNGRADE = 24  # the bundle's sequence is lower than the highest this box installed for its name
+    KEY = 25  # the bundle's signing key is revoked or expired, or the keys directory's key metadata is malformed
     GPU = 30  # a cuda backend's GPUs are missing on the box, closed to its user, or not held by its server
     INTERNAL = 70  # a bug in deploytool
 
@@ -124,6 +127,24 @@ class RuntimeTruthError(DeployError):
 
 class PerformanceError(DeployError):
     exit_code = ExitCode.PERFORMANCE
+
+
+class UnsafePathError(DeployError):
+    """StrictModes (deploy_tool.strictmodes): refused before anything changed."""
+
+    exit_code = ExitCode.UNSAFE_PATH
+
+
+class DowngradeError(DeployError):
+    """A bundle older than what the box installed (deploy_tool.box.sequence): refused before anything changed."""
+
+    exit_code = ExitCode.DOWNGRADE
+
+
+class KeyRefused(DeployError):
+    """A revoked or expired signing key, or malformed key metadata (deploy_tool.keyring)."""
+
+    exit_code = ExitCode.KEY
 
 
 class GpuError(DeployError):

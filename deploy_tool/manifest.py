@@ -8,7 +8,8 @@ the SHA-256 of every native library inside the venv.
 
 MANIFEST.sig is one canonical JSON line: {"algorithm": "ed25519", "key_id": ..., "signature": base64}. The
 key id is the first 16 hex digits of the SHA-256 of the raw 32-byte public key. Trusted public keys are PEM
-files `*.pub` in a keys directory (default /etc/deploytool/keys).
+files `*.pub` in a keys directory (default /etc/deploytool/keys), each optionally with a `not-after`, beside a
+revocation list `revoked` (deploy_tool.keyring): a revoked or expired key signs nothing (KeyRefused, exit 25).
 
 Every rejection is a BundleError whose `reason` attribute is a stable slug (see REASONS), so tests and callers
 can tell a flipped byte from an untrusted key without parsing messages.
@@ -33,6 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from deploy_tool import keyring
 from deploy_tool.errors import BundleError, InputError, OSFailure
 from deploy_tool.hashing import NotAFile, parallel, sha256_bytes, sha256_file
 from deploy_tool.progress import ByteCounter, ProgressFn
@@ -61,8 +63,8 @@ REASONS = frozenset({
     "hash-mismatch", "size-mismatch", "mode-mismatch", "extra-file", "missing-file",
     "symlink", "symlink-escape", "path-through-symlink", "hardlink", "device-node", "fifo", "special-file",
     "duplicate-entry", "entry-too-large", "archive-truncated", "archive-malformed", "archive-too-large",
-    "trailing-data", "unsupported-entry", "unsupported-compression", "manifest-not-first",
-})
+    "trailing-data", "unsupported-entry", "unsupported-compression", "manifest-not-first", "sequence-invalid",
+}) | keyring.REASONS
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _HEXID = re.compile(rf"[0-9a-f]{{{BUNDLE_ID_LEN}}}\Z")
@@ -435,9 +437,13 @@ def _write_atomic(path: Path, data: bytes, mode: int, *, force: bool) -> None:
 
 
 def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os.PathLike[str], *,
-                     force: bool = False) -> str:
-    """Write a new Ed25519 key pair (private PEM 0600, public PEM 0644), atomically; return the key id."""
+                     force: bool = False, not_after: str | None = None) -> str:
+    """Write a new Ed25519 key pair (private PEM 0600, public PEM 0644), atomically; return the key id.
+    `not_after` (YYYY-MM-DDTHH:MM:SSZ): the public key file says when boxes stop trusting it (deploy_tool.keyring)."""
     priv_p, pub_p = Path(private_path), Path(public_path)
+    if not_after is not None and keyring.parse_not_after(not_after) is None:
+        raise InputError(f"not-after {not_after!r} is not a UTC time YYYY-MM-DDTHH:MM:SSZ",
+                         hint="e.g. --not-after 2027-01-31T00:00:00Z")
     if not force:
         for p in (priv_p, pub_p):
             if p.exists() or p.is_symlink():
@@ -447,6 +453,8 @@ def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os
                              serialization.NoEncryption())
     pub = key.public_key().public_bytes(serialization.Encoding.PEM,
                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+    if not_after is not None:
+        pub = keyring.key_file_text(pub.decode("ascii"), not_after).encode("ascii")
     try:
         _write_atomic(priv_p, priv, 0o600, force=force)
         _write_atomic(pub_p, pub, 0o644, force=force)
@@ -509,37 +517,28 @@ def parse_signature(sig_bytes: bytes) -> tuple[str, bytes]:
 
 
 def load_trusted_keys(keys_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """{key_id: public key} for every *.pub PEM file in keys_dir."""
-    d = Path(keys_dir)
-    if not d.is_dir():
-        raise reject("no-trusted-keys", f"trusted keys directory {q(d)} does not exist",
-                     hint="copy the signer's .pub file there, or pass --keys DIR")
-    keys: dict[str, Any] = {}
-    for p in sorted(d.glob("*.pub")):
-        try:
-            key = serialization.load_pem_public_key(p.read_bytes())
-        except (OSError, ValueError, TypeError) as exc:
-            raise reject("trusted-key-invalid", f"trusted key {q(p)} is not a PEM public key: {exc}",
-                         hint="remove or replace that file") from exc
-        if not isinstance(key, ed25519.Ed25519PublicKey):
-            raise reject("trusted-key-invalid", f"trusted key {q(p)} is not an Ed25519 key",
-                         hint="remove or replace that file")
-        keys[key_id_of(key)] = key
-    if not keys:
-        raise reject("no-trusted-keys", f"no trusted public keys (*.pub) in {q(d)}",
-                     hint="copy the signer's .pub file there, or pass --keys DIR")
-    return keys
+    """{key_id: public key} for every *.pub key file in keys_dir (deploy_tool.keyring: PEM, optional not-after)."""
+    ring = keyring.load(keys_dir)
+    return {kid: ed25519.Ed25519PublicKey.from_public_bytes(k.raw) for kid, k in ring.keys.items()}
 
 
-def verify_signature(manifest_bytes: bytes, sig_bytes: bytes, keys_dir: str | os.PathLike[str]) -> str:
-    """Check MANIFEST.sig over exactly these MANIFEST bytes against the trusted keys; return the key id."""
+def verify_signature(manifest_bytes: bytes, sig_bytes: bytes, keys_dir: str | os.PathLike[str], *,
+                     now: float | None = None) -> str:
+    """Check MANIFEST.sig over exactly these MANIFEST bytes against the trusted keys; return the key id.
+
+    A key revoked in the keys directory's revocation list, or past its not-after (`now`: the box's clock), is
+    refused (KeyRefused, exit 25) naming the key id, whether or not the signature itself is good."""
     kid, raw = parse_signature(sig_bytes)
-    keys = load_trusted_keys(keys_dir)
-    key = keys.get(kid)
-    if key is None:
+    ring = keyring.load(keys_dir)
+    refusal = ring.refusal(kid, now)
+    if refusal is not None:
+        raise refusal
+    tk = ring.keys.get(kid)
+    if tk is None:
         raise reject("untrusted-key", f"bundle is signed by key {q(kid)}, which is not among the trusted keys "
-                     f"in {q(keys_dir)} ({', '.join(sorted(keys))})",
+                     f"in {q(keys_dir)} ({', '.join(sorted(ring.keys))})",
                      hint="if you trust the signer, copy their .pub file into the keys directory")
+    key = ed25519.Ed25519PublicKey.from_public_bytes(tk.raw)
     try:
         key.verify(raw, manifest_bytes)
     except InvalidSignature as exc:

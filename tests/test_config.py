@@ -415,3 +415,14 @@ def test_fuzz_helpers_cover_examples() -> None:
     paths = _paths(_EX["two-2080ti"])
     assert ("backends", "ftllm-dflash", "speculative", "num_draft_tokens") in paths
     assert not math.isnan(len(paths)) and len(paths) > 60
+
+
+def test_the_readme_names_every_exit_code() -> None:
+    """The README's one list of exit codes (under Commands) names each code of ExitCode, and no other."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    para = text[text.index("Exit codes: 0 ok"):]
+    para = para[:para.index("\n\n")]
+    named = {int(n) for n in re.findall(r"(?<![\w.-])(\d+) [A-Za-z`]", para)}
+    assert named == {int(c) for c in ExitCode}, sorted(named ^ {int(c) for c in ExitCode})

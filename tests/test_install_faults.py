@@ -172,10 +172,24 @@ def test_untrusted_key_is_refused_before_anything_is_written(fresh, sbx):
     assert not [e for e in bx.history() if e.get("ok")]
 
 
-def _in_full_disk(root: Path, size: str) -> list[str]:
-    """Wrap a command so it runs in a private mount namespace with a `size` tmpfs over `root`."""
-    script = 'mkdir -p "$1" && mount -t tmpfs -o size="$2" deploytool-test-full "$1" && shift 2 && exec "$@"'
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", str(root), size]
+def _in_full_disk(root: Path, size: str, mode: str = "0755") -> list[str]:
+    """Wrap a command so it runs in a private mount namespace with a `size` tmpfs over `root` (root's, `mode`: a
+    tmpfs is 1777 unless told, which StrictModes refuses as a box path)."""
+    script = ('mkdir -p "$1" && mount -t tmpfs -o size="$2",mode="$3" deploytool-test-full "$1" && shift 3 && '
+              'exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", str(root), size, mode]
+
+
+def test_a_world_writable_mount_over_the_install_root_is_refused_first(fresh, sbx):
+    """A tmpfs mounted over the install root as tmpfs makes it (1777: anyone could create `current` there first):
+    exit 23 naming it and `chmod go-w`, before the bundle is read; nothing written."""
+    bx: Box = fresh["box"]
+    r = dt(fresh["cfg"], "install", str(fresh["a"]), wrap=_in_full_disk(bx.root, "2m", mode="1777"))
+    assert r.returncode == 23, r.stdout + r.stderr
+    assert f"{bx.root} (above the current): owner 0:0, mode 1777, writable by group and others; fix: chmod go-w " \
+        f"{bx.root}" in r.stderr
+    assert "verifying" not in r.stderr and bx.traces() == {"units": [], "env": [], "current": [], "releases": [],
+                                                           "pins": []}
 
 
 @pytest.mark.parametrize("size,where", [("2m", "verifying"), ("800m", "laying down"), ("1300m", "unpacking")])

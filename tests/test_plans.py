@@ -152,7 +152,7 @@ def test_recover_an_interrupted_switch(cfg: Config) -> None:
 
 BUNDLE, KEYS = "/srv/bundles/box-abc123.tar.zst", "/etc/deploytool/keys"
 FRESH_INSTALL = [
-    ("verified", f"verify {BUNDLE} against keys in {KEYS}"),
+    ("verified", f"verify {BUNDLE} against keys in {KEYS}{install.VERIFY_ALSO}"),
     ("venv-ready", "unpack to /opt/deploytool/releases/.staging-abc123, unpack venv (bytecode included), relocate"),
     ("native-libs-checked", "check the OS libraries the native binaries need, check native library hashes"),
     ("tool-ready", "build deploytool's own venv from the bundle's tool wheels"),
@@ -278,7 +278,8 @@ def test_dry_run_json_carries_the_steps(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[:3] == ["would:", f"  lock {Store(tmp_path / 'demo-root/var/lib/deploytool').lock_path}",
-                         f"  verify {tmp_path / 'b'} against keys in {tmp_path / 'demo-root/etc/deploytool/keys'}"]
+                         f"  verify {tmp_path / 'b'} against keys in {tmp_path / 'demo-root/etc/deploytool/keys'}"
+                         + install.VERIFY_ALSO]
     assert lines[-2:] == ["  commit state",
                           "  on failure: undo every step in reverse, start the backend that served, exit 14"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "deploytool.yaml"]

@@ -153,6 +153,50 @@ def test_any_mode_bit_of_any_entry_is_refused(pinned: rt.Tree, data: st.DataObje
 
 
 @EXAMPLES
+@given(data=st.data(), uid=st.sampled_from([0, 1, 1000, 65534]), gid=st.sampled_from([0, 5, 1000]),
+       use_cache=st.booleans())
+def test_any_owner_of_any_entry_is_refused(pinned: rt.Tree, data: st.DataObject, uid: int, gid: int,
+                                           use_cache: bool) -> None:
+    """uid and gid are pinned like modes: any entry (file, directory, symlink) given another owner is drift naming
+    it, expected without an owner (root's 0:0 is not written), actual with `uid:gid` after the mode."""
+    if (uid, gid) == (0, 0):
+        gid = 5
+    paths = entries(pinned, lambda p: True)
+    p = data.draw(st.sampled_from([pinned.release, *paths]), label="entry")
+    st0 = os.lstat(p)
+    assert (st0.st_uid, st0.st_gid) == (0, 0)
+    os.lchown(p, uid, gid)
+    try:
+        r = refused(pinned, use_cache, "release/." if p == pinned.release else rid(pinned, p))
+        row = next(d for d in r.rows if d.item.path == str(p))
+        assert f" {uid}:{gid}" in row.actual and f"{uid}:{gid}" not in row.expected
+        assert row.actual.replace(f" {uid}:{gid}", "", 1) == row.expected  # only the owner differs
+    finally:
+        os.lchown(p, 0, 0)
+        if not p.is_symlink():
+            os.chmod(p, stat.S_IMODE(st0.st_mode))  # chown clears setuid/setgid bits
+    passes(pinned)
+
+
+def test_pin_refuses_an_entry_that_is_not_roots_alone(pinned: rt.Tree) -> None:
+    """`pin` of a release with a group-writable file: exit 23 naming it and `chmod go-w`, the pins untouched (what
+    is pinned is what verify holds the tree to)."""
+    from deploy_tool.errors import UnsafePathError
+
+    p = pinned.release / "MANIFEST"
+    before = fp.pins_path(pinned.cfg, FT).read_bytes()
+    os.chmod(p, 0o664)
+    try:
+        with pytest.raises(UnsafePathError) as ei:
+            fp.pin(pinned.cfg, FT, "a deliberate change")
+        assert ei.value.exit_code == 23 and str(p) in ei.value.message and f"chmod go-w {p}" in ei.value.message
+        assert fp.pins_path(pinned.cfg, FT).read_bytes() == before
+    finally:
+        os.chmod(p, 0o644)
+    passes(pinned)
+
+
+@EXAMPLES
 @given(data=st.data(), name=st.one_of(NAMES, HOOK_NAMES), kind=st.sampled_from(["file", "dir", "link"]),
        use_cache=st.booleans())
 def test_a_new_entry_in_any_directory_is_refused(pinned: rt.Tree, data: st.DataObject, name: str, kind: str,

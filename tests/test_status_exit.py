@@ -58,6 +58,9 @@ def reports(draw: st.DrawFn) -> dict[str, Any]:
         rep["systemd_error"] = "systemctl not found"
     if draw(st.booleans()):
         rep["runtime"] = {"failures": draw(st.sampled_from([[], ["library libggml.so: not pinned"]]))}
+    if draw(st.integers(0, 4)) == 0:  # StrictModes: a path a root step reads is not root's alone
+        rep["unsafe_paths"] = [{"path": "/etc/deploytool/env", "what": "env dir", "uid": 0, "gid": 0, "mode": "0775",
+                                "problems": ["writable by group"], "fix": "chmod go-w /etc/deploytool/env"}]
     return rep
 
 
@@ -77,7 +80,7 @@ def test_every_report_gets_the_code_of_its_worst_situation(rep: dict[str, Any]) 
     off = (any(not fp["ok"] for fp in rep["fingerprints"].values()) or "systemd_error" in rep
            or any("error" in u or (n != rep["active_backend"] and u["active"] == "failed")
                   for n, u in rep["units"].items())
-           or bool((rep.get("runtime") or {}).get("failures")))
+           or bool((rep.get("runtime") or {}).get("failures")) or bool(rep.get("unsafe_paths")))
     if not _serving(rep):
         assert code == ExitCode.NOT_SERVING
     elif interrupted:
@@ -89,7 +92,7 @@ def test_every_report_gets_the_code_of_its_worst_situation(rep: dict[str, Any]) 
     assert bool(reasons) == (code != ExitCode.OK)
 
 
-@given(reports(), st.sampled_from(["stop", "unhealthy", "drift", "interrupt", "fail-other", "systemd"]))
+@given(reports(), st.sampled_from(["stop", "unhealthy", "drift", "interrupt", "fail-other", "systemd", "unsafe"]))
 def test_a_new_fault_never_makes_the_code_better(rep: dict[str, Any], fault: str) -> None:
     """Adding any fault to any report gives a code at least as severe (0 < 20 < 21 < 22), and never 0."""
     before, _ = st_mod.verdict(rep)
@@ -107,6 +110,9 @@ def test_a_new_fault_never_makes_the_code_better(rep: dict[str, Any], fault: str
     elif fault == "fail-other":
         other = L if active == F else F
         worse["units"][other] = {"active": "failed", "sub": "failed", "result": "exit-code"}
+    elif fault == "unsafe":
+        worse["unsafe_paths"] = [{"path": "/x", "what": "keys dir", "uid": 1000, "gid": 0, "mode": "0755",
+                                  "problems": ["owned by uid 1000, not root"], "fix": "chown root /x"}]
     else:
         worse["systemd_error"] = "systemctl not found"
     after, _ = st_mod.verdict(worse)
@@ -177,6 +183,25 @@ def test_drift_on_any_backend_is_degraded(box: Box) -> None:
     code, rep, _ = status(box)
     assert code == ExitCode.DEGRADED == 20
     assert rep["verdict"]["reasons"] == [f"{L} drifted from its pins: env file"]
+
+
+def test_a_path_that_is_not_roots_alone_is_degraded(box: Box) -> None:
+    """StrictModes through the CLI: the state directory made world-writable while ftllm-dflash serves: exit 20,
+    the reason naming the path and its fix, the text an `unsafe` line with owner and mode."""
+    import os
+
+    box.installed(F)
+    state = Path(box.cfg.paths.state_dir)
+    os.chmod(state, 0o777)
+    try:
+        code, rep, text = status(box)
+    finally:
+        os.chmod(state, 0o755)
+    assert code == ExitCode.DEGRADED
+    assert rep["verdict"]["reasons"] == [f"{state} is not root's alone (writable by group and others), so no backend "
+                                         f"may start: chmod go-w {state}"]
+    assert f"unsafe    {state} (state dir): owner 0:0, mode 0777" in text
+    assert status(box)[0] == 0
 
 
 def test_a_failed_fallback_is_degraded(box: Box) -> None:

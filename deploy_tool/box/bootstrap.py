@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# ruff: noqa: UP031, B904, SIM114, SIM115
+# ruff: noqa: UP031, B904, SIM105, SIM114, SIM115
 """deploytool bootstrap: a box with nothing but python3 (3.11 or newer) installs a bundle with no network.
 
     python3 BUNDLE_DIR/bootstrap [--config PATH] [--keys DIR] [--staging-dir DIR] [INSTALL OPTIONS...]
@@ -9,10 +9,14 @@ listed in the MANIFEST like every other file. It runs in this order and stops at
 
 1. The interpreter must be CPython 3.11 or newer. This file parses on Python 2.7 and every 3.x (no f-strings,
    no annotations, no keyword-only arguments), so an old python3 gets this message, not a SyntaxError.
-2. The MANIFEST's Ed25519 signature is checked against the box's trusted keys (--keys DIR, else paths.keys_dir
+2. The config and the keys directory (with every key in it, and every directory above them) must be root's alone
+   (StrictModes, as deploy_tool/strictmodes.py: owned by root, not writable by group or other), else exit 23.
+   The MANIFEST's Ed25519 signature is checked against the box's trusted keys (--keys DIR, else paths.keys_dir
    of the config, else /etc/deploytool/keys) with the pure-Python verifier below (RFC 8032), because the
    `cryptography` wheel is itself among what the bundle carries: no code from the bundle runs before this.
-   The MANIFEST bytes that were verified are the ones parsed.
+   A key listed in KEYS/revoked, or past the `not-after` its key file carries, is refused (exit 25), as
+   deploytool's own keyring (deploy_tool/keyring.py) refuses it. The MANIFEST bytes that were verified are the
+   ones parsed.
 3. The MANIFEST lists deploytool's wheels under tool/wheels/ (deploytool's own wheel and its dependencies').
    Each is copied into a private staging directory and the copy's size and SHA-256 are checked against the
    MANIFEST. A venv is created in staging with `python3 -m venv --without-pip` (no ensurepip, which Debian
@@ -26,11 +30,13 @@ listed in the MANIFEST like every other file. It runs in this order and stops at
 5. The staging directory is removed, whatever happened.
 
 Nothing is written outside the staging directory before the checks of step 4 have passed. Exit codes are
-deploytool's (deploy_tool/errors.py): 2 usage, 6 bundle, 16 interpreter too old, 17 OS, else install's own.
+deploytool's (deploy_tool/errors.py): 2 usage, 6 bundle, 16 interpreter too old, 17 OS, 23 a config or key
+that is not root's alone, 25 a revoked or expired key, else install's own.
 The same module, imported, is install's wheel installer for the release's tool venv (`install_wheels`).
 """
 
 import base64
+import calendar
 import csv
 import hashlib
 import io
@@ -39,6 +45,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -48,7 +55,7 @@ import zipfile
 MIN_PYTHON = (3, 11)
 TOOL_WHEELS = "tool/wheels/"
 DEFAULT_KEYS_DIR = "/etc/deploytool/keys"
-EXIT_USAGE, EXIT_BUNDLE, EXIT_TOO_OLD, EXIT_OS = 2, 6, 16, 17
+EXIT_USAGE, EXIT_BUNDLE, EXIT_TOO_OLD, EXIT_OS, EXIT_UNSAFE, EXIT_KEY = 2, 6, 16, 17, 23, 25
 WHEEL_NAME = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-(?P<build>\d[^-]*))?"
                         r"-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
 CHUNK = 1 << 20
@@ -184,8 +191,91 @@ def ed25519_verify(public, message, signature):
     return (sb[0] * rha[2] - rha[0] * sb[2]) % _P == 0 and (sb[1] * rha[2] - rha[1] * sb[2]) % _P == 0
 
 
+_NOT_AFTER = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+_HEADER = re.compile(r"^([A-Za-z][A-Za-z0-9-]*)\s*:\s*(.*?)\s*$")
+REVOKED_NAME = "revoked"
+
+
+def parse_not_after(text):
+    """Seconds since the epoch of a not-after value (UTC, YYYY-MM-DDTHH:MM:SSZ), or None (deploy_tool.keyring)."""
+    if not _NOT_AFTER.match(text):
+        return None
+    try:
+        return calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return None
+
+
+def parse_key_file(text, path):
+    """(key id, raw 32-byte key, not-after text or None, its epoch or None) of one key file, the format of
+    deploy_tool.keyring: `# comments` and at most one `not-after: ...` line before the PEM block."""
+    lines = text.split("\n")
+    stripped = [ln.strip() for ln in lines]
+    try:
+        begin = stripped.index("-----BEGIN PUBLIC KEY-----")
+        end = stripped.index("-----END PUBLIC KEY-----", begin + 1)
+    except ValueError:
+        raise Refused("trusted-key-invalid: trusted key %s is not a PEM public key" % path, EXIT_BUNDLE,
+                      hint="remove or replace that file")
+    not_after = None
+    for n, line in enumerate(stripped[:begin]):
+        if not line or line.startswith("#"):
+            continue
+        m = _HEADER.match(line)
+        if not m or m.group(1).lower() != "not-after" or not_after is not None or parse_not_after(m.group(2)) is None:
+            raise Refused("key-metadata-invalid: trusted key %s line %d: %r is not one `not-after: "
+                          "YYYY-MM-DDTHH:MM:SSZ` or a # comment" % (path, n + 1, line[:60]), EXIT_KEY,
+                          hint="fix or remove that line of %s" % path)
+        not_after = m.group(2)
+    if any(stripped[end + 1:]):
+        raise Refused("trusted-key-invalid: trusted key %s has text after its key" % path, EXIT_BUNDLE,
+                      hint="keep one key per file; remove what follows the key")
+    try:
+        body = "".join("".join(lines[begin + 1:end]).split())
+        der = base64.b64decode(body.encode("ascii"))
+        if base64.b64encode(der).decode("ascii") != body:
+            der = b""
+    except (ValueError, TypeError, UnicodeError):
+        der = b""
+    if len(der) != 44 or der[:12] != _SPKI_ED25519:
+        raise Refused("trusted-key-invalid: trusted key %s is not an Ed25519 PEM public key" % path, EXIT_BUNDLE,
+                      hint="remove or replace that file")
+    raw = der[12:]
+    return hashlib.sha256(raw).hexdigest()[:16], raw, not_after, parse_not_after(not_after) if not_after else None
+
+
+def parse_revocations(text, path):
+    """{key id: (line number, reason)} of a revocation list (deploy_tool.keyring's format)."""
+    out = {}
+    for n, line in enumerate(text.split("\n")):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        kid, _, reason = line.partition(" ")
+        if not re.match(r"^[0-9a-f]{16}$", kid) or re.search(r"[\x00-\x08\x0a-\x1f\x7f]", reason):
+            raise Refused("revocation-list-invalid: revocation list %s line %d: %r does not start with a key id "
+                          "(16 lowercase hex digits)" % (path, n + 1, line[:60]), EXIT_KEY,
+                          hint="write one `KEYID reason` per line in %s" % path)
+        if kid not in out:
+            out[kid] = (n + 1, reason.strip())
+    return out
+
+
+def _read_ascii(path, limit, reason, code):
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError("larger than %d bytes" % limit)
+        return data.decode("ascii")
+    except (OSError, ValueError, UnicodeError) as exc:
+        raise Refused("%s: %s cannot be read as a key file: %s" % (reason, path, exc), code,
+                      hint="remove or replace that file")
+
+
 def load_public_keys(keys_dir):
-    """{key_id: raw 32-byte key} of the Ed25519 PEM public keys (*.pub) in keys_dir."""
+    """({key_id: (raw 32-byte key, not-after text, not-after epoch, path)}, {key_id: (line, reason)}) of the
+    Ed25519 key files (*.pub) and the revocation list in keys_dir."""
     try:
         names = sorted(n for n in os.listdir(keys_dir) if n.endswith(".pub"))
     except OSError as exc:
@@ -194,25 +284,22 @@ def load_public_keys(keys_dir):
     keys = {}
     for n in names:
         p = os.path.join(keys_dir, n)
-        try:
-            with open(p) as f:
-                text = f.read(8192)
-            body = text.split("-----BEGIN PUBLIC KEY-----")[1].split("-----END PUBLIC KEY-----")[0]
-            der = base64.b64decode("".join(body.split()))
-        except (OSError, IndexError, ValueError):
-            der = b""
-        if len(der) != 44 or der[:12] != _SPKI_ED25519:
-            raise Refused("trusted-key-invalid: trusted key %s is not an Ed25519 PEM public key" % p, EXIT_BUNDLE,
-                          hint="remove or replace that file")
-        keys[hashlib.sha256(der[12:]).hexdigest()[:16]] = der[12:]
+        kid, raw, not_after, epoch = parse_key_file(_read_ascii(p, 8192, "trusted-key-invalid", EXIT_BUNDLE), p)
+        if kid not in keys:
+            keys[kid] = (raw, not_after, epoch, p)
+    revoked = {}
+    rl = os.path.join(keys_dir, REVOKED_NAME)
+    if os.path.lexists(rl):
+        revoked = parse_revocations(_read_ascii(rl, 1 << 20, "revocation-list-invalid", EXIT_KEY), rl)
     if not keys:
         raise Refused("no-trusted-keys: no trusted public keys (*.pub) in %s" % keys_dir, EXIT_BUNDLE,
                       hint="copy the signer's .pub file there, or pass --keys DIR")
-    return keys
+    return keys, revoked
 
 
-def check_signature(manifest, sig, keys_dir):
-    """Check MANIFEST.sig over exactly these MANIFEST bytes against the trusted keys; return the key id."""
+def check_signature(manifest, sig, keys_dir, now=None):
+    """Check MANIFEST.sig over exactly these MANIFEST bytes against the trusted keys; return the key id. A key
+    revoked in keys_dir/revoked or past its not-after is refused (exit 25), as deploytool refuses it."""
     try:
         obj = json.loads(sig.decode("ascii"))
         kid = obj["key_id"]
@@ -221,16 +308,104 @@ def check_signature(manifest, sig, keys_dir):
             raise ValueError("not an ed25519 signature")
     except (ValueError, KeyError, TypeError) as exc:
         raise Refused("signature-malformed: MANIFEST.sig is not a deploytool signature (%s)" % exc, EXIT_BUNDLE)
-    keys = load_public_keys(keys_dir)
+    keys, revoked = load_public_keys(keys_dir)
+    if kid in revoked:
+        line, reason = revoked[kid]
+        raise Refused("key-revoked: the bundle is signed by key %s, which is revoked in %s line %d%s"
+                      % (kid, os.path.join(keys_dir, REVOKED_NAME), line, " (%s)" % reason if reason else ""),
+                      EXIT_KEY, hint="install a bundle signed by a key this box trusts (see `Trust` in the README)")
     if kid not in keys:
         raise Refused("untrusted-key: the bundle is signed by key %s, which is not among the trusted keys in %s (%s)"
                       % (kid, keys_dir, ", ".join(sorted(keys))), EXIT_BUNDLE,
                       hint="if you trust the signer, copy their .pub file into the keys directory")
-    if not ed25519_verify(keys[kid], manifest, raw):
+    public, not_after, epoch, path = keys[kid]
+    if epoch is not None and (time.time() if now is None else now) > epoch:
+        raise Refused("key-expired: the bundle is signed by key %s (%s), which expired at %s (not-after)"
+                      % (kid, path, not_after), EXIT_KEY,
+                      hint="install a bundle signed by a current key; if this key is still safe, move its "
+                           "not-after line in %s later" % path)
+    if not ed25519_verify(public, manifest, raw):
         raise Refused("signature-invalid: the MANIFEST signature does not verify with trusted key %s: the "
                       "MANIFEST or its signature was altered" % kid, EXIT_BUNDLE,
                       hint="copy the bundle again from where it was packed")
     return kid
+
+
+# ------------------------------------------------------------------------------------------------ StrictModes
+# The rule of deploy_tool/strictmodes.py (judge), for the two things this script trusts before deploytool runs:
+# the config (it names the keys directory) and the keys directory with its keys. A key planted in a writable keys
+# directory would make this script run the planter's bundle as root. tests/test_strictmodes.py holds the copies
+# to the same verdicts.
+
+def judge(uid, mode, above=False, child_uid=None):
+    """What is wrong with one path by its lstat owner and mode (deploy_tool.strictmodes.judge), as a list."""
+    problems = []
+    if uid != 0:
+        problems.append("owned by uid %d, not root" % uid)
+    if stat.S_ISLNK(mode):
+        return problems
+    w = mode & 0o022
+    sticky_ok = above and stat.S_ISDIR(mode) and bool(mode & stat.S_ISVTX) and uid == 0 and child_uid is not None
+    if w and not sticky_ok:
+        problems.append("writable by %s" % ("group and others" if w == 0o022 else "group" if w & 0o020 else "others"))
+    return problems
+
+
+def _chain(path):
+    parts = [x for x in os.path.abspath(path).split("/") if x]
+    return ["/"] + ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def unsafe_paths(paths):
+    """[(path, uid, gid, mode, problems)] of `paths` and every directory above each, along the path as written and
+    along its real path; missing components end a chain."""
+    found = []
+    seen = set()
+    for path in paths:
+        chains = [_chain(path)]
+        if os.path.realpath(path) != os.path.abspath(path):
+            chains.append(_chain(os.path.realpath(path)))
+        for chain in chains:
+            for i, p in enumerate(chain):
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    break
+                last = i == len(chain) - 1
+                child = None
+                if not last:
+                    try:
+                        child = os.lstat(chain[i + 1]).st_uid
+                    except OSError:
+                        child = None
+                problems = judge(st.st_uid, st.st_mode, above=not last, child_uid=child)
+                if problems and p not in seen:
+                    seen.add(p)
+                    found.append((p, st.st_uid, st.st_gid, st.st_mode, problems))
+                if stat.S_ISLNK(st.st_mode) and not last:
+                    break
+    return found
+
+
+def check_trust_paths(config, keys_dir):
+    """Refuse (exit 23) a config or keys directory (or a key in it, or a directory above them) that is not root's
+    alone, naming the path, its owner and mode, and the fix."""
+    paths = [config, keys_dir]
+    try:
+        paths += [os.path.join(keys_dir, n) for n in sorted(os.listdir(keys_dir))]
+    except OSError:
+        pass
+    bad = unsafe_paths(paths)
+    if bad:
+        p, uid, gid, mode, problems = bad[0]
+        fix = " && ".join((["chown root %s" % p] if any(x.startswith("owned") for x in problems) else [])
+                          + (["chmod go-w %s" % p] if any(x.startswith("writable") for x in problems) else []))
+        raise Refused("unsafe-path: %s: owner %d:%d, mode %04o, %s; a key or config that another user can change "
+                      "could make this bootstrap run their bundle as root%s" % (
+                          p, uid, gid, stat.S_IMODE(mode), " and ".join(problems),
+                          " (and %d more)" % (len(bad) - 1) if len(bad) > 1 else ""),
+                      EXIT_UNSAFE, hint="%s; the config, the keys directory and the directories above them must be "
+                                        "owned by root and not writable by group or other" % fix)
 
 
 def keys_dir_from_config(config):
@@ -618,6 +793,7 @@ def bootstrap(bundle_dir, config, keys=None, staging_parent=None, install_args=(
                       hint="put the box's deploytool.yaml there, or pass --config PATH")
     manifest, sig = read_manifest(bundle_dir)
     keys_dir = os.path.abspath(keys) if keys else keys_dir_from_config(config)
+    check_trust_paths(config, keys_dir)
     kid = check_signature(manifest, sig, keys_dir)
     files, bundle_id = parse_manifest(manifest, os.path.join(bundle_dir, "MANIFEST"))
     log("bundle %s: MANIFEST signed by trusted key %s (%s) [%.2f s]" % (bundle_id, kid, keys_dir,

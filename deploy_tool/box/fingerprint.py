@@ -8,8 +8,9 @@ systemd refuse the start, and prints one plain line per changed item for `journa
 What is fingerprinted (item ids in brackets; a missing file is a value too: "missing"):
   release   the release `current` points at [release], and every entry under it, whatever it is and whoever
             uses it (the backend venv, deploytool's own venv, templates, NCCL, the release's units and env files,
-            MANIFEST, wheels): a file by type, mode and SHA-256, a symlink by its target string, a directory by
-            its mode [release/PATH] (deploy_tool.box.treepin). Anything added after the pin is drift as well
+            MANIFEST, wheels): a file by type, mode, owner and SHA-256, a symlink by its owner and target string,
+            a directory by its mode and owner [release/PATH] (deploy_tool.box.treepin; the owner is written only
+            when it is not root's 0:0). Anything added after the pin is drift as well
             (expected "absent"): a new .pth, sitecustomize or usercustomize module, a planted .pyc in a
             __pycache__, any new file in any directory. A venv outside the release (a backend's executable
             elsewhere [venv/PATH], or paths.deploytool's venv [tool/PATH], see _collect_tool) is pinned the same way.
@@ -19,7 +20,7 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
             hooks in the base interpreter's own library directories [python.hooks, python.hook/NAME], and
             whether the bundled NCCL (its bytes are a tree entry, like the chat template's) still holds code for
             the configured GPU architecture under the arch policy [nccl.arch].
-  llamacpp  SHA-256 of the binary [binary.sha256] and its mode [binary.mode], its build as `--version` reports it
+  llamacpp  SHA-256 of the binary [binary.sha256] and its mode and owner [binary.mode], its build as `--version` reports it
             (run only when the binary's hash matches the pin, never on a changed binary: the check runs as
             root) [binary.build], SHA-256 of every shared library beside the binary (libggml*, libllama*, ...)
             [binary.lib/NAME], mmproj size and header hash [mmproj.size, mmproj.header].
@@ -748,10 +749,13 @@ def _collect_llamacpp(c: _Collector, cfg: Config, b: LlamacppBackend) -> None:
 
 
 def _mode_value(path: str | os.PathLike[str]) -> str:
+    """The mode, and the owner uid:gid when it is not root's (as treepin.value writes them)."""
     try:
-        return f"{stat.S_IMODE(os.stat(path).st_mode):04o}"
+        st = os.stat(path)
     except OSError as exc:
         return _err_value(exc)
+    own = "" if st.st_uid == 0 and st.st_gid == 0 else f" {st.st_uid}:{st.st_gid}"
+    return f"{stat.S_IMODE(st.st_mode):04o}{own}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -925,7 +929,8 @@ def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
 
 def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None = None, store=None,
         workers: int | None = None, fresh: HashCache | None = None) -> PinSet:
-    """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when.
+    """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when. A tree
+    entry that is not root's alone (deploy_tool.strictmodes) is refused, exit 23, nothing written.
 
     `fresh`: an in-memory HashCache shared by the pins of several backends in one run (install pins every
     backend: the release they share is read once); only values computed in this process are in it."""
@@ -940,6 +945,11 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
         previous = load_pins(cfg, b)
     items, trees, _stats = _collect(cfg, b, use_cache=False, expected=None, workers=workers,
                                     racy_margin_s=CACHE_RACY_MARGIN_S, cache_file=True, fresh=fresh)
+    from deploy_tool import strictmodes
+
+    unsafe = [u for t in trees.values() for u in strictmodes.tree_problems(t.entries, t.root)]
+    if unsafe:  # verify holds the tree to its pins only: what is pinned must be root's alone
+        raise strictmodes.refusal(unsafe, f"cannot pin {b.name}")
     ps = PinSet(backend=b.name, kind=b.kind, pinned_at=_now(), release=release or current_release(cfg),
                 reason=reason, by=_who(), items=tuple(items), path=str(pins_path(cfg, b.name)), trees=trees)
     path = pins_path(cfg, b.name)

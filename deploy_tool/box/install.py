@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import archive, binaries, checks, proc, venv
+from deploy_tool import archive, binaries, checks, proc, strictmodes, venv
 from deploy_tool import bundle as bundle_mod
-from deploy_tool.box import bootstrap, fingerprint
+from deploy_tool.box import bootstrap, fingerprint, sequence
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.gate import api_key, queue_start, run_gate
 from deploy_tool.box.state import Operation, State, Step, Store, now_iso
@@ -156,6 +156,10 @@ class InstallFacts:
     tool: bool = True  # the bundle carries deploytool's own wheels
 
 
+# what the first step refuses besides a bad signature or file (keyring, box.sequence)
+VERIFY_ALSO = " (a revoked or expired key is refused), refuse a sequence below the box's highest of its name"
+
+
 def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: InstallFacts | None,
                  rebuild: bool = False, start: bool = True) -> list[Step]:
     """The steps of an install after the lock; `facts` None: the bundle is not verified yet (--dry-run), so
@@ -163,7 +167,7 @@ def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: Insta
     releases, paths = Path(cfg.paths.releases_dir), cfg.paths
     rid = facts.release if facts else "<id>"
     final = releases / rid
-    steps = [Step("verified", f"verify {bundle} against keys in {keys}", (f"{releases}/.verify-*",))]
+    steps = [Step("verified", f"verify {bundle} against keys in {keys}{VERIFY_ALSO}", (f"{releases}/.verify-*",))]
     if facts is not None and facts.installed:
         if start and not facts.running:
             name = _backend_to_start(cfg, st)
@@ -266,13 +270,17 @@ def _finish_own(cfg: Config, store: Store, sd: systemd_mod.Systemd, log: Log) ->
 def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None, rebuild: bool = False,
             dry_run: bool = False, start: bool = True, log: Log = lambda s: None, progress=None,
             sd: systemd_mod.Systemd | None = None, wait: float = 0.0,
-            finish: Callable[[State], object] | None = None) -> InstallResult:
-    """Install the bundle (`finish`: what finishes an operation found interrupted under the lock)."""
+            finish: Callable[[State], object] | None = None, allow_downgrade: str | None = None) -> InstallResult:
+    """Install the bundle (`finish`: what finishes an operation found interrupted under the lock;
+    `allow_downgrade`: why a bundle below the box's highest sequence of its name is installed, see box.sequence)."""
     t0 = time.monotonic()
     path = find_bundle(cfg, bundle_path)
     keys = keys_dir or cfg.paths.keys_dir
     releases = Path(cfg.paths.releases_dir)
     store = Store(cfg.paths.state_dir)
+    # before anything is written (the state dir, the lock): what steers the root steps must be root's alone
+    strictmodes.require(cfg, None, f"cannot install {path.name}",
+                        extra=strictmodes.keys_paths(keys) if keys != cfg.paths.keys_dir else ())
     if dry_run:
         st = store.load()
         steps = store.lock_steps(st) + install_plan(cfg, st, bundle=str(path), keys=keys, facts=None,
@@ -288,7 +296,7 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
             raise os_error(exc, f"cannot create a staging directory in {releases}") from None
         try:
             return _install_verified(cfg, sd, store, st, path, keys, staging_root, rebuild=rebuild, start=start,
-                                     log=log, progress=progress, t0=t0)
+                                     log=log, progress=progress, t0=t0, allow_downgrade=allow_downgrade)
         finally:
             shutil.rmtree(staging_root, ignore_errors=True)
 
@@ -327,11 +335,17 @@ def _verify(cfg: Config, path: Path, keys: str, staging_root: Path, log: Log) ->
 
 
 def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, path: Path, keys: str,
-                      staging_root: Path, *, rebuild: bool, start: bool, log: Log, progress, t0: float) -> InstallResult:
+                      staging_root: Path, *, rebuild: bool, start: bool, log: Log, progress, t0: float,
+                      allow_downgrade: str | None = None) -> InstallResult:
     vb = _verify(cfg, path, keys, staging_root, log)
     api_key_credential(cfg)  # a missing or unusable key fails here, before anything changes
     check_gpus(cfg)  # so does a cuda backend whose GPUs this box lacks or closes to it
     rid = vb.manifest.bundle_id
+    # no replay: a bundle older than the newest of its name this box installed is refused here, before any change
+    seq = sequence.of_bundle(vb.manifest, vb.root / "config.json")
+    downgrade = sequence.check(cfg.paths.releases_dir, cfg.paths.state_dir, seq, rid, allow_downgrade=allow_downgrade)
+    if downgrade is not None:
+        log(f"downgrade of {seq.name} from sequence {downgrade.highest} to {seq.number}, on purpose: {downgrade.reason}")
     final = Path(cfg.paths.releases_dir) / rid
     installed = st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \
         and _units_match(cfg, vb.root)
@@ -353,7 +367,7 @@ def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: St
     undo = _Undo(log)
     try:
         res = _Install(cfg, sd, store, st, vb, final, rebuild=rebuild, undo=undo, log=log,
-                       progress=progress).run(steps)
+                       progress=progress, seq=seq, downgrade=downgrade).run(steps)
     except BaseException as exc:
         _undo(cfg, sd, store, st, undo, log)
         if isinstance(exc, OSError):  # disk full and the like, from any step: a clean error, exit 17
@@ -364,8 +378,8 @@ def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: St
                 err = InstallError(f"install of {rid} failed: {exc.message}",
                                    hint=exc.hint or "nothing was left half-installed; fix the cause "
                                    "and run deploytool install again")
-                if exc.exit_code in (ExitCode.OS, ExitCode.MISSING_TOOL):
-                    err.exit_code = exc.exit_code  # disk full, a missing OS library: the box needs fixing
+                if exc.exit_code in (ExitCode.OS, ExitCode.MISSING_TOOL, ExitCode.UNSAFE_PATH):
+                    err.exit_code = exc.exit_code  # disk full, a missing OS library, a path not root's: fix the box
                 raise err from exc
             raise exc from None
         raise
@@ -443,7 +457,7 @@ def check_os_libraries(cfg: Config, release: Path) -> None:
 # env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
 # (paths.metrics_file is the box's own: no unit or env file names it, and a bundle packed before it existed
 # must still install.)
-PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
+PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.sequence", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
                   "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
                   "bundle.nccl.library", "bundle.nccl.force", "systemd", "paths.metrics_file")
 
@@ -548,8 +562,10 @@ class _Install:
     once done; every change it makes registers its undo."""
 
     def __init__(self, cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: bundle_mod.VerifiedBundle,
-                 final: Path, *, rebuild: bool, undo: _Undo, log: Log, progress) -> None:
+                 final: Path, *, rebuild: bool, undo: _Undo, log: Log, progress,
+                 seq: sequence.BundleSequence | None = None, downgrade: sequence.Downgrade | None = None) -> None:
         self.cfg, self.sd, self.store, self.st, self.vb, self.final = cfg, sd, store, st, vb, final
+        self.seq, self.downgrade = seq, downgrade
         self.rebuild, self.undo, self.log, self.progress = rebuild, undo, log, progress
         self.rid = vb.manifest.bundle_id
         self.stage = final.parent / f".staging-{self.rid}"
@@ -712,10 +728,18 @@ class _Install:
                       previous_release=st.release if st.release != rid else st.previous_release,
                       active_backend=name if self.started else st.active_backend,
                       previous_backend=st.active_backend if st.active_backend != name else st.previous_backend)
+        if self.seq is not None:  # the highest of its name, once the install is committed (box.sequence)
+            sequence.record(self.cfg.paths.state_dir, self.seq, rid, now_iso())
         self.store.save(new)
         self.undo.actions.clear()
+        extra: dict[str, Any] = {"key_id": self.vb.key_id}
+        if self.seq is not None:
+            extra.update(bundle_name=self.seq.name, sequence=self.seq.number)
+        if self.downgrade is not None:
+            extra["downgrade"] = self.downgrade.to_json()
+            extra["reason"] = f"downgrade: {self.downgrade.reason}"
         self.store.record("install", ok=True, release=rid, backend=name if self.started else None,
-                          previous_release=st.release, mode="rebuild" if self.rebuild else "unpack")
+                          previous_release=st.release, mode="rebuild" if self.rebuild else "unpack", **extra)
         if self.started:
             from deploy_tool.box.liveness import arm
 

@@ -24,7 +24,7 @@ from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.state import State, Step, Store
 from deploy_tool.box.switch import Switcher, SwitchResult, planned
 from deploy_tool.config import Config
-from deploy_tool.errors import LockedError
+from deploy_tool.errors import DowngradeError, KeyRefused, LockedError, UnsafePathError
 
 if TYPE_CHECKING:
     from deploy_tool.box.install import InstallResult
@@ -70,8 +70,8 @@ def _then_metrics(cfg: Config, sd: systemd_mod.Systemd | None, dry_run: bool) ->
     the holder writes them when it is done)."""
     try:
         yield
-    except LockedError:
-        raise
+    except (LockedError, UnsafePathError, DowngradeError, KeyRefused):
+        raise  # refused before anything changed: nothing for the metrics either
     except Exception:  # a failed or rolled-back operation changed the box too (a kill or ^C writes nothing)
         if not dry_run:
             metrics.refresh(cfg, sd=sd, quiet=True)
@@ -127,7 +127,8 @@ def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocatio
 
 def install(cfg: Config, bundle: str | None, *, keys_dir: str | None = None, rebuild: bool = False,
             dry_run: bool = False, start: bool = True, log: Log = _quiet, progress: Any = None,
-            wait: float = 0.0, sd: systemd_mod.Systemd | None = None) -> InstallResult:
+            wait: float = 0.0, sd: systemd_mod.Systemd | None = None,
+            allow_downgrade: str | None = None) -> InstallResult:
     """`deploytool install [BUNDLE]`: set up the box from a signed bundle, all or nothing."""
     from deploy_tool.box import install as install_mod  # lazy: see the module's docstring
 
@@ -137,4 +138,4 @@ def install(cfg: Config, bundle: str | None, *, keys_dir: str | None = None, reb
     with _then_metrics(cfg, sd, dry_run):
         return install_mod.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, start=start, log=log,
                                    progress=progress, sd=sd, wait=wait,
-                                   finish=lambda st: finish(cfg, st, sd=sd, log=log))
+                                   finish=lambda st: finish(cfg, st, sd=sd, log=log), allow_downgrade=allow_downgrade)

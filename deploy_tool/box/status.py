@@ -6,7 +6,8 @@ code alone (the worst situation found wins):
       fingerprints match their pins, no operation is pending
   20  degraded: it serves, but a backend's fingerprints drifted (or cannot be read), another backend's unit is
       failed (the fallback would not come), the running process loaded something unpinned (--deep), a cuda
-      backend serves without holding its GPUs (it fell back to the CPU), or systemd cannot be asked
+      backend serves without holding its GPUs (it fell back to the CPU), a path a root step reads is not root's
+      alone (deploy_tool.strictmodes: no backend may start until it is fixed), or systemd cannot be asked
   21  pending: an interrupted install, switch or rollback awaits `deploytool recover` (an operation running now,
       its holder alive, is not pending)
   22  not serving: no active backend is recorded, its unit is not active, or it fails its health check
@@ -21,7 +22,7 @@ from typing import Any
 
 import click
 
-from deploy_tool import gpu, proc
+from deploy_tool import gpu, proc, strictmodes
 from deploy_tool.box import fingerprint, health, runtime
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.gate import api_key, base_url, host_pid, runtime_truth
@@ -77,6 +78,7 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     active = cfg.backends.get(st.active_backend or "")
     if active is not None and active.device == "cuda" and st.active_backend in rep["units"]:
         rep["gpu"] = _gpu(cfg, visible_gpus(cfg, active), rep["units"][st.active_backend].get("main_pid", 0))
+    rep["unsafe_paths"] = [u.to_json() for u in strictmodes.scan(cfg)]
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
     code, reasons = verdict(rep)
@@ -120,6 +122,9 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
     g = rep.get("gpu")
     if g and g.get("known") and not g.get("ok"):
         degraded.append(f"{active} serves without its GPUs: no process of it holds {', '.join(g.get('missing', []))}")
+    for u in rep.get("unsafe_paths") or []:
+        degraded.append(f"{u['path']} is not root's alone ({' and '.join(u['problems'])}), so no backend may start: "
+                        f"{u['fix']}")
     rt = rep.get("runtime")
     if rt and rt.get("failures"):
         degraded.append(f"{active} loaded something unpinned: {rt['failures'][0]}")
@@ -240,6 +245,9 @@ def format_status(rep: dict[str, Any]) -> str:
                                      f"at step {op['step']} (pid {op['pid']}): run `deploytool recover`", fg="yellow"))
     if rep.get("systemd_error"):
         lines.append(click.style(f"systemd: {rep['systemd_error']}", fg="red"))
+    for u in rep.get("unsafe_paths") or []:
+        lines.append(click.style(f"unsafe    {u['path']} ({u['what']}): owner {u['uid']}:{u['gid']}, mode {u['mode']}, "
+                                 f"{' and '.join(u['problems'])}; fix: {u['fix']}", fg="red"))
     lines.append("units")
     for name, u in rep["units"].items():
         if "error" in u:

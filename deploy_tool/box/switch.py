@@ -33,7 +33,7 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from deploy_tool import checks
+from deploy_tool import checks, strictmodes
 from deploy_tool.box import fingerprint
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.state import Operation, State, Step, Store, now_iso
@@ -334,6 +334,7 @@ class Switcher:
                               drain_s=drain).run(steps)
 
     def _preflight(self, target: Backend) -> None:
+        strictmodes.require(self.cfg, [target], f"preflight of {target.name}")  # its ExecStartPre would refuse
         errs = [f for f in checks.run_checks(self.cfg) if f.severity == "error" and f.backend in (None, target.name)]
         if errs:
             raise CheckFailed(f"preflight of {target.name}: {errs[0].id}: {errs[0].message}",

@@ -1,5 +1,6 @@
-"""A directory tree pinned entry by entry: every file by type, mode and SHA-256, every symlink by its target
-string, every directory by its mode, so anything added, removed, changed, retyped or re-moded is a difference.
+"""A directory tree pinned entry by entry: every file by type, mode, owner and SHA-256, every symlink by its
+owner and target string, every directory by its mode and owner, so anything added, removed, changed, retyped,
+re-moded or re-owned is a difference.
 
     walk(root) -> Walk                      every entry below root (root itself is "."), lstat only: symlinks are
                                             never followed, so a link is pinned as a link wherever it points
@@ -8,6 +9,8 @@ string, every directory by its mode, so anything added, removed, changed, retype
                                               link -> <target>        a symlink
                                               dir 0755                a directory
                                               fifo 0644, socket ..., chardev ..., blockdev ...
+                                            with the owner after the mode when it is not root's
+                                            (`file 0644 1000:1000 <sha256>`, `link 0:5 -> <target>`)
     prefetch(root) / prefetched(root)       the same walk in a forked child, started before the rest of the tool
                                             is imported (entry.py, the units' ExecStartPre): on two cores the
                                             lstat of every entry runs beside the imports instead of after them
@@ -118,16 +121,22 @@ def snapshot_key(w: Walk) -> str:
 
 
 def value(st: os.stat_result, content: str = "") -> str:
-    """An entry's pinned value; `content` is a file's SHA-256 (or why it could not be read), a link's target."""
+    """An entry's pinned value; `content` is a file's SHA-256 (or why it could not be read), a link's target.
+
+    The owner (uid:gid) follows the mode when it is not root's 0:0, and is left out when it is: every entry install
+    lays down is root's, so a root-owned entry reads as deploytool wrote it before owners were pinned, and pins
+    written by a deploytool of either kind verify under the other (the fleet installs a release with the previous
+    release's deploytool). Any other owner, or a change of owner, is a different value: drift."""
     m = st.st_mode
     mode = stat.S_IMODE(m)
+    own = "" if st.st_uid == 0 and st.st_gid == 0 else f" {st.st_uid}:{st.st_gid}"
     if stat.S_ISREG(m):
-        return f"file {mode:04o} {content}"
+        return f"file {mode:04o}{own} {content}"
     if stat.S_ISLNK(m):
-        return f"link -> {content}"
+        return f"link{own} -> {content}"
     if stat.S_ISDIR(m):
-        return f"dir {mode:04o}"
-    return f"{_KINDS.get(stat.S_IFMT(m), 'special')} {mode:04o}"
+        return f"dir {mode:04o}{own}"
+    return f"{_KINDS.get(stat.S_IFMT(m), 'special')} {mode:04o}{own}"
 
 
 def read_link(w: Walk, rel: str) -> str:

@@ -22,10 +22,10 @@ from typing import Any
 import deploy_tool
 from deploy_tool import archive, bundle, proc, render
 from deploy_tool.binaries import arch_supported, read_fatbin
-from deploy_tool.config import BUNDLED_ENV_LAUNCHER_DIR, BUNDLED_FTLLM_LAUNCHER, Config
+from deploy_tool.config import BUNDLED_ENV_LAUNCHER_DIR, BUNDLED_FTLLM_LAUNCHER, SEQUENCE, Config
 from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
-from deploy_tool.manifest import hash_file, hash_files, hash_native_libs
+from deploy_tool.manifest import hash_file, hash_files, hash_native_libs, source_date_epoch
 from deploy_tool.proc import run_tool
 from deploy_tool.render import resolved_config_json
 from deploy_tool.venv import (
@@ -241,8 +241,28 @@ def inspect_nccl(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
                  "policy": n.arch_policy, "arch_ok": ok, "forced": (not ok) and n.force, "explanation": why}
 
 
-def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Callable[[str], None] = lambda s: None):
-    """Build the signed bundle (directory + one archive) from the config; returns bundle.BundleInfo."""
+def sequence_of(cfg: Config, given: int | None = None) -> int:
+    """The bundle's sequence: `pack --sequence N`, else bundle.sequence, else SOURCE_DATE_EPOCH (0 when unset).
+    An input like every other (two packs of the same inputs give the same bytes), never the clock."""
+    if given is not None:
+        if not SEQUENCE.admits(given) or isinstance(given, bool):
+            raise InputError(f"--sequence {given} is not {SEQUENCE.text(True)}", hint=SEQUENCE.why)
+        return given
+    if cfg.bundle.sequence is not None:
+        return cfg.bundle.sequence
+    return min(source_date_epoch(), int(SEQUENCE.hi))
+
+
+def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Callable[[str], None] = lambda s: None,
+         sequence: int | None = None):
+    """Build the signed bundle (directory + one archive) from the config; returns bundle.BundleInfo.
+    `sequence`: the bundle's place in its name's order (sequence_of), signed in the MANIFEST's inputs."""
+    seq = sequence_of(cfg, sequence)
+    if seq == 0:
+        log("sequence 0 (no --sequence, bundle.sequence or SOURCE_DATE_EPOCH): a box that installed a bundle of "
+            f"{cfg.bundle.name!r} with a higher sequence refuses this one, and this one protects against no older one")
+    else:
+        log(f"sequence {seq} of {cfg.bundle.name!r}")
     lock_path = Path(cfg.bundle.lock)
     entries = read_lock(lock_path)
     log(f"lock: {len(entries)} packages in {lock_path}")
@@ -279,6 +299,8 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
             "config_sha256": cfg.source_sha256, "lock_sha256": hash_file(lock_path),
             "python": cfg.bundle.python, "venv_placeholder": VENV_PLACEHOLDER,
             "backends": sorted(cfg.backends), "default_backend": cfg.default_backend,
+            # the replay guard (deploy_tool.box.sequence): a box refuses a lower sequence of the same name
+            "bundle_name": cfg.bundle.name, "sequence": seq,
         }
         if tmpl is not None:
             original, patched, rec = tmpl

@@ -28,7 +28,8 @@ def verify(cctx: click.Context, bundle_path: Path, keys_dir: Path | None) -> Non
     """Verify BUNDLE (a bundle directory or its .tar.zst): signature first, then every hash, size and mode.
 
     An archive is unpacked only into a private temporary directory, which is removed afterwards. Exits 6 with
-    a named reason (hash-mismatch, extra-file, signature-invalid, untrusted-key, ...) on any problem.
+    a named reason (hash-mismatch, extra-file, signature-invalid, untrusted-key, ...) on any problem, 25 when
+    the signing key is revoked (KEYS/revoked) or past its not-after. Prints the bundle's signed name and sequence.
     """
     ctx = cctx.find_object(Ctx)
     if ctx is None:  # called outside the deploytool group (e.g. embedded): plain defaults
@@ -43,7 +44,11 @@ def _verify(ctx: Ctx, bundle_path: Path, keys_dir: Path | None) -> None:
     if keys_dir is None:
         keys_dir = Path(ctx.load_config().paths.keys_dir) if ctx.config_path is not None else DEFAULT_KEYS_DIR
     bar = progress_for(json_mode=ctx.json)
+    from deploy_tool.box import sequence
+
     with bundle_mod.verify_bundle(bundle_path, keys_dir, progress=bar) as vb:
-        data = {"ok": True, **vb.to_json(), "keys_dir": str(keys_dir)}
+        seq = sequence.of_bundle(vb.manifest, vb.root / "config.json")
+        data = {"ok": True, **vb.to_json(), "keys_dir": str(keys_dir), "sequence": seq.to_json()}
         ctx.emit(data, f"bundle {vb.bundle_id} OK: signed by trusted key {vb.key_id}, "
-                       f"{len(vb.manifest.files)} files ({vb.manifest.total_size} bytes) match the MANIFEST")
+                       f"{len(vb.manifest.files)} files ({vb.manifest.total_size} bytes) match the MANIFEST; "
+                       f"{seq.name} sequence {seq.number}{' (none: packed before sequences)' if seq.legacy else ''}")

@@ -20,12 +20,15 @@ from deploy_tool.errors import InputError
 @click.option("--name", default="deploytool", show_default=True,
               help="File name stem: NAME.key (private, 0600) and NAME.pub (public).")
 @click.option("--force", is_flag=True, help="Overwrite an existing key pair.")
+@click.option("--not-after", default=None, metavar="YYYY-MM-DDTHH:MM:SSZ",
+              help="Write this expiry (UTC) into NAME.pub: from then on, boxes refuse bundles signed by the key.")
 @pass_ctx
-def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool) -> None:
+def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool, not_after: str | None) -> None:
     """Write a new Ed25519 key pair for signing bundles.
 
     Keep NAME.key private (it signs bundles); copy NAME.pub into the trusted keys directory
-    (/etc/deploytool/keys by default) of every box that installs them.
+    (/etc/deploytool/keys by default) of every box that installs them. To retire a key, add its id to
+    KEYS_DIR/revoked on every box (see `Trust` in the README for a rotation).
     """
     from deploy_tool.manifest import generate_keypair
 
@@ -35,7 +38,8 @@ def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool) -> None:
     if ctx.dry_run:
         ctx.emit({"would_write": [str(priv), str(pub)]}, f"would write {priv} and {pub}")
         return
-    key_id = generate_keypair(priv, pub, force=force)
-    ctx.emit({"key_id": key_id, "private_key": str(priv), "public_key": str(pub)},
+    key_id = generate_keypair(priv, pub, force=force, not_after=not_after)
+    ctx.emit({"key_id": key_id, "private_key": str(priv), "public_key": str(pub), "not_after": not_after},
              f"key {key_id}:\n  private {priv} (mode 0600, keep it secret)\n"
-             f"  public  {pub} (copy into the trusted keys directory)")
+             f"  public  {pub} (copy into the trusted keys directory)"
+             + (f"\n  trusted until {not_after}" if not_after else ""))

@@ -50,8 +50,11 @@ def lock(ctx: Ctx) -> None:
               help="Ed25519 private key (default: keys/deploytool.key beside the config).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Where the bundle goes (default: artifacts/ beside the config).")
+@click.option("--sequence", type=click.IntRange(0, (1 << 53) - 1), default=None, metavar="N",
+              help="The bundle's sequence, signed: a box refuses a bundle of this name with a lower one than it "
+                   "installed (default: bundle.sequence, else SOURCE_DATE_EPOCH, else 0).")
 @pass_ctx
-def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None) -> None:
+def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None, sequence: int | None) -> None:
     """Build a signed, reproducible, offline bundle: wheels, venv archive, template, NCCL, units, config."""
     from deploy_tool.builder import pack as pack_mod
     from deploy_tool.errors import InputError
@@ -62,10 +65,12 @@ def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None) -> None:
     if not key.is_file():
         raise InputError(f"signing key not found: {key}",
                          hint=f"create one with `deploytool keygen --out {key.parent}`, or pass --key")
+    seq = pack_mod.sequence_of(cfg, sequence)
     if ctx.dry_run:
-        ctx.emit({"would_pack_into": str(out)}, f"would pack {cfg.bundle.name} into {out} signed with {key}")
+        ctx.emit({"would_pack_into": str(out), "sequence": seq},
+                 f"would pack {cfg.bundle.name} (sequence {seq}) into {out} signed with {key}")
         return
-    info = pack_mod.pack(cfg, out_dir=out, key_path=key, progress=_progress(ctx), log=_log(ctx))
+    info = pack_mod.pack(cfg, out_dir=out, key_path=key, progress=_progress(ctx), log=_log(ctx), sequence=seq)
     data = info.to_json() if hasattr(info, "to_json") else dict(info.__dict__)
     ctx.emit(data, f"bundle {data.get('bundle_id')}:\n  directory {data.get('directory')}\n"
                    f"  archive   {data.get('archive')}")
@@ -77,18 +82,32 @@ def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None) -> None:
 @click.option("--rebuild", is_flag=True, help="Rebuild the venv from the wheels instead of unpacking the archive.")
 @click.option("--no-start", is_flag=True, help="Lay everything down but start nothing.")
 @click.option("--wait", type=float, default=0.0, help="Wait this long for another operation's lock.")
+@click.option("--allow-downgrade", is_flag=True,
+              help="Install a bundle whose sequence is lower than the highest of its name this box installed "
+                   "(refused otherwise, exit 24); needs --reason.")
+@click.option("--reason", default=None, help="Why the downgrade is wanted (kept in history); with --allow-downgrade.")
 @pass_ctx
-def install(ctx: Ctx, bundle: str | None, keys_dir: str | None, rebuild: bool, no_start: bool, wait: float) -> None:
+def install(ctx: Ctx, bundle: str | None, keys_dir: str | None, rebuild: bool, no_start: bool, wait: float,
+            allow_downgrade: bool, reason: str | None) -> None:
     """Set up this box from a bundle, offline, and start the default backend behind the health gate.
 
     With no BUNDLE, the single bundle in artifacts/ is used (several is an error listing them).
-    Installing the same bundle again is a no-op that says so.
+    Installing the same bundle again is a no-op that says so. A bundle signed by a revoked or expired key is
+    refused (exit 25); one older than the newest of its name this box installed (its signed sequence is lower)
+    is refused (exit 24) unless --allow-downgrade --reason TEXT; a release still laid down on the box is not a
+    downgrade. A path the root steps read that is not root's alone is refused first (exit 23).
     """
     from deploy_tool.box import operations
 
+    why = (reason or "").strip()
+    if allow_downgrade and not why:
+        raise click.UsageError("--allow-downgrade needs --reason TEXT (kept in history): why the older bundle")
+    if why and not allow_downgrade:
+        raise click.UsageError("--reason goes with --allow-downgrade; an install needs no reason otherwise")
     cfg = ctx.load_config()
     res = operations.install(cfg, bundle, keys_dir=keys_dir, rebuild=rebuild, dry_run=ctx.dry_run,
-                             start=not no_start, log=_log(ctx), progress=_progress(ctx), wait=wait)
+                             start=not no_start, log=_log(ctx), progress=_progress(ctx), wait=wait,
+                             allow_downgrade=why or None)
     if res.action == "planned":
         ctx.emit(res.to_json(), "would:\n" + "\n".join(f"  {s['step']}" for s in res.steps))
     else:

@@ -37,13 +37,18 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
     and Python versions, the interpreter's import hooks, unit and env files, NCCL's GPU architecture,
     llama-server binary, build and libraries, model and draft config and weight sizes.
     A deliberate change is re-pinned with `deploytool pin BACKEND --reason TEXT`.
-    Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins), 9 port held (--await-port).
+    First, every path a root step reads for BACKEND (units, drop-ins, env files, config, keys, state, the release
+    and every directory above them) must be owned by root and not writable by group or other (StrictModes).
+    Exit codes: 0 all match, 7 drift, 13 not pinned (or damaged pins), 9 port held (--await-port),
+    23 a path is not root's alone (named, with the chmod/chown that fixes it).
     """
+    from deploy_tool import strictmodes
     from deploy_tool.box import fingerprint
 
     fingerprint.check_unit_environment()
     cfg = ctx.load_config()
     b = cfg.backend(backend)
+    strictmodes.require(cfg, [b], f"{b.name} may not start")
     report = fingerprint.verify(cfg, b, use_cache=not no_cache, loaded_env=fingerprint.loaded_env_file())
 
     def port_line() -> str:  # after the report: a terminal shows the verdict before the wait

@@ -214,3 +214,47 @@ def swap_same_size(p: Path) -> bytes:
     tmp.chmod(p.stat().st_mode & 0o7777)
     os.replace(tmp, p)
     return other
+
+
+def rebundle(src: Path, dest: Path, key: Path, *, sequence: int | None = None, name: str | None = None,
+             legacy: bool = False) -> Path:
+    """A bundle directory with `src`'s files under a new MANIFEST: its inputs' sequence (and bundle_name) as given
+    (legacy: neither, as packed before sequences), signed by `key`; a new bundle id, so a new release. No repack:
+    what pack would write for the same inputs with another --sequence (the files do not depend on it).
+    `src`: a bundle directory or its archive (the directory beside it is used)."""
+    from deploy_tool import manifest as mf
+
+    if src.is_file():
+        src = src.parent / src.name.split(".tar")[0]
+    old = mf.Manifest.from_bytes((src / mf.MANIFEST_NAME).read_bytes())
+    inputs = dict(old.inputs)
+    if legacy:
+        inputs.pop("sequence", None)
+        inputs.pop("bundle_name", None)
+    if sequence is not None:
+        inputs["sequence"] = sequence
+    if name is not None:
+        inputs["bundle_name"] = name
+    new = mf.Manifest.build(old.files, inputs=inputs, native_libs=old.native_libs, created=old.created)
+    out = dest / f"{src.name.rsplit('-', 1)[0]}-{new.bundle_id}"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns(mf.MANIFEST_NAME, mf.SIGNATURE_NAME))
+    data = new.to_bytes()
+    (out / mf.MANIFEST_NAME).write_bytes(data)
+    (out / mf.SIGNATURE_NAME).write_bytes(mf.sign(data, key))
+    for f in (mf.MANIFEST_NAME, mf.SIGNATURE_NAME):
+        os.chmod(out / f, 0o644)
+    return out
+
+
+def resign(src: Path, dest: Path, key: Path) -> Path:
+    """A copy of the bundle directory `src` (or the one beside the archive `src`) signed by `key` instead."""
+    from deploy_tool import manifest as mf
+
+    if src.is_file():
+        src = src.parent / src.name.split(".tar")[0]
+    out = dest / src.name
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out)
+    (out / mf.SIGNATURE_NAME).write_bytes(mf.sign((out / mf.MANIFEST_NAME).read_bytes(), key))
+    return out
