@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # tests/support/groups.py keeps what shares a box, a fleet or a module's fixtures on one worker. 0: one process
 TEST_WORKERS ?= 3
 
-.PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check collection collection-readme sanity clean help
+.PHONY: setup test test-e2e demo golden docs bench lint typecheck rebuild-check collection collection-readme sanity clean help
 
 help:
 	@echo "make demo           install, switch and rollback on a sandboxed real systemd with real CPU backends"
@@ -16,6 +16,7 @@ help:
 	@echo "make test-e2e       the end-to-end CLI suite alone (tests/test_e2e.py)"
 	@echo "make setup          system packages, .venv, deploytool, the real CPU backends, test tools"
 	@echo "make golden         re-render units/ from the two-2080ti example on purpose"
+	@echo "make docs           regenerate docs/reference/ (CLI, exit codes, config keys, checks) from the code"
 	@echo "make bench          run the benchmark scripts in bench/ and print their figures"
 	@echo "make lint           ruff + mypy exactly as CI runs them"
 	@echo "make typecheck      mypy alone"
@@ -45,11 +46,14 @@ demo: setup
 golden: setup
 	$(VPY) -m deploy_tool.builder.golden
 
+docs: setup
+	$(VPY) scripts/docs_reference.py
+
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 lint: setup
-	$(VENV)/bin/ruff check deploy_tool tests bench
+	$(VENV)/bin/ruff check deploy_tool tests bench scripts/docs_reference.py
 	$(VENV)/bin/mypy deploy_tool
 
 typecheck: setup
