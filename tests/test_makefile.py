@@ -54,15 +54,20 @@ def _documents() -> list[Path]:
     return [REPO / "README.md", REPO / "bench" / "RESULTS.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
+def _named_targets(text: str) -> set[str]:
+    """`make X` as a command: in a code span or a code block (prose may say "make within ...")."""
+    code = re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return {t for c in code for t in re.findall(r"\bmake ([a-z][a-z0-9-]*)", c)}
+
+
 def test_every_named_target_has_a_rule_and_is_in_help():
     """Targets named in the README or docs/ (`make X`), in .PHONY and in rules are the same set, and `make help`
     lists each."""
     rules = set(_rules())
     for doc in _documents():
-        named = set(re.findall(r"\bmake ([a-z][a-z0-9-]*)", doc.read_text()))
+        named = _named_targets(doc.read_text())
         assert named <= rules, f"{doc.relative_to(REPO)} names make targets with no rule: {sorted(named - rules)}"
-    assert {"check", "test", "docs", "demo"} <= set(re.findall(r"\bmake ([a-z][a-z0-9-]*)",
-                                                              (REPO / "README.md").read_text()))
+    assert {"check", "test", "docs", "demo"} <= _named_targets((REPO / "README.md").read_text())
     assert _phony() == rules, (sorted(_phony() ^ rules))
     r = _make("help")
     assert r.returncode == 0, r.stderr
