@@ -7,9 +7,10 @@ PYTEST_ARGS ?=
 # workers side by side (pytest-xdist): most of the suite waits on real servers and systemd, not on the CPU;
 # tests/support/groups.py keeps what shares a box, a fleet or a module's fixtures on one worker. 0: one process
 TEST_WORKERS ?= 3
-# make check: what needs no sandbox, no real backend and no fleet (docs/development/tests.md); `slow` tests wait
-# for make test
+# make check: what needs no sandbox, no real backend and no fleet, and is not `slow` (docs/development/tests.md);
+# one worker per core: unlike make test's, these tests keep the CPU busy (bench/RESULTS.md)
 CHECK_MARKERS := not sandbox and not backends and not fleet and not slow
+CHECK_WORKERS ?= 2
 
 .PHONY: setup check test test-e2e demo golden docs bench lint typecheck rebuild-check collection collection-readme sanity clean help
 
@@ -39,7 +40,7 @@ $(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples
 setup: $(STAMP)
 
 check: setup
-	$(VPY) -m pytest -m "$(CHECK_MARKERS)" $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(CHECK_WORKERS) --dist loadgroup -m "$(CHECK_MARKERS)" $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory lint
 
 test: setup
