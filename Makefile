@@ -1,4 +1,4 @@
-# deploytool: the two commands a fresh machine needs are `make demo` and `make test`; both do all set-up.
+# deploytool: a fresh machine needs `make demo`, `make check` (the inner loop) and `make test`; each does all set-up.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -7,15 +7,21 @@ PYTEST_ARGS ?=
 # workers side by side (pytest-xdist): most of the suite waits on real servers and systemd, not on the CPU;
 # tests/support/groups.py keeps what shares a box, a fleet or a module's fixtures on one worker. 0: one process
 TEST_WORKERS ?= 3
+# make check: what needs no sandbox, no real backend and no fleet, and is not `slow` (docs/development/tests.md);
+# one worker per core: unlike make test's, these tests keep the CPU busy (bench/RESULTS.md)
+CHECK_MARKERS := not sandbox and not backends and not fleet and not slow
+CHECK_WORKERS ?= 2
 
-.PHONY: setup test test-e2e demo golden bench lint typecheck rebuild-check collection collection-readme sanity clean help
+.PHONY: setup check test test-e2e demo golden docs bench lint typecheck rebuild-check collection collection-readme sanity clean help
 
 help:
 	@echo "make demo           install, switch and rollback on a sandboxed real systemd with real CPU backends"
+	@echo "make check          the fast suite (no sandbox, backends, fleet or slow tests) and the lint, in minutes"
 	@echo "make test           the whole test suite (sets everything up first); PYTEST_ARGS=... passes options"
 	@echo "make test-e2e       the end-to-end CLI suite alone (tests/test_e2e.py)"
 	@echo "make setup          system packages, .venv, deploytool, the real CPU backends, test tools"
 	@echo "make golden         re-render units/ from the two-2080ti example on purpose"
+	@echo "make docs           regenerate docs/reference/ (CLI, exit codes, config keys, checks) from the code"
 	@echo "make bench          run the benchmark scripts in bench/ and print their figures"
 	@echo "make lint           ruff + mypy exactly as CI runs them"
 	@echo "make typecheck      mypy alone"
@@ -33,6 +39,10 @@ $(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples
 
 setup: $(STAMP)
 
+check: setup
+	$(VPY) -m pytest -n $(CHECK_WORKERS) --dist loadgroup -m "$(CHECK_MARKERS)" $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory lint
+
 test: setup
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
@@ -45,11 +55,14 @@ demo: setup
 golden: setup
 	$(VPY) -m deploy_tool.builder.golden
 
+docs: setup
+	$(VPY) scripts/docs_reference.py
+
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 lint: setup
-	$(VENV)/bin/ruff check deploy_tool tests bench
+	$(VENV)/bin/ruff check deploy_tool tests bench scripts/docs_reference.py
 	$(VENV)/bin/mypy deploy_tool
 
 typecheck: setup

@@ -10,7 +10,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    OK = 0
+    OK = 0  # done: what was asked happened, or was already so
     USAGE = 2  # click's own code for bad command-line usage
     CONFIG = 3  # the YAML config is malformed, mistyped or names unknown keys
     CHECK_FAILED = 4  # `check` found pitfalls of severity error

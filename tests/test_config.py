@@ -370,6 +370,7 @@ def _exercise(raw: Any) -> None:
         assert isinstance(exc, ConfigError | InputError), exc
 
 
+@pytest.mark.slow  # 300 examples, 5 s of CPU: make test runs it, make check does not (bench/RESULTS.md)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated_examples())
 def test_fuzz_mutated_examples(raw: Any) -> None:

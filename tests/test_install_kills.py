@@ -47,11 +47,18 @@ FU, LU = f"{F}.service", f"{L}.service"
 
 ALL_STEPS = ("venv-ready", "native-libs-checked", "tool-ready", "release-laid-down", "units-written",
              "current-flipped", "pinned", "daemon-reloaded", "started", "healthy")
-#: here every step is killed on a fresh box and on an upgrade (a second or so each)
+#: here every step is killed on a fresh box and on an upgrade (`make test`; `make check` kills one of each: _kills)
 FRESH_KILLS = ALL_STEPS
 UPGRADE_KILLS = ALL_STEPS
 #: and install run again after a kill finishes the job (from before the units are written, after, once started)
 AGAIN_KILLS = ("venv-ready", "pinned", "started")
+
+
+def _kills(steps: tuple[str, ...], fast: str | None = None) -> list[Any]:
+    """STEPS as parameters, all `slow` but FAST: `make check` kills a fresh install and an upgrade at one step each,
+    `make test` at every step (each kill is a real install whose tool venv pip builds: 2-6 s of CPU, half the fast
+    suite's when all of them ran there; bench/RESULTS.md)."""
+    return [pytest.param(s, marks=() if s == fast else pytest.mark.slow) for s in steps]
 
 
 def test_every_install_step_is_killed_somewhere() -> None:
@@ -330,7 +337,7 @@ def _with_a(bx: Box, saved: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ fresh box
 
-@pytest.mark.parametrize("step", FRESH_KILLS)
+@pytest.mark.parametrize("step", _kills(FRESH_KILLS, "pinned"))
 def test_fresh_box_kill_then_recover_leaves_nothing(box: Box, step: str) -> None:
     """kill -9 of install on a fresh box at STEP: state.json names it; recover leaves no units, env, current,
     release, staging dir or pins, nothing running or enabled, and history records the undo."""
@@ -354,7 +361,7 @@ def test_fresh_box_kill_then_recover_leaves_nothing(box: Box, step: str) -> None
     assert last["outcome"] == "undone"
 
 
-@pytest.mark.parametrize("step", AGAIN_KILLS)
+@pytest.mark.parametrize("step", _kills(AGAIN_KILLS))
 def test_fresh_box_kill_then_install_again_completes(box: Box, step: str) -> None:
     """kill -9 of install on a fresh box at STEP; install again undoes the interrupted one, then finishes the
     job: ftllm-dflash serves release A, enabled for boot, its files as pinned."""
@@ -374,7 +381,7 @@ def test_fresh_box_kill_then_install_again_completes(box: Box, step: str) -> Non
 
 # ------------------------------------------------------------------------------------------------ upgrade
 
-@pytest.mark.parametrize("step", UPGRADE_KILLS)
+@pytest.mark.parametrize("step", _kills(UPGRADE_KILLS, "pinned"))
 def test_previous_release_serves_after_kill_and_recover(box: Box, saved_a: Path, step: str) -> None:
     """kill -9 of an upgrade A->B at STEP: state.json names it; recover brings A back: current -> A, A's units,
     env files and pins (verify passes), ftllm-dflash serving and enabled, B's release dir gone."""
@@ -403,7 +410,7 @@ def test_previous_release_serves_after_kill_and_recover(box: Box, saved_a: Path,
     assert last["event"] == "recover" and last["step"] == step and last["outcome"] == "undone", last
 
 
-@pytest.mark.parametrize("step", AGAIN_KILLS)
+@pytest.mark.parametrize("step", _kills(AGAIN_KILLS))
 def test_upgrade_killed_then_install_again_completes(box: Box, saved_a: Path, step: str) -> None:
     """kill -9 of an upgrade A->B at STEP; install B again undoes, then installs B: B's env file in place and
     pinned, ftllm-dflash restarted on it, A kept as the previous release."""
@@ -459,6 +466,7 @@ def test_swap_after_the_copy_installs_the_signed_bytes(box: Box, tmp_path: Path)
 
 # ------------------------------------------------------------------------------------------------ rebuild
 
+@pytest.mark.slow  # pip rebuilds the venv in a child process
 def test_rebuild_offline_json_report(bundles: Bundles) -> None:
     """`deploytool --json rebuild --offline BUNDLE` on the small bundle: verified with the box's trusted key, the
     venv rebuilt from its wheels, the report as JSON (the real bundle's >10 native libraries all byte-identical,

@@ -1,4 +1,4 @@
-"""Every make target the README or the Makefile names works, and `deploytool lock` leaves the source tree as it was.
+"""Every make target the README, docs/ or the Makefile names works, and `deploytool lock` leaves the source tree as it was.
 
 `make -n` of every target (and every script a recipe calls exists); real runs of the cheap ones (help, golden,
 clean in a scratch copy, rebuild-check's argument handling). The real `make rebuild-check` of a bundle runs in
@@ -49,11 +49,25 @@ def _phony() -> set[str]:
     return set(m.group(1).split())
 
 
+def _documents() -> list[Path]:
+    """The README and the pages beside it (docs/, bench/RESULTS.md), where commands are named for users."""
+    return [REPO / "README.md", REPO / "bench" / "RESULTS.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def _named_targets(text: str) -> set[str]:
+    """`make X` as a command: in a code span or a code block (prose may say "make within ...")."""
+    code = re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return {t for c in code for t in re.findall(r"\bmake ([a-z][a-z0-9-]*)", c)}
+
+
 def test_every_named_target_has_a_rule_and_is_in_help():
-    """Targets named in the README (`make X`), in .PHONY and in rules are the same set, and `make help` lists each."""
+    """Targets named in the README or docs/ (`make X`), in .PHONY and in rules are the same set, and `make help`
+    lists each."""
     rules = set(_rules())
-    readme = set(re.findall(r"\bmake ([a-z][a-z0-9-]*)", (REPO / "README.md").read_text()))
-    assert readme <= rules, f"the README names make targets with no rule: {sorted(readme - rules)}"
+    for doc in _documents():
+        named = _named_targets(doc.read_text())
+        assert named <= rules, f"{doc.relative_to(REPO)} names make targets with no rule: {sorted(named - rules)}"
+    assert {"check", "test", "docs", "demo"} <= _named_targets((REPO / "README.md").read_text())
     assert _phony() == rules, (sorted(_phony() ^ rules))
     r = _make("help")
     assert r.returncode == 0, r.stderr

@@ -283,6 +283,7 @@ def _fuzz_dirname(draw_text: str) -> str:
     return "c" + draw_text.replace("/", "_").replace("\x00", "_")
 
 
+@pytest.mark.slow  # 6 s of CPU: make test runs it, make check does not (bench/RESULTS.md)
 @settings(max_examples=FUZZ_EXAMPLES, deadline=10000, suppress_health_check=[HealthCheck.too_slow])
 @given(changes=CHANGES, dirtext=st.one_of(st.just(""), TEXT))
 def test_random_config_is_refused_with_its_key_or_renders_to_exactly_the_intended_directives(

@@ -85,8 +85,9 @@ def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: 
     \b
     Exit codes: 0 ok, 2 usage, 3 config, 4 check failed, 5 input file, 6 bundle, 7 drift, 8 systemd,
     9 health, 10 rolled back, 11 rollback failed, 12 locked, 13 state, 14 install, 15 sandbox,
-    16 missing tool, 17 OS, 18 runtime truth, 19 performance, 70 internal bug; `status` alone: 20 degraded,
-    21 interrupted operation pending, 22 not serving.
+    16 missing tool, 17 OS, 18 runtime truth, 19 performance, 23 unsafe path, 24 downgrade, 25 key,
+    30 GPU, 70 internal bug; `status` alone:
+    20 degraded, 21 interrupted operation pending, 22 not serving.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     _set_logging(verbose, debug)  # only ours: the `sh` library logs every line at DEBUG
