@@ -149,8 +149,9 @@ def status(box: Box, *args: str) -> tuple[int, dict[str, Any], str]:
 
 def test_a_box_serving_as_recorded_exits_0(box: Box) -> None:
     box.installed(F)
-    code, rep, _ = status(box)
+    code, rep, text = status(box)
     assert code == 0 and rep["verdict"] == {"exit_code": 0, "state": "serving", "reasons": []}
+    assert rep["gpu"]["cpu"] and "runs on the CPU (device: cpu): no GPU" in text  # a CPU box says so
 
 
 def test_a_box_with_nothing_installed_is_not_serving(box: Box) -> None:

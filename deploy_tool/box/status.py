@@ -80,6 +80,8 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     active = cfg.backends.get(st.active_backend or "")
     if active is not None and active.device == "cuda" and st.active_backend in rep["units"]:
         rep["gpu"] = _gpu(cfg, visible_gpus(cfg, active), rep["units"][st.active_backend].get("main_pid", 0))
+    elif active is not None:
+        rep["gpu"] = {"cpu": True, "known": False, "detail": f"{active.name} runs on the CPU (device: cpu): no GPU"}
     rep["unsafe_paths"] = [u.to_json() for u in strictmodes.scan(cfg)]
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
@@ -267,7 +269,8 @@ def format_status(rep: dict[str, Any]) -> str:
     if rep.get("gpu"):
         g = rep["gpu"]
         mem = f", {g['memory_mib']} MiB in use" if g.get("memory_mib") is not None else ""
-        lines.append(f"gpus      {ok(bool(g.get('ok')))} {g.get('detail', '')}{mem}")
+        mark = "-" if g.get("cpu") else ok(bool(g.get("ok")))
+        lines.append(f"gpus      {mark} {g.get('detail', '')}{mem}")
     if rep.get("runtime"):
         rt = rep["runtime"]
         lines.append(f"runtime   {rt.get('status')}")
