@@ -112,6 +112,7 @@ WINDOW_S = Range(1, 7 * 86400, "seconds (at most a week)")
 COMPLETION_EVERY_S = Range(0, 86400, "seconds between tiny completions (0: never; at most a day)")
 DRAIN_TIMEOUT_S = Range(0, 86400, "seconds a planned stop waits for requests in flight (0: no drain; a request "
                                   "that takes a day is not one to wait for)")
+KEEP_RELEASES = Range(1, 1000, "releases kept on the box (at least the current one)")
 SEQUENCE = Range(0, (1 << 53) - 1, "a bundle's place in its name's order of releases; up to 2**53-1, which JSON "
                  "carries exactly (a build number, or a UNIX time in seconds)")
 CONTEXT = Range(64, 1 << 24, "tokens of KV cache: below 64 no chat fits, above 16777216 no model was trained (a "
@@ -363,6 +364,9 @@ class SupervisionCfg:
     drain_timeout_s: float = _doc("a planned stop (switch, rollback) first waits this long at most until the "
                                   "backend has no request in flight (`--drain-timeout`, `--no-drain`); 0: no drain",
                                   rng=DRAIN_TIMEOUT_S, default=60.0)
+    keep_releases: int = _doc("releases kept on the box: a committed install or switch (and `deploytool releases "
+                              "prune`) removes the ones beyond the newest N, never the current, the previous or the "
+                              "last one that passed the health gate", rng=KEEP_RELEASES, default=3)
 
 
 @dataclass(frozen=True)

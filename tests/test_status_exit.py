@@ -149,15 +149,23 @@ def status(box: Box, *args: str) -> tuple[int, dict[str, Any], str]:
 
 def test_a_box_serving_as_recorded_exits_0(box: Box) -> None:
     box.installed(F)
-    code, rep, _ = status(box)
+    code, rep, text = status(box)
     assert code == 0 and rep["verdict"] == {"exit_code": 0, "state": "serving", "reasons": []}
+    assert rep["gpu"]["cpu"] and "runs on the CPU (device: cpu): no GPU" in text  # a CPU box says so
 
 
 def test_a_box_with_nothing_installed_is_not_serving(box: Box) -> None:
+    """Nothing installed: says so, not "drifted from its pins" (nothing was ever pinned), no row called serving,
+    and metrics without a false drift."""
     code, rep, text = status(box)
     assert code == ExitCode.NOT_SERVING == 22
-    assert rep["verdict"]["reasons"] == ["no active backend is recorded"]
-    assert "no active backend is recorded" in text
+    assert rep["installed"] is False and rep["fingerprints"] == {}
+    assert rep["verdict"]["reasons"] == ["nothing is installed on this box (deploytool install BUNDLE sets it up)"]
+    assert "nothing is installed" in text and "drift" not in text and "\nserving " not in text
+    from deploy_tool.box import metrics
+
+    prom = metrics.collect_text(box.cfg, sd=box.world.systemd())[0]
+    assert "deploytool_drift{" not in prom and "deploytool_status_code 22" in prom
 
 
 def test_a_stopped_backend_is_not_serving(box: Box) -> None:

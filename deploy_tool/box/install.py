@@ -455,11 +455,12 @@ def check_os_libraries(cfg: Config, release: Path) -> None:
 # Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
 # packing machine and the box without changing anything the box runs. Every other key reaches the box (unit and
 # env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
-# (paths.metrics_file is the box's own: no unit or env file names it, and a bundle packed before it existed
-# must still install.)
+# (paths.metrics_file and supervision.keep_releases are the box's own: no unit or env file holds them, and a
+# bundle packed before they existed must still install.)
 PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.sequence", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
                   "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
-                  "bundle.nccl.library", "bundle.nccl.force", "systemd", "paths.metrics_file")
+                  "bundle.nccl.library", "bundle.nccl.force", "systemd", "paths.metrics_file",
+                  "supervision.keep_releases")
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -744,6 +745,9 @@ class _Install:
             from deploy_tool.box.liveness import arm
 
             arm(self.cfg, self.sd, log=self.log)
+        from deploy_tool.box import releases  # keep supervision.keep_releases, under this install's lock
+
+        releases.auto_prune(self.cfg, self.store, self.log)
         return {}
 
 

@@ -46,6 +46,11 @@ def finish(cfg: Config, st: State, *, sd: systemd_mod.Systemd, log: Log) -> Swit
 
         install.recover_install(cfg, Store(cfg.paths.state_dir), st, sd=sd, log=log)
         return SwitchResult(True, "recovered", None, op.to_backend or "", message="interrupted install undone")
+    if op.kind == "uninstall":
+        from deploy_tool.box import releases
+
+        releases.finish_uninstall(cfg, st, sd=sd, log=log)
+        return SwitchResult(True, "recovered", None, "", message="interrupted uninstall finished")
     return _switcher(cfg, sd, log).recover_locked(st)
 
 
@@ -57,6 +62,11 @@ def recover_steps(cfg: Config, st: State, *, sd: systemd_mod.Systemd, log: Log) 
         from deploy_tool.box import install  # lazy: see the module's docstring
 
         return install.recover_steps(cfg, st, sd=sd)
+    if op.kind == "uninstall":
+        from deploy_tool.box import releases
+
+        return [Step(d["name"], d["what"]) for d in releases.uninstall_plan(cfg, purge=False)
+                if d["name"] in releases.UNINSTALL_STEPS[releases.UNINSTALL_STEPS.index(op.step):]]
     return _switcher(cfg, sd, log).recover_steps(st)
 
 
@@ -86,7 +96,20 @@ def switch(cfg: Config, backend: str, *, dry_run: bool = False, wait: float = 0.
     `drain_s`: the drain bound (None: supervision.drain_timeout_s; 0: no drain)."""
     sd = sd or systemd_mod.for_config(cfg)
     with _then_metrics(cfg, sd, dry_run):
-        return _switcher(cfg, sd, log).switch(backend, dry_run=dry_run, wait=wait, reason=reason, drain_s=drain_s)
+        res = _switcher(cfg, sd, log).switch(backend, dry_run=dry_run, wait=wait, reason=reason, drain_s=drain_s)
+    if res.ok and res.action == "switched" and not dry_run:
+        _prune(cfg, log)
+    return res
+
+
+def _prune(cfg: Config, log: Log) -> None:
+    """After a committed switch: supervision.keep_releases (a busy lock: the next operation prunes)."""
+    from deploy_tool.box import releases
+
+    store = Store(cfg.paths.state_dir)
+    with contextlib.suppress(LockedError), store.lock(wait=5, what="releases prune"):
+        if store.load().operation is None:
+            releases.auto_prune(cfg, store, log)
 
 
 def rollback(cfg: Config, *, dry_run: bool = False, wait: float = 0.0, log: Log = _quiet,

@@ -53,6 +53,8 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
         "endpoint": base_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
         "events": store.history(5),
         "nothing_serving": nothing_serving(st),
+        # a box no install has reached: no release, nothing to compare with pins, nothing serving
+        "installed": bool(st.release or st.active_backend or st.operation) or cur.is_symlink(),
     }
     try:
         sd = sd or systemd_mod.for_config(cfg)
@@ -69,7 +71,7 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     except DeployError as exc:
         rep["systemd_error"] = exc.message
     rep["health"] = _health(cfg, st.active_backend)
-    for name in sorted(cfg.backends):
+    for name in sorted(cfg.backends) if rep["installed"] else ():  # no pins before the first install: no drift
         try:
             v = fingerprint.verify(cfg, cfg.backends[name])
             rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
@@ -78,6 +80,8 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     active = cfg.backends.get(st.active_backend or "")
     if active is not None and active.device == "cuda" and st.active_backend in rep["units"]:
         rep["gpu"] = _gpu(cfg, visible_gpus(cfg, active), rep["units"][st.active_backend].get("main_pid", 0))
+    elif active is not None:
+        rep["gpu"] = {"cpu": True, "known": False, "detail": f"{active.name} runs on the CPU (device: cpu): no GPU"}
     rep["unsafe_paths"] = [u.to_json() for u in strictmodes.scan(cfg)]
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
@@ -92,7 +96,9 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
     active = rep.get("active_backend")
     units = rep.get("units") or {}
     down: list[str] = []
-    if not active:
+    if rep.get("installed") is False:
+        down.append("nothing is installed on this box (deploytool install BUNDLE sets it up)")
+    elif not active:
         down.append("no active backend is recorded")
     else:
         u = units.get(active)
@@ -229,7 +235,8 @@ def format_status(rep: dict[str, Any]) -> str:
         head = click.style(f"{v['state'].upper()} (exit {v['exit_code']})", fg=color, bold=v["exit_code"] != 0)
         lines.append(f"verdict   {head}" + (f": {'; '.join(v['reasons'])}" if v["reasons"] else ""))
     lines += [f"config    {rep['config']}",
-             f"serving   {rep['model_name']!r} at {rep['endpoint']}  health: {ok(rep['health']['ok'])} "
+             f"{'serving' if rep.get('installed', True) else 'endpoint':9} {rep['model_name']!r} at {rep['endpoint']}"
+             f"  health: {ok(rep['health']['ok'])} "
              f"({rep['health']['detail']})",
              f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}",
              f"release   {rep['release'] or '(none)'}   current -> {rep['current'] or '-'}"]
@@ -262,7 +269,8 @@ def format_status(rep: dict[str, Any]) -> str:
     if rep.get("gpu"):
         g = rep["gpu"]
         mem = f", {g['memory_mib']} MiB in use" if g.get("memory_mib") is not None else ""
-        lines.append(f"gpus      {ok(bool(g.get('ok')))} {g.get('detail', '')}{mem}")
+        mark = "-" if g.get("cpu") else ok(bool(g.get("ok")))
+        lines.append(f"gpus      {mark} {g.get('detail', '')}{mem}")
     if rep.get("runtime"):
         rt = rep["runtime"]
         lines.append(f"runtime   {rt.get('status')}")

@@ -7,14 +7,17 @@ the machine's pip configuration switched off (venv.pip_env).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import os
 import re
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -122,27 +125,79 @@ def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntr
 
 
 def lock_tool(cfg: Config, *, python: str | None = None) -> list[Path]:
-    """deploytool's own wheel (built reproducibly from this source tree) and its dependencies' wheels."""
+    """deploytool's own wheel and its dependencies' wheels: the wheel built reproducibly from this source tree
+    when deploytool runs from one (a checkout), else remade from the installed distribution itself (a `pipx
+    install` or `pip install` of deploytool's wheel: installed_wheel)."""
     src = Path(deploy_tool.__file__).resolve().parents[1]
-    if not (src / "setup.cfg").is_file():
-        raise InputError("deploytool is not running from its source tree, so its wheel cannot be built here",
-                         hint="set bundle.tool_wheels_dir to a directory holding deploytool's wheel and its deps")
     out = Path(cfg.bundle.tool_wheels_dir or "tool-wheels")
     out.mkdir(parents=True, exist_ok=True)
     py = python or cfg.bundle.python
     with tempfile.TemporaryDirectory(prefix="deploytool-toolwheel-") as tmp:
-        # pip builds a local directory in place (build/, *.egg-info): built from the source tree itself, the
-        # wheel would leave those behind, and a build/ left from an earlier run carries modules deleted since
-        # into the next wheel. A clean copy of what the wheel is made of is built instead.
-        copy = _wheel_sources(src, Path(tmp) / "src")
-        run_tool([py, "-m", "pip", "wheel", "--no-deps", "-w", str(Path(tmp) / "out"),
-                  str(copy)], env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
-        whl = next((Path(tmp) / "out").glob("deploytool-*.whl"))
+        if (src / "setup.cfg").is_file():
+            # pip builds a local directory in place (build/, *.egg-info): built from the source tree itself, the
+            # wheel would leave those behind, and a build/ left from an earlier run carries modules deleted since
+            # into the next wheel. A clean copy of what the wheel is made of is built instead.
+            copy = _wheel_sources(src, Path(tmp) / "src")
+            run_tool([py, "-m", "pip", "wheel", "--no-deps", "-w", str(Path(tmp) / "out"),
+                      str(copy)], env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
+            whl = next((Path(tmp) / "out").glob("deploytool-*.whl"))
+        else:
+            whl = installed_wheel(Path(tmp) / "out")
         for old in out.glob("deploytool-*.whl"):
             old.unlink()
         run_tool([py, "-m", "pip", "download", "--only-binary=:all:", "-d", str(out), str(whl)], env=pip_env(),
                  timeout=1200)
     return sorted(out.glob("*.whl"))
+
+
+#: What of an installed distribution's RECORD is not part of its wheel: what the installer wrote (its scripts
+#: outside site-packages, bytecode) or records about the install itself.
+_INSTALL_ONLY = ("INSTALLER", "REQUESTED", "RECORD", "direct_url.json")
+
+
+def installed_wheel(dest: Path, dist_name: str = "deploytool") -> Path:
+    """deploytool's wheel, remade from the distribution installed in this interpreter: every file its RECORD lists
+    under site-packages (each checked against the RECORD's SHA-256 first: a changed file is refused, never
+    packed), the .dist-info's own metadata, a new RECORD; entries sorted, times fixed, so the same install gives
+    the same bytes. An editable install (a .pth pointing at a checkout) has no files to remake it from."""
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise InputError(f"{dist_name} is not installed as a distribution here, so its wheel cannot be made",
+                         hint="install deploytool with pip or pipx, or run it from a checkout") from None
+    files = [f for f in (dist.files or []) if not str(f).startswith("..") and "__pycache__" not in str(f)
+             and not str(f).endswith(".pyc")]
+    pkg = [f for f in files if str(f).startswith("deploy_tool/")]
+    if not pkg:
+        raise InputError(f"the installed {dist_name} has no package files (an editable install?), so its wheel "
+                         "cannot be remade from it", hint="run deploytool from its checkout, or install its wheel")
+    version = dist.version
+    name = f"{dist_name}-{version}-py3-none-any.whl"
+    dest.mkdir(parents=True, exist_ok=True)
+    rows: list[str] = []
+    with zipfile.ZipFile(dest / name, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(files, key=str):
+            rel = str(f)
+            if rel.split("/")[-1] in _INSTALL_ONLY and ".dist-info/" in rel:
+                continue
+            path = Path(str(f.locate()))
+            data = path.read_bytes()
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            if f.hash is not None and (f.hash.mode != "sha256" or f.hash.value != digest):
+                raise BundleError(f"the installed {dist_name}'s {rel} differs from what its install recorded",
+                                  hint=f"reinstall {dist_name} (pipx reinstall deploytool), then lock again")
+            info = zipfile.ZipInfo(rel, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = (0o644 if not os.access(path, os.X_OK) else 0o755) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, data)
+            rows.append(f"{rel},sha256={digest},{len(data)}")
+        record = f"{dist_name}-{version}.dist-info/RECORD"
+        rows.append(f"{record},,")
+        info = zipfile.ZipInfo(record, date_time=(1980, 1, 1, 0, 0, 0))
+        info.external_attr = 0o644 << 16
+        info.compress_type = zipfile.ZIP_DEFLATED
+        z.writestr(info, "\n".join(rows) + "\n")
+    return dest / name
 
 
 # What deploytool's wheel is built from (setup.cfg's packages and package_dir, its long_description): nothing
@@ -368,7 +423,8 @@ def tool_wheels(cfg: Config) -> list[Path]:
         return []
     p = Path(d)
     if not p.is_dir():
-        raise InputError(f"bundle.tool_wheels_dir {p} does not exist", hint="run `deploytool lock --tool` first")
+        raise InputError(f"bundle.tool_wheels_dir {p} does not exist", hint="run `deploytool lock` first (it fills "
+                         "it with deploytool's own wheel and its dependencies')")
     return sorted(x for x in p.iterdir() if x.suffix == ".whl")
 
 

@@ -145,9 +145,9 @@ def share_global_options(cmd: click.Command) -> None:
 
 def _register() -> None:
     # the command modules import Ctx and pass_ctx from this package: they are imported once those exist
-    from deploy_tool.cli import basic, bench, bundle, keys, ops, sandbox, verify
+    from deploy_tool.cli import basic, bench, bundle, keys, ops, releases, sandbox, verify
 
-    for cmd in (*basic.COMMANDS, *ops.COMMANDS, sandbox.sandbox, keys.keygen, bundle.bundle, verify.verify,
+    for cmd in (*basic.COMMANDS, *ops.COMMANDS, *releases.COMMANDS, sandbox.sandbox, keys.keygen, bundle.bundle, verify.verify,
                 verify.pin, verify.await_ready, bench.bench):
         main.add_command(cmd)
     for cmd in main.commands.values():

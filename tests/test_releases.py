@@ -1,0 +1,157 @@
+"""Releases over time (deploy_tool.box.releases): the list, keeping the newest N, removing one, and uninstall,
+killed at every step, on the fake systemd with two real small bundles (tests/test_install_kills.py's): what
+prune never removes is a property over any set of releases and roles; the rest runs the real file system work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deploy_tool.box import operations, releases
+from deploy_tool.errors import DeployError, InputError, StateError
+from tests.support import fake_systemd as fs
+from tests.test_install_kills import CLEAN, FU, Box, Bundles, _rid, bundles, saved_a  # noqa: F401  (fixtures)
+
+# with tests/test_install_kills.py on one xdist worker: its two packed bundles (a session fixture) serve both
+pytestmark = pytest.mark.xdist_group("tests/test_install_kills.py")
+
+
+@settings(max_examples=300, deadline=None)
+@given(roles=st.lists(st.sets(st.sampled_from(releases.ROLES), max_size=2), max_size=9), keep=st.integers(1, 6))
+def test_prune_removes_the_oldest_without_a_role_and_never_one_with_a_role(roles: list[set[str]], keep: int) -> None:
+    rels = [releases.Release(id=f"r{i:02d}", path="", installed=f"2026-01-{i + 1:02d}", roles=sorted(r))
+            for i, r in enumerate(roles)]
+    gone = releases.prune_plan(rels, keep)
+    kept = [r for r in rels if r not in gone]
+    assert not any(r.roles for r in gone)
+    assert len(kept) == max(min(keep, len(rels)), sum(1 for r in rels if r.roles))
+    if gone:  # the removed are the oldest of those without a role
+        newest_gone = max(r.installed for r in gone)
+        assert all(r.installed > newest_gone for r in kept if not r.roles)
+
+
+def _box(b: Bundles, keep: int = 3) -> Box:
+    bx = Box(b)
+    bx.cfg = dataclasses.replace(b.cfg, supervision=dataclasses.replace(b.cfg.supervision, keep_releases=keep))
+    return bx
+
+
+def _stale(bx: Box, rid: str = "0123456789abcdef", age_s: float = 86400) -> str:
+    """An old release no state or history names any more (as an install long ago left one)."""
+    src = bx.releases / _rid(bx.b.a)
+    shutil.copytree(src, bx.releases / rid, symlinks=True)
+    t = time.time() - age_s
+    os.utime(bx.releases / rid, (t, t))
+    return rid
+
+
+@pytest.fixture()
+def box_a(bundles: Bundles, saved_a: Path):  # noqa: F811
+    bx = _box(bundles, keep=1)
+    bx.restore(saved_a)
+    bx.world.bring_up(FU)
+    yield bx
+    bx.world.close()
+    bx.reset()
+
+
+def test_the_list_names_each_release_its_size_and_roles(box_a: Box) -> None:
+    rid = _rid(box_a.b.a)
+    rels = releases.releases(box_a.cfg)
+    assert [r.id for r in rels] == [rid]
+    r = rels[0]
+    assert r.roles == ["current", "last-good"] and r.bundle_name == "cpu-demo" and r.bytes > 1_000_000
+    assert r.installed and r.last_active
+
+
+def test_an_install_prunes_beyond_keep_but_never_what_the_box_needs(box_a: Box) -> None:
+    """keep 1: installing B removes a stale old release, keeps A (previous: the rollback's way back) and B."""
+    old = _stale(box_a)
+    out = box_a.install(box_a.b.b, cfg=dataclasses.replace(
+        box_a.b.cfg_b, supervision=dataclasses.replace(box_a.b.cfg_b.supervision, keep_releases=1)))
+    assert out.what == "installed", (out, box_a.log)
+    names = box_a.release_entries(hidden=False)
+    assert old not in names and {_rid(box_a.b.a), _rid(box_a.b.b)} <= set(names)
+    ev = [e for e in box_a.history() if e["event"] == "prune"]
+    assert ev and ev[-1]["removed"] == [old] and ev[-1]["freed_bytes"] > 0
+    with pytest.raises(StateError, match="previous"):
+        releases.remove(box_a.cfg, _rid(box_a.b.a))
+
+
+def test_prune_on_demand_dry_run_and_remove(box_a: Box) -> None:
+    old = _stale(box_a)
+    plan = releases.prune(box_a.cfg, keep=1, dry_run=True)
+    assert [r.id for r in plan.removed] == [old] and old in box_a.release_entries()  # nothing changed
+    with pytest.raises(InputError, match="no release 'nope'"):
+        releases.remove(box_a.cfg, "nope")
+    with pytest.raises(StateError, match="current"):
+        releases.remove(box_a.cfg, _rid(box_a.b.a))
+    assert releases.remove(box_a.cfg, old).id == old and old not in box_a.release_entries()
+
+
+def test_a_kill_between_rename_and_delete_leaves_no_release_and_is_swept(box_a: Box) -> None:
+    old = _stale(box_a)
+    os.environ["DEPLOYTOOL_FAULT"] = "kill:release-renamed"
+    try:
+        with box_a.world.running(), pytest.raises(fs.Killed):
+            releases.prune(box_a.cfg, keep=1)
+    finally:
+        os.environ.pop("DEPLOYTOOL_FAULT")
+    assert old not in [r.id for r in releases.releases(box_a.cfg)]
+    assert box_a.release_entries() == sorted([_rid(box_a.b.a), f".removing-{old}"])
+    releases.prune(box_a.cfg, keep=1)
+    assert box_a.release_entries() == [_rid(box_a.b.a)]
+
+
+def _uninstalled(bx: Box, *, kept_config: bool = True) -> None:
+    assert bx.traces() == CLEAN | {"releases": []}, bx.traces()
+    assert not bx.state_dir.exists() and not bx.releases.exists()
+    assert all(u.active_state != "active" and not u.enabled for u in bx.world.units.values()), \
+        {n: (u.active_state, u.enabled) for n, u in bx.world.units.items()}
+    assert Path(bx.cfg.paths.config).exists() == kept_config and Path(bx.cfg.paths.keys_dir).exists() == kept_config
+
+
+def test_uninstall_dry_run_changes_nothing_and_uninstall_leaves_config_and_keys(box_a: Box) -> None:
+    before = box_a.traces()
+    plan = releases.uninstall(box_a.cfg, dry_run=True)
+    assert [s["name"] for s in plan.steps] == list(releases.UNINSTALL_STEPS) and box_a.traces() == before
+    with box_a.world.running():
+        res = releases.uninstall(box_a.cfg, sd=box_a.world.systemd(), log=box_a.log.append)
+    assert res.ok and res.kept == [box_a.cfg.paths.config, box_a.cfg.paths.keys_dir]
+    _uninstalled(box_a)
+    with box_a.world.running():  # again: nothing to do
+        assert releases.uninstall(box_a.cfg, sd=box_a.world.systemd()).steps == []
+
+
+@pytest.mark.parametrize("step", releases.UNINSTALL_STEPS)
+def test_uninstall_killed_at_every_step_is_finished_by_recover(box_a: Box, step: str) -> None:
+    os.environ["DEPLOYTOOL_FAULT"] = f"kill:{step}"
+    try:
+        with box_a.world.running(), pytest.raises(fs.Killed):
+            releases.uninstall(box_a.cfg, sd=box_a.world.systemd())
+    finally:
+        os.environ.pop("DEPLOYTOOL_FAULT")
+    if step != "state-removed":
+        assert box_a.state()["operation"]["kind"] == "uninstall"
+        with box_a.world.running():
+            operations.recover(box_a.cfg, sd=box_a.world.systemd())
+    else:  # killed after the state dir was renamed away: uninstall again sweeps what is left
+        with box_a.world.running():
+            releases.uninstall(box_a.cfg, sd=box_a.world.systemd())
+    _uninstalled(box_a)
+
+
+def test_uninstall_with_an_interrupted_install_says_recover_first(box_a: Box) -> None:
+    out = box_a.install(box_a.b.b, cfg=box_a.b.cfg_b, kill="pinned")
+    assert out.what == "killed"
+    with box_a.world.running(), pytest.raises(DeployError, match="recover"):
+        releases.uninstall(box_a.cfg, sd=box_a.world.systemd())
+    assert box_a.state()["operation"]["kind"] == "install"  # nothing changed
