@@ -214,11 +214,12 @@ NUMERIC = _numeric_fields()
 def test_every_numeric_field_has_a_range_that_admits_its_default() -> None:
     """Every int or float setting has a range (walking the schema asserts it), with a reason, and its default
     and the examples' values lie inside."""
-    assert len(NUMERIC) == 30  # 19, the 3 of supervision.failover, the 7 of liveness and drain, bundle.sequence
+    assert len(NUMERIC) == 31  # 19, the 3 of supervision.failover, the 7 of liveness and drain, bundle.sequence,
+    # supervision.keep_releases
     names = {p.rsplit(".", 1)[-1] for p, *_ in NUMERIC}
     assert {"port", "gpus", "start_timeout_s", "interval_s", "threads", "tp", "tokens", "ctx_size", "gpu_mem_ratio",
             "num_draft_tokens", "draft_n_max", "vram_mib", "max_batch", "perf_gate_fraction", "window_s",
-            "start_limit_burst", "start_limit_interval_s", "sequence"} <= names
+            "start_limit_burst", "start_limit_interval_s", "sequence", "keep_releases"} <= names
     for cls in (config._ConfigRest, config.Host, config.Serve, config.HealthCfg, config._FtllmRaw,
                 config._LlamacppRaw, config.Speculative, config.LlamaSpec, config.FailoverCfg, config.BundleCfg):
         for f in dataclasses.fields(cls):

@@ -1,10 +1,13 @@
-"""releases [prune | remove ID] and uninstall: the releases a box keeps over time, and taking the box back down."""
+"""releases [prune | remove ID] and uninstall: the releases a box keeps over time, and taking the box back down.
+
+deploy_tool.box.releases (which loads the manifest's cryptography and the renderer's jinja2) is imported inside each
+command, as in cli/ops.py: the CLI loads every command to parse one, and verify's ExecStartPre path stays light.
+"""
 
 from __future__ import annotations
 
 import click
 
-from deploy_tool.box import releases as rel
 from deploy_tool.cli.context import Ctx, pass_ctx
 
 
@@ -16,7 +19,9 @@ def _log(ctx: Ctx):
     return log
 
 
-def _table(rels: list[rel.Release]) -> str:
+def _table(rels: list) -> str:
+    from deploy_tool.box import releases as rel
+
     if not rels:
         return "no release is installed on this box"
     rows = [(r.id, f"{r.bundle_name or '?'} #{r.sequence if r.sequence is not None else '?'}", rel._human(r.bytes),
@@ -44,6 +49,8 @@ def releases(cctx: click.Context, ctx: Ctx) -> None:
       deploytool releases prune [--keep N] remove the ones beyond the newest N (--dry-run: which)
       deploytool releases remove ID        remove one
     """
+    from deploy_tool.box import releases as rel
+
     if cctx.invoked_subcommand is not None:
         return
     cfg = ctx.load_config()
@@ -58,6 +65,8 @@ def releases(cctx: click.Context, ctx: Ctx) -> None:
 @pass_ctx
 def prune(ctx: Ctx, keep: int | None, wait: float) -> None:
     """Remove the releases beyond the newest N, never the current, previous or last-good one."""
+    from deploy_tool.box import releases as rel
+
     cfg = ctx.load_config()
     res = rel.prune(cfg, keep=keep, dry_run=ctx.dry_run, wait=wait, log=_log(ctx))
     verb = "would remove" if ctx.dry_run else "removed"
@@ -73,6 +82,8 @@ def prune(ctx: Ctx, keep: int | None, wait: float) -> None:
 @pass_ctx
 def remove(ctx: Ctx, release_id: str, wait: float) -> None:
     """Remove release ID (refused for the current, previous or last-good release)."""
+    from deploy_tool.box import releases as rel
+
     cfg = ctx.load_config()
     r = rel.remove(cfg, release_id, dry_run=ctx.dry_run, wait=wait, log=_log(ctx))
     ctx.emit({"removed": r.to_json(), "dry_run": ctx.dry_run},
@@ -91,6 +102,8 @@ def uninstall(ctx: Ctx, purge: bool, wait: float) -> None:
     operator's and are kept. Journaled: a kill at any step leaves an operation that `deploytool recover`, or
     uninstall again, finishes. An interrupted install or switch must be recovered first.
     """
+    from deploy_tool.box import releases as rel
+
     cfg = ctx.load_config()
     res = rel.uninstall(cfg, purge=purge, dry_run=ctx.dry_run, wait=wait, log=_log(ctx))
     lines = [("would: " if ctx.dry_run else "done: ") + s["what"] for s in res.steps] or ["nothing is installed"]
