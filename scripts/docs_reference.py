@@ -114,6 +114,16 @@ def exit_code_comments() -> dict[str, str]:
 
 
 def _raised_by() -> dict[int, list[str]]:
+    """Every DeployError subclass with its own exit code, from every module of the package (imported here: what
+    the CLI happens to load at start differs with its lazy imports)."""
+    import importlib
+    import pkgutil
+
+    import deploy_tool
+
+    for m in pkgutil.walk_packages(deploy_tool.__path__, "deploy_tool."):
+        if not m.name.endswith("__main__"):
+            importlib.import_module(m.name)
     out: dict[int, list[str]] = {}
     todo: list[type[errors.DeployError]] = [errors.DeployError]
     while todo:
