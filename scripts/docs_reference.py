@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import inspect
 import io
+import pkgutil
 import sys
 import tokenize
 from collections.abc import Callable, Iterator
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import click
 
+import deploy_tool
 from deploy_tool import checks, config, errors
 from deploy_tool.cli import main as cli_main
 
@@ -116,11 +119,6 @@ def exit_code_comments() -> dict[str, str]:
 def _raised_by() -> dict[int, list[str]]:
     """Every DeployError subclass with its own exit code, from every module of the package (imported here: what
     the CLI happens to load at start differs with its lazy imports)."""
-    import importlib
-    import pkgutil
-
-    import deploy_tool
-
     for m in pkgutil.walk_packages(deploy_tool.__path__, "deploy_tool."):
         if not m.name.endswith("__main__"):
             importlib.import_module(m.name)
