@@ -57,12 +57,13 @@ golden: setup
 
 docs: setup
 	$(VPY) scripts/docs_reference.py
+	$(VPY) scripts/man_page.py
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 lint: setup
-	$(VENV)/bin/ruff check deploy_tool tests bench scripts/docs_reference.py
+	$(VENV)/bin/ruff check deploy_tool tests bench scripts/docs_reference.py scripts/man_page.py
 	$(VENV)/bin/mypy deploy_tool
 
 typecheck: setup

@@ -1,7 +1,7 @@
 """How long does deploytool take to load a config, and to refuse a hostile one?
 
 Side by side in one run, this checkout against another one (--before DIR, e.g. a `git archive REV | tar -x -C DIR`
-of an earlier revision), each command run as the console script runs it (`deploy_tool.entry.main`) from that
+of an earlier revision), each command run as the console script runs it (`deploy_tool.cli.main`) from that
 checkout, with the same interpreter:
   * `check --no-files` on the two embedded examples (what an operator waits for)
   * `verify` of a small pinned release with the fingerprint cache warm (the units' ExecStartPre, before every start)
@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=20.0, help="seconds before a run is killed; default 20")
     a = ap.parse_args()
     trees = [("after (this checkout)", REPO)] + ([("before", a.before.resolve())] if a.before else [])
-    entry = [sys.executable, "-c", "from deploy_tool.entry import main; main()"]
+    entry = [sys.executable, "-c", "from deploy_tool.cli import main; main()"]
     with tempfile.TemporaryDirectory(prefix="bench-config-") as tmp:
         d = Path(tmp)
         for name in config.EXAMPLES:

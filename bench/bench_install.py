@@ -1,25 +1,26 @@
 #!/usr/bin/env python3
-"""Install time from a bundle (no model load: --no-start) against the hand-made ways, in one run.
+"""Install time from a bundle (no model load: --no-start) against the unpack it has to do, in one run.
 
-Packs its own cpu-demo bundle (ftllm 0.1.8.2 + llama-server venv) under .cache/, then, interleaved, --runs times
-each, on a fresh box every time (page cache warm for all):
+Packs its own cpu-demo bundle (ftllm 0.1.8.2 + llama-server venv, wheels from .cache/wheels-demo) once, into
+/var/lib/deploytool-test/bench-install-cache (kept: a rerun installs the same cached bundle; --fresh packs again),
+with a sandboxed systemd 252 there as the box's (as `make demo` has it; --no-sandbox: systemctl is /bin/true), then, interleaved, --runs times each, on a fresh box every time (page cache warm for all):
 
-  install        `deploytool install --no-start BUNDLE`: verify the signature and every file hash, lay the
-                 release down, unpack and relocate the venv (its bytecode built at pack time, as checked-hash
-                 .pyc in the archive), check the native library hashes and the OS libraries they need,
-                 bootstrap deploytool's own venv, write units and env files, flip `current`, pin fingerprints
-  install-rebuild  the same with --rebuild (the venv from the wheels with pip --no-index --require-hashes)
+  install        `deploytool install --no-start BUNDLE`: verify the signature and every file hash into a private
+                 copy, unpack and relocate the venv (bytecode built at pack time), check the OS libraries and the
+                 native library hashes, bootstrap deploytool's own venv (in parallel), write units and env files,
+                 flip `current`, pin the whole release, daemon-reload. The system's zstd and GNU tar do the
+                 decompressing and the writing where present, every header checked by deploytool first
+  install-py     the same with DEPLOYTOOL_UNPACK=python: the Python writer, as on a box without zstd or GNU tar
   zstd|tar       `zstd -d -c BUNDLE.tar.zst | tar -x`, then `zstd -d -c venv.tar.zst | tar -x` of the venv
-                 archive it holds: the same bytes laid down with no checks at all (the speed goal: install at
-                 most 2x this)
-  pip            `python -m venv` + a plain `pip install --no-index --no-deps --find-links wheels -r
-                 requirements.lock` of the bundle's wheels (pip's defaults otherwise, so it byte-compiles; --no-deps
-                 because the lock is the closure deploytool installs: ftllm's declared CUDA extras are left out)
+                 archive it holds: the same bytes laid down with no checks at all (the goal: install at most 2x this)
+  install-rebuild  (--rebuild) the same install with --rebuild (pip --no-index --require-hashes from the wheels)
+  pip            (--pip) `python -m venv` + `pip install --no-index --no-deps` of the bundle's wheels
 
-systemctl is /bin/true here (nothing is started), as on a box where --no-start is used. Median per method,
-the install's own step breakdown, and ratios are printed.
+Printed: the median per method and its ratio to zstd|tar, and where install's time goes (the CLI's own step
+marks: verify, unpack, venv finish and relocation, native library hashes, the tool venv wait, laying down, units,
+pin, daemon-reload, commit, CLI start and exit), with the load average before and after.
 
-Usage: python bench/bench_install.py [--runs 3] [--json] [--keep] [--no-rebuild]
+Usage: python bench/bench_install.py [--runs 3] [--json] [--no-sandbox] [--rebuild] [--pip] [--fresh]
 """
 
 from __future__ import annotations
@@ -53,92 +54,171 @@ def timed(argv: list[str], **kw) -> float:
     return time.monotonic() - t0
 
 
-def fresh_box(box: Box) -> None:
-    for p in (box.root, box.env_dir, box.state_dir, box.unit_dir):
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def run_install(cfg: Path, box: Box, bundle: Path, rebuild: bool) -> tuple[float, dict[str, float]]:
-    fresh_box(box)
+def run_install(cfg: Path, reset, bundle: Path, *, rebuild: bool = False,
+                env: dict[str, str] | None = None) -> tuple[float, dict[str, float]]:
+    reset()
     t0 = time.monotonic()
-    r = dt(cfg, "--json", "install", "--no-start", *(["--rebuild"] if rebuild else []), str(bundle))
+    r = dt(cfg, "--json", "install", "--no-start", *(["--rebuild"] if rebuild else []), str(bundle), env=env)
     wall = time.monotonic() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout)
+    return wall, breakdown(rep, wall)
+
+
+def breakdown(rep: dict, wall: float) -> dict[str, float]:
+    """Where one install's wall time went, from its step marks (monotonic stamps of the CLI process)."""
     steps = rep.get("steps") or []
-    split, prev = {}, None
-    for s in steps:  # step times are monotonic stamps of the CLI process: durations between consecutive steps
-        if prev is not None:
-            split[s["step"]] = s["t"] - prev
+    if not steps or steps[0]["step"] != "verified":
+        return {}
+    out = {"verify (lock, signature, every file hashed into a private copy)": steps[0].get("since_start_s", 0.0)}
+    prev = steps[0]["t"]
+    for s in steps[1:]:
+        d = s["t"] - prev
         prev = s["t"]
-    if steps:  # before the first mark: verify the bundle into staging, unpack and relocate the venv
-        split = {f"start..{steps[0]['step']}": rep["seconds"] - (steps[-1]["t"] - steps[0]["t"]), **split}
-    split["CLI start and exit"] = wall - rep["seconds"]
-    return wall, split
+        if s["step"] == "venv-ready" and "unpack_s" in s:
+            out["unpack venv.tar.zst"] = s["unpack_s"]
+            out["venv finish (python -m venv) + relocate"] = s["finish_s"] + s["relocate_s"]
+            out["venv-ready: rest (staging rename)"] = d - s["unpack_s"] - s["finish_s"] - s["relocate_s"]
+        else:
+            name = {"native-libs-checked": "OS libraries + native library hashes", "tool-ready": "tool venv (wait)",
+                    "release-laid-down": "lay down (rename, modes)", "units-written": "units + env files",
+                    "current-flipped": "flip current", "pinned": "pin the whole release (hash)",
+                    "daemon-reloaded": "daemon-reload"}.get(s["step"], s["step"])
+            out[name] = d
+    out["commit (state, history, prune)"] = rep["seconds"] - out[next(iter(out))] - (steps[-1]["t"] - steps[0]["t"])
+    out["CLI start and exit"] = wall - rep["seconds"]
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--keep", action="store_true", help="keep the bundle directory under .cache/")
-    ap.add_argument("--no-rebuild", action="store_true", help="skip the install --rebuild method")
+    ap.add_argument("--fresh", action="store_true", help="pack the bundle again (it is cached between runs)")
+    ap.add_argument("--no-sandbox", action="store_true", help="systemctl is /bin/true instead of a sandboxed systemd")
+    ap.add_argument("--rebuild", action="store_true", help="also time install --rebuild")
+    ap.add_argument("--pip", action="store_true", help="also time a plain pip install of the wheels")
     a = ap.parse_args()
-    d = REPO / ".cache" / f"bench-install-{os.getpid()}"
-    work = d / "work"
+    from deploy_tool.archive import UNPACK_ENV, unpack_tools
+    from tests.support.sandbox import RUN_PARENT, free_port, new_run_dir
+
+    # the box (its config, keys and packed bundle: the units hold its paths) is kept between runs at a fixed place,
+    # so a rerun installs the cached bundle; --fresh packs again
+    cache = RUN_PARENT / "bench-install-cache"
+    if a.fresh:
+        shutil.rmtree(cache, ignore_errors=True)
+    root = new_run_dir("bench-install")
+    d, work = cache / "box", root / "work"
+    sb = None
+    load0 = os.getloadavg()
     try:
-        say("packing the cpu-demo bundle ...")
-        cfg = make_demo(d, sandbox_dir=None, unit_dir=d / "box-units", port=18099)
+        if not a.no_sandbox:
+            from deploy_tool.box.systemd import Systemd
+            from deploy_tool.rehearsal.sandbox import Sandbox
+
+            sb = Sandbox(cache / "sandbox")
+            sb.up()
+            sd = Systemd(sb.systemctl_prefix(), sb.journalctl_prefix(), sb.unit_dir)
+        cfg = d / "deploytool.yaml"
+        unit_dir = sb.unit_dir if sb else d / "box-units"
+        if not (d / "artifacts").is_dir() or not (d / ".packed").is_file():
+            say("packing the cpu-demo bundle (cached for the next run) ...")
+            cache.mkdir(parents=True, exist_ok=True)
+            os.chmod(cache, 0o755)
+            cfg = make_demo(d, sandbox_dir=cache / "sandbox", unit_dir=cache / "sandbox" / "etc-systemd-system",
+                            port=free_port())
+            (d / ".packed").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+        else:
+            say(f"the cached cpu-demo bundle in {d / 'artifacts'} (packed {(d / '.packed').read_text().strip()})")
         data = yaml.safe_load(cfg.read_text())
-        data["systemd"]["systemctl"] = ["/bin/true"]
+        assert data["paths"]["unit_dir"] == str(cache / "sandbox" / "etc-systemd-system") or sb is None, unit_dir
+        data["systemd"]["systemctl"] = ["/bin/true"] if sb is None else ["systemctl"]
+        data["systemd"]["sandbox"] = str(sb.dir) if sb else None
         cfg.write_text(yaml.safe_dump(data, sort_keys=False))
         box = Box(cfg)
+
+        def reset() -> None:
+            if sb is not None:
+                box.reset(sd)
+            else:
+                for p in (box.root, box.env_dir, box.state_dir, box.unit_dir):
+                    shutil.rmtree(p, ignore_errors=True)
+
         bundle = bundle_in(d / "artifacts")
         bdir = bundle.parent / bundle.name.split(".tar")[0]
         assert (bdir / "venv.tar.zst").is_file(), bdir
         python = data["bundle"]["python"]
-        times: dict[str, list[float]] = {"install": [], "zstd|tar": [], "pip": []}
-        if not a.no_rebuild:
+        times: dict[str, list[float]] = {"install": [], "install-py": [], "zstd|tar": [], "zstd|tar venv only": []}
+        if a.rebuild:
             times["install-rebuild"] = []
+        if a.pip:
+            times["pip"] = []
         splits: list[dict[str, float]] = []
+        splits_py: list[dict[str, float]] = []
         for i in range(a.runs):
-            wall, split = run_install(cfg, box, bundle, rebuild=False)
+            wall, split = run_install(cfg, reset, bundle)
             times["install"].append(wall)
             splits.append(split)
-            if not a.no_rebuild:
-                times["install-rebuild"].append(run_install(cfg, box, bundle, rebuild=True)[0])
-            fresh_box(box)
+            wall, split = run_install(cfg, reset, bundle, env={UNPACK_ENV: "python"})
+            times["install-py"].append(wall)
+            splits_py.append(split)
+            if a.rebuild:
+                times["install-rebuild"].append(run_install(cfg, reset, bundle, rebuild=True)[0])
+            reset()
             shutil.rmtree(work, ignore_errors=True)
             (work / "tar").mkdir(parents=True)
-            times["zstd|tar"].append(timed(["sh", "-c", 'zstd -d -q -c "$1" | tar -x -C "$2" && mkdir "$2/v" && '
-                                             'zstd -d -q -c "$2/venv.tar.zst" | tar -x -C "$2/v"', "sh",
-                                             str(bundle), str(work / "tar")]))
-            t = timed([python, "-m", "venv", str(work / "pip")], env=pip_env())
-            t += timed([str(work / "pip" / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
-                        "--no-index", "--no-deps", "--find-links", str(bdir / "wheels"), "-r",
-                        str(bdir / "requirements.lock")], env=pip_env())
-            times["pip"].append(t)
-            say(f"  run {i + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()))
+            t0 = time.monotonic()
+            subprocess.run(["sh", "-c", 'zstd -d -q -c "$1" | tar -x -C "$2"', "sh", str(bundle), str(work / "tar")],
+                           check=True)
+            t1 = time.monotonic()
+            subprocess.run(["sh", "-c", 'mkdir "$1/v" && zstd -d -q -c "$1/venv.tar.zst" | tar -x -C "$1/v"', "sh",
+                            str(work / "tar")], check=True)
+            t2 = time.monotonic()
+            times["zstd|tar"].append(t2 - t0)
+            times["zstd|tar venv only"].append(t2 - t1)
+            if a.pip:
+                t = timed([python, "-m", "venv", str(work / "pip")], env=pip_env())
+                t += timed([str(work / "pip" / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                            "--no-index", "--no-deps", "--find-links", str(bdir / "wheels"), "-r",
+                            str(bdir / "requirements.lock")], env=pip_env())
+                times["pip"].append(t)
+            say(f"  run {i + 1} (load {os.getloadavg()[0]:.2f}): "
+                + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()))
             shutil.rmtree(work, ignore_errors=True)
+        bundle_bytes = bundle.stat().st_size
+        release_bytes = sum(f["size"] for f in json.loads((bdir / "MANIFEST").read_text())["files"])
     finally:
-        if not a.keep:
-            shutil.rmtree(d, ignore_errors=True)
+        if sb is not None:
+            if (d / "deploytool.yaml").exists() and sb.status().state == "up":
+                Box(d / "deploytool.yaml").reset(sd)
+            sb.down()
+        shutil.rmtree(root, ignore_errors=True)
+    load1 = os.getloadavg()
     med = {k: statistics.median(v) for k, v in times.items()}
-    steps = {k: statistics.median(s.get(k, 0.0) for s in splits) for k in splits[0]} if splits else {}
-    res = {"runs": a.runs, "median_s": med, "all_s": times, "install_steps_s": steps,
-           "bundle_bytes": bundle.stat().st_size if bundle.exists() else None, "loadavg": os.getloadavg()}
+
+    def med_steps(ss: list[dict[str, float]]) -> dict[str, float]:
+        return {k: statistics.median(s.get(k, 0.0) for s in ss) for k in ss[0]} if ss and ss[0] else {}
+
+    steps, steps_py = med_steps(splits), med_steps(splits_py)
+    base = med["zstd|tar"]
+    res = {"runs": a.runs, "median_s": med, "all_s": times, "install_steps_s": steps, "install_py_steps_s": steps_py,
+           "ratio_install_vs_zstd_tar": med["install"] / base, "ratio_install_py_vs_zstd_tar": med["install-py"] / base,
+           "bundle_bytes": bundle_bytes, "manifest_bytes": release_bytes, "unpack_tools": unpack_tools(),
+           "sandbox": sb is not None, "loadavg_before": load0, "loadavg_after": load1, "cpus": os.cpu_count()}
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
-    base = med["zstd|tar"]
-    print(f"install from a bundle (--no-start, no model load), median of {a.runs} runs, warm page cache; "
-          f"load {os.getloadavg()[0]:.2f}:")
+    print(f"install --no-start of a cpu-demo bundle ({bundle_bytes / 1e6:.0f} MB archive) into a fresh "
+          f"{'sandboxed ' if sb else ''}box, median of {a.runs} runs, warm page cache; load "
+          f"{load0[0]:.2f} before, {load1[0]:.2f} after, {os.cpu_count()} cores; system tools: {unpack_tools()}")
     for k, v in med.items():
-        print(f"  {k:16} {v:7.2f}s  {v / base:5.2f}x zstd|tar  {v / med['pip']:5.2f}x pip")
+        print(f"  {k:20} {v:7.2f}s  {v / base:5.2f}x zstd|tar   (runs: {', '.join(f'{x:.2f}' for x in times[k])})")
+    print(f"install / zstd|tar: {med['install'] / base:.2f}x (goal <= 2x); with the Python writer "
+          f"{med['install-py'] / base:.2f}x")
     if steps:
-        print("  install steps (seconds between step marks, in the CLI process):")
+        print("where install's time goes (median seconds between the CLI's step marks; Python writer beside):")
         for k, v in steps.items():
-            print(f"    {k:22} {v:6.2f}s")
+            print(f"    {k:62} {v:6.2f}s   {steps_py.get(k, 0.0):6.2f}s")
     return 0
 
 

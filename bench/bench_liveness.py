@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from deploy_tool.box.health import wait_ready  # noqa: E402
+from deploy_tool.box.probe.health import wait_ready  # noqa: E402
 from deploy_tool.box.state import State, Store  # noqa: E402
 from deploy_tool.box.systemd import Systemd  # noqa: E402
 from deploy_tool.config import LivenessCfg, example_text  # noqa: E402

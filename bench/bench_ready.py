@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time-to-ready of each real CPU backend on the tiny model (median of N runs), printed.
 
-For each backend: spawn the server (127.0.0.1, free port), wait with deploy_tool.box.health.wait_ready (20 ms
+For each backend: spawn the server (127.0.0.1, free port), wait with deploy_tool.box.probe.health.wait_ready (20 ms
 interval), then run one smoke completion, then stop it by PID. Reports spawn->ready, the first completion,
 and SIGTERM->exit.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy_tool.box.health import smoke_completion, wait_ready  # noqa: E402
+from deploy_tool.box.probe.health import smoke_completion, wait_ready  # noqa: E402
 from tests.support import backends  # noqa: E402
 from tests.support.tiny_model import write_model  # noqa: E402
 

@@ -25,6 +25,7 @@ import io
 import json
 import os
 import pstats
+import re
 import shlex
 import shutil
 import statistics
@@ -40,7 +41,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from deploy_tool import proc  # noqa: E402
-from deploy_tool.box.health import wait_ready  # noqa: E402
+from deploy_tool.box.probe.health import wait_ready  # noqa: E402
 from deploy_tool.box.systemd import Systemd  # noqa: E402
 from deploy_tool.rehearsal.sandbox import Sandbox  # noqa: E402
 from tests.support.demo_box import Box, active_units, dt, make_demo  # noqa: E402
@@ -66,6 +67,8 @@ def direct_ready(box: Box, backend: str, model_name: str) -> tuple[float, float]
     argv = shlex.split(line.split("=", 1)[1])
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
+    # the launcher reads the env file systemd hands it as a credential (%d/environment): here, the file itself
+    argv = [str(box.env_dir / f"{backend}.env") if a == "%d/environment" else a for a in argv]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", **env_file(box.env_dir / f"{backend}.env")}
     t0 = time.monotonic()
     p = proc.spawn(argv, env=env)
@@ -134,7 +137,8 @@ def profile(cfg: Path, *args: str, top: int = 30) -> list[tuple[float, str]]:
     rows = [(wall, f"wall {wall:.3f}s (profiled: slower than a plain run)")]
     for ln in out.getvalue().splitlines():
         if ln.strip() and ln.lstrip()[0].isdigit():
-            rows.append((wall, ln.strip()[:150]))
+            # the installed tool's venv path says nothing: the module and function after site-packages/ do
+            rows.append((wall, re.sub(r"\S*/site-packages/", "", ln.strip())[:150]))
     return rows
 
 

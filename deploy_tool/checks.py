@@ -4,7 +4,7 @@ Each check reads a Config (and, with `inspect_files`, the files it names: the NC
 llama-server binary's strings, the chat template, the model's config.json) and returns Findings. The
 evidence in the messages is what the field write-ups measured; `source` says which pitfall it comes from.
 Checks never run external programs. One import stays inside the checks that use it: binaries (the ELF and
-fatbin reader, ~45 ms to import), which only the checks that inspect a library need (`check` and a switch's
+fatbin reader), which only the checks that inspect a library need (`check` and a switch's
 preflight of a config without libraries to read do not pay for it).
 
 Files the config names that do not exist: on the machine a backend runs on (a `cpu` backend, or a `cuda`
@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,6 +37,7 @@ from deploy_tool.config import (
 from deploy_tool.errors import DeployError, InputError
 from deploy_tool.gguf_header import GgufHeader
 from deploy_tool.render import (
+    FRONT_SERVICE,
     NVIDIA_DEVICE_CLASSES,
     NVIDIA_MODPROBE,
     NVIDIA_PERSISTENCED,
@@ -137,6 +138,10 @@ CATALOG: tuple[CheckInfo, ...] = (
     CheckInfo("extra-args-override", "error", "extra_args repeat a flag the unit already renders", "config"),
     CheckInfo("threads-beyond-cores", "warning", "more threads than this machine's CPUs", "config"),
     CheckInfo("llamacpp-ctx-over-training", "warning", "-c above the model's training context is capped",
+              "config"),
+    CheckInfo("front-port-clash", "error", "serve.internal_port is serve.port: the backends need a port of their own "
+              "behind the front", "config"),
+    CheckInfo("front-hold-too-short", "error", "serve.hold_timeout_s is shorter than a backend's start timeout",
               "config"),
     CheckInfo("serve-port-in-use", "info", "the served port is held now by a process that is not a backend",
               "config"),
@@ -737,8 +742,26 @@ def check_device(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
                  "remove them, or set device: cuda")
 
 
+def front_errors(cfg: Config) -> list[Finding]:
+    """The front's settings that contradict each other (check reports them, install and switch refuse them)."""
+    s, out = cfg.serve, []
+    if cfg.backend_port == s.port:
+        out.append(_f("front-port-clash", "error", None,
+                      f"serve.internal_port is {s.port}, which is serve.port: the front holds that port, and the "
+                      f"backends must listen on one of their own behind it",
+                      "leave serve.internal_port unset (serve.port + 1), or pick a free port"))
+    if s.hold_timeout_s is not None and s.hold_timeout_s < cfg.slowest_start_s:
+        out.append(_f("front-hold-too-short", "error", None,
+                      f"serve.hold_timeout_s is {s.hold_timeout_s:g} s, less than the slowest backend's start timeout "
+                      f"({cfg.slowest_start_s:g} s): clients would get 503 while a switch can still succeed",
+                      f"set it to at least {cfg.slowest_start_s:g} (or leave it unset: that plus "
+                      f"health.smoke_timeout_s)"))
+    return out
+
+
 def check_serve(ctx: _Ctx) -> Iterator[Finding]:
     s = ctx.cfg.serve
+    yield from front_errors(ctx.cfg)
     if s.host not in ("127.0.0.1", "::1", "localhost") and not s.api_key_file:
         yield _f("serve-public-no-api-key", "info", None,
                  f"serve.host is {s.host} (reachable from the network) and serve.api_key_file is not set: anyone "
@@ -940,7 +963,7 @@ FTLLM_FLAG_GROUPS: tuple[tuple[str, ...], ...] = (
     ("--speculative_num_draft_tokens", "--speculative-num-draft-tokens"), ("--prefix_cache", "--prefix-cache"),
     ("--think",), ("--chat_template",), ("--host",), ("--port",), ("--api_key",))
 # which config key a rendered flag comes from (for the message), by its first spelling
-FLAG_KEYS = {"--host": "serve.host", "--port": "serve.port", "-a": "serve.model_name",
+FLAG_KEYS = {"--host": "serve.internal_port", "--port": "serve.internal_port", "-a": "serve.model_name",
              "--model_name": "serve.model_name", "-m": "model", "-p": "model", "--api_key": "serve.api_key_file",
              "--api-key-file": "serve.api_key_file",
              "-sm": "split_mode", "-fa": "flash_attn", "-c": "ctx_size", "-ctk": "cache_type_k",
@@ -999,12 +1022,14 @@ def check_extra_args_override(ctx: _Ctx, b: Backend) -> Iterator[Finding]:
         theirs = _last_flag_value(rendered + extra, group)
         effect = ""
         if group[0] == "--port":
-            effect = f": it would listen on {theirs} while the health gate and clients use {ctx.cfg.serve.port}"
+            effect = (f": it would listen on {theirs} while the front and the health gate use "
+                      f"{ctx.cfg.backend_port}")
         elif group[0] in ("-a", "--model_name"):
             effect = (f": it would answer to {theirs!r}, and requests for {ctx.cfg.serve.model_name!r} (the gate's "
                       f"smoke test, every client) fail")
         elif group[0] == "--host":
-            effect = f": it would bind {theirs} instead of {ctx.cfg.serve.host}"
+            effect = (f": it would bind {theirs} instead of {ctx.cfg.backend_host} behind the front, and be reachable "
+                      f"past it")
         shown = f"{ours!r} from {key}" if ours is not None else f"{group[0]} from {key}"
         yield _f("extra-args-override", "error", b.name,
                  f"backends.{b.name}.extra_args repeat {' '.join(dups)}, which the unit already passes ({shown}); "
@@ -1163,16 +1188,23 @@ def check_port_in_use(ctx: _Ctx) -> Iterator[Finding]:
     cfg = ctx.cfg
     if not ctx.inspect_files or not ctx.on_box:
         return
-    held = portwait.holders(portwait.listening_inodes(cfg.serve.port))
-    units = tuple(f"/{b.unit}" for b in cfg.backends.values())
-    foreign = [h for h in held if not h.cgroup.endswith(units)]
-    if foreign or (portwait.listening_inodes(cfg.serve.port) and not held):
-        who = ", ".join(h.describe() for h in foreign) or "a process this user cannot see"
-        yield _f("serve-port-in-use", "info", None,
-                 f"port {cfg.serve.port} is held now by {who}, not by one of the backends: a backend's start "
-                 f"would be refused by its ExecStartPre (deploytool verify --await-port names the holder), and "
-                 f"a switch would roll back",
-                 "stop that process, or choose another serve.port")
+    # the front: PID 1 holds its socket, the front service a copy
+    backends = tuple(f"/{b.unit}" for b in cfg.backends.values())
+    for port, key, ours, whose in (
+            (cfg.serve.port, "serve.port", (f"/{FRONT_SERVICE}", "/init.scope"), "the front (deploytool-front)"),
+            (cfg.backend_port, "serve.internal_port", backends, "one of the backends")):
+        inodes = portwait.listening_inodes(port)
+        held = portwait.holders(inodes)
+        foreign = [h for h in held if not h.cgroup.endswith(ours) and h.pid != 1]
+        if foreign or (inodes and not held):
+            who = ", ".join(h.describe() for h in foreign) or "a process this user cannot see"
+            yield _f("serve-port-in-use", "info", None,
+                     f"port {port} ({key}) is held now by {who}, not by {whose}: "
+                     + ("the front's socket could not take it, so clients would reach that process"
+                        if key == "serve.port" else
+                        "a backend's start would be refused by its ExecStartPre (deploytool verify --await-port "
+                        "names the holder), and a switch would roll back"),
+                     f"stop that process, or choose another {key}")
 
 
 def _context(cfg: Config, b: Backend) -> int | None:
@@ -1611,15 +1643,17 @@ def gpu_box_errors(cfg: Config) -> list[Finding]:
     return [f for f in out if f.severity == "error"]
 
 
-def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None) -> list[Finding]:
+def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None = None,
+               backends: Iterable[str] | None = None) -> list[Finding]:
     """Run every check; sorted by severity (errors first), then backend, then id.
 
     `on_box`: whether this machine runs the config's cuda backends (default: an NVIDIA driver is present);
     it decides whether a missing file of a cuda backend is an error or "not on this machine".
+    `backends`: the backends whose own checks run (default: all); the box's checks always run.
     """
     ctx = _Ctx(cfg, inspect_files, nvidia_present() if on_box is None else on_box)
     out: list[Finding] = []
-    for name in sorted(cfg.backends):
+    for name in sorted(cfg.backends if backends is None else set(backends) & set(cfg.backends)):
         for chk in BACKEND_CHECKS:
             out.extend(chk(ctx, cfg.backends[name]))
     for box in BOX_CHECKS:

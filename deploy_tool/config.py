@@ -8,6 +8,9 @@ errors with a did-you-mean. Past this module only frozen dataclasses travel, nev
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
+import ipaddress
 import os
 import posixpath
 import re
@@ -16,12 +19,15 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+from deploy_tool import yamlread
 from deploy_tool.errors import ConfigError, InputError
 from deploy_tool.textsafe import describe, unsafe_char
 from deploy_tool.textsafe import key as key_part
+from deploy_tool.yamlread import shown as _fmt
 
 CONFIG_VERSION = 1
 DEFAULT_CONFIG_PATH = Path("/etc/deploytool/deploytool.yaml")
@@ -34,6 +40,8 @@ EXAMPLES = ("two-2080ti", "cpu-demo")
 BUNDLED_TEMPLATE = "templates/chat_template.jinja"
 BUNDLED_NCCL = "nccl/libnccl.so.2"
 BUNDLED_FTLLM_LAUNCHER = "launch/ftllm_launch.py"  # deploy_tool/box/ftllm_launch.py: ftllm with the API key
+BUNDLED_FRONT = "launch/front.py"  # deploy_tool/box/front.py: the public port, held while no backend is ready
+BACKEND_HOST = "127.0.0.1"  # the backends' address behind the front
 BUNDLED_ENV_LAUNCHER_DIR = "launch/bin"  # deploy_tool/box/env_launch.py per server program: the server with its env
 
 Device = Literal["cuda", "cpu"]
@@ -79,6 +87,7 @@ def _doc(text: str, check: typing.Callable[[Any], str | None] | None = None, *, 
 
 # The ranges, each with its reason (the refusal quotes it).
 PORT = Range(1, 65535, "a TCP port")
+HOLD_TIMEOUT_S = Range(1, 86400, "seconds a client's request may wait at the front; past a day it is no hold")
 GPU_ID = Range(0, 31, "a GPU index as CUDA_VISIBLE_DEVICES and /dev/nvidiaN count them; the NVIDIA driver "
                       "drives at most 32 GPUs per host (NV_MAX_DEVICES)")
 VRAM_MIB = Range(256, 1 << 20, "MiB of memory per GPU; 1 TiB is far above the largest GPU made")
@@ -109,6 +118,8 @@ LIVENESS_FAILURES = Range(1, 100, "failed probes in a row before the server is r
 LIVENESS_RESTARTS = Range(0, 100, "liveness restarts within restart_window_s before it gives up and marks the unit "
                                   "failed (0: the first hang fails the unit at once)")
 WINDOW_S = Range(1, 7 * 86400, "seconds (at most a week)")
+BUSY_MAX_S = Range(0, 86400, "seconds a server may stay busy without answering a probe (0: no bound; at most a "
+                             "day)")
 COMPLETION_EVERY_S = Range(0, 86400, "seconds between tiny completions (0: never; at most a day)")
 DRAIN_TIMEOUT_S = Range(0, 86400, "seconds a planned stop waits for requests in flight (0: no drain; a request "
                                   "that takes a day is not one to wait for)")
@@ -173,8 +184,6 @@ def _group(v: str) -> str | None:
 
 
 def _host(v: str) -> str | None:
-    import ipaddress  # lazy: only a non-default host needs it
-
     try:
         ipaddress.ip_address(v)
         return None
@@ -223,8 +232,6 @@ PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7",
 
 
 def _allow(v: tuple[str, ...]) -> str | None:
-    import ipaddress  # lazy: only a config load needs it
-
     for a in v:
         if a in ALLOW_KEYWORDS:
             continue
@@ -244,7 +251,14 @@ class Serve:
 
     host: str = _doc("address both backends bind (one port, one model name, whichever backend runs)",
                      _host, default="127.0.0.1")
-    port: int = _doc("TCP port both backends bind", rng=PORT, default=8082)
+    port: int = _doc("the public TCP port clients use: held open by the front (deploytool-front.socket) through "
+                     "every switch, rollback, failover and restart", rng=PORT, default=8082)
+    internal_port: int | None = _doc("the port the backends bind on 127.0.0.1 behind the front, unreachable "
+                                     "from other machines (default: serve.port + 1)", rng=PORT, default=None)
+    hold_timeout_s: float | None = _doc("how long a request may wait at the front while no backend is ready "
+                                        "(then 503 with Retry-After); at least the slowest backend's start "
+                                        "timeout (default: that plus health.smoke_timeout_s)",
+                                        rng=HOLD_TIMEOUT_S, default=None)
     model_name: str = _doc("the model name clients send; both backends answer to it", _argument_value,
                            default="model")
     api_key_file: str | None = _doc("file holding the API key: install copies it into a root-only file that "
@@ -311,9 +325,9 @@ class HealthCfg:
     smoke_timeout_s: float = _doc("timeout of the smoke chat completion", rng=SMOKE_TIMEOUT_S, default=120.0)
     smoke_max_tokens: int = _doc("max_tokens of the smoke chat completion", rng=SMOKE_MAX_TOKENS, default=16)
     perf_gate_fraction: float | None = _doc("after health, a short bench must reach this fraction of the stored "
-                                            "baseline's tokens/s (`deploytool bench --save-baseline`), else the "
-                                            "switch rolls back; null: off", rng=FRACTION,
-                                            default=None)
+                                            "baseline's tokens/s (`deploytool bench --save-baseline`; a figure only "
+                                            "below it is measured once more), else the switch rolls back; null: off",
+                                            rng=FRACTION, default=None)
 
 
 @dataclass(frozen=True)
@@ -346,6 +360,10 @@ class LivenessCfg:
     failures: int = _doc("failed probes in a row (not counting ticks where a request is in flight and the server "
                          "uses CPU: busy is not hung) before the server is killed and systemd restarts it",
                          rng=LIVENESS_FAILURES, default=3)
+    busy_max_s: float = _doc("busy (requests in flight, CPU used, no answer to the probe) counts as not hung for "
+                             "at most this many seconds in a row; past it the probes count as failed (a GPU server "
+                             "whose host thread spins on a hung kernel uses CPU too); 0: no bound", rng=BUSY_MAX_S,
+                             default=900.0)
     completion_every_s: float = _doc("seconds between tiny chat completions (1 token) on top of the readiness "
                                      "probe; 0: never", rng=COMPLETION_EVERY_S, default=300.0)
     restarts: int = _doc("liveness restarts within restart_window_s that may not help before it gives up: the "
@@ -598,6 +616,27 @@ class Config:
     def other_backends(self, name: str) -> list[Backend]:
         return [b for n, b in sorted(self.backends.items()) if n != name]
 
+    @property
+    def backend_host(self) -> str:
+        """Where the backends listen, behind the front: loopback, whatever serve.host is."""
+        return BACKEND_HOST
+
+    @property
+    def backend_port(self) -> int:
+        if self.serve.internal_port is not None:
+            return self.serve.internal_port
+        return self.serve.port + 1 if self.serve.port < 65535 else self.serve.port - 1
+
+    @property
+    def slowest_start_s(self) -> float:
+        return max(float(b.start_timeout_s or self.health.start_timeout_s) for b in self.backends.values())
+
+    @property
+    def hold_timeout_s(self) -> float:
+        """serve.hold_timeout_s, or the slowest start plus the smoke completion: a switch's whole wait."""
+        h = self.serve.hold_timeout_s
+        return float(h) if h is not None else self.slowest_start_s + float(self.health.smoke_timeout_s)
+
 
 _RAW_TOP = {"version", "default_backend", "backends", "host", "serve", "paths", "systemd", "health", "bundle",
             "supervision"}
@@ -617,7 +656,26 @@ def resolve_backend_name(cfg: Config, name: str) -> str:
     if len(pref) > 1:
         raise ConfigError(f"backend name {name!r} is ambiguous: it could be {', '.join(pref)}",
                           hint=f"use one of: {choices}")
-    raise ConfigError(f"unknown backend {name!r}", hint=f"the backends are: {choices}")
+    close = did_you_mean(name, backend_names(cfg))
+    raise ConfigError(f"unknown backend {name!r} in {cfg.source_path or 'the config'}",
+                      hint=(f"did you mean {close!r}? " if close else "") + f"the backends are: {choices}")
+
+
+def backend_names(cfg: Config) -> list[str]:
+    """Every name a backend answers to: its name and its aliases (what completion offers)."""
+    return sorted({*cfg.backends, *(a for b in cfg.backends.values() for a in b.aliases)})
+
+
+def did_you_mean(word: str, names: list[str] | tuple[str, ...]) -> str | None:
+    """The one name `word` most likely meant: a close spelling (difflib), else the single name containing it."""
+    close = _close_matches(word, list(names), n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    holding = [n for n in names if word and word.lower() in n.lower()]
+    if len(holding) == 1:
+        return holding[0]
+    close = _close_matches(word, list(names), n=1, cutoff=0.4)
+    return close[0] if close else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -626,24 +684,7 @@ def resolve_backend_name(cfg: Config, name: str) -> str:
 
 def _close_matches(word: str, possibilities: list[str] | tuple[str, ...], n: int = 1,
                    cutoff: float = 0.6) -> list[str]:
-    import difflib  # lazy: only an error needs a did-you-mean, and verify runs before every start
-
     return difflib.get_close_matches(word, possibilities, n=n, cutoff=cutoff)
-
-
-def _fmt(v: Any) -> str:
-    """A value as an error message shows it: short, and true/false/null as YAML spells them."""
-    if v is None or isinstance(v, bool):
-        return {None: "null", True: "true", False: "false"}[v]
-    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
-        return ".nan" if v != v else ".inf" if v > 0 else "-.inf"
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:  # repr of a huge int is slow or refused
-        return f"{'-' if v < 0 else ''}an integer of {int(v.bit_length() * 0.30103) + 1} digits"
-    try:
-        s = repr(v)
-    except (RecursionError, ValueError):
-        return f"a deeply nested {type(v).__name__}"
-    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _type_name(tp: Any) -> str:
@@ -884,7 +925,7 @@ def expand(cfg: Config, path: str) -> str:
 def _check_programs(cfg: Config) -> None:
     """The programs the units run, as expanded: absolute, normalized, without `$`. systemd takes the program
     path of an Exec*= line as it is but substitutes variables in its argv[0], so no escaping of `$` is right
-    for both."""
+    for both. Then the directories the failover and liveness units write (ReadWritePaths=): no quote or backslash."""
     progs = [("paths.deploytool", cfg.paths.deploytool)]
     progs += [(f"backends.{n}.executable", b.executable) if isinstance(b, FtllmBackend)
               else (f"backends.{n}.binary", b.binary) for n, b in sorted(cfg.backends.items())]
@@ -901,6 +942,12 @@ def _check_programs(cfg: Config) -> None:
                               "and the config's directory too)")
         if not e.startswith("/") or e.endswith("/") or "//" in e or posixpath.normpath(e) != e:
             raise ConfigError(f"{key}: {_fmt(e)} is not an absolute, normalized path to a program")
+    for key, d in (("paths.state_dir", cfg.paths.state_dir), ("paths.unit_dir", cfg.paths.unit_dir)):
+        bad = sorted(set(d) & set("\"'\\"))
+        if bad:  # the failover and liveness units' ReadWritePaths= unquote words and read escapes
+            raise ConfigError(f"{key}: {_fmt(d)} contains {', '.join(map(repr, bad))}, which ReadWritePaths= would "
+                              f"read as quoting", hint="use a directory without quotes or backslashes (the "
+                              "config's directory too, when the path is relative)")
 
 
 # Free text that never reaches a unit file, an env file or a message line (a chat-template substitution).
@@ -1002,174 +1049,11 @@ class _ConfigRest:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Reading and parsing: bounded in size, nesting and number length; no anchors, aliases, tags or duplicate keys
+# Reading and parsing: bounded in size here; in nesting, number length, no anchors, aliases, tags or duplicate keys
+# by deploy_tool/yamlread.py
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a real config is a few KB; this bounds the parse to well under a second
-MAX_DEPTH = 16  # the schema nests 5 deep (backends.NAME.speculative.KEY, lists of strings)
-MAX_NODES = 10_000  # keys and values; the two-2080ti example has about 200, and every value costs checks later
-MAX_INT_DIGITS = 100  # far beyond any setting's range, far below Python's int/str conversion limit
-
-_STR_TAG = "tag:yaml.org,2002:str"
-_NULLS = frozenset({"", "~", "null", "Null", "NULL"})
-_BOOLS = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
-# Numbers as YAML 1.2 writes them, kept within what PyYAML's (1.1) resolver reads the same way, so a document
-# written by yaml.safe_dump reads back unchanged. Everything else plain (yes/no/on/off, 0x1F, 0o17, 1_000, 1e3,
-# 12:30, 2026-12-01, +5, 007) is a string, which a number or true/false setting then refuses by its key path.
-_INT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)")
-_FLOAT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)\.[0-9]*(?:[eE][-+][0-9]+)?|\.[0-9]+(?:[eE][-+][0-9]+)?")
-_FLOAT_WORDS = {".inf": float("inf"), ".Inf": float("inf"), ".INF": float("inf"), "-.inf": float("-inf"),
-                "-.Inf": float("-inf"), "-.INF": float("-inf"), ".nan": float("nan"), ".NaN": float("nan"),
-                ".NAN": float("nan")}
-_SIMPLE_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")
-_NO_ALIAS_HINT = "write the value out in full: a deploytool config takes no anchors (&) or aliases (*)"
-
-
-def _join(path: str, key: str) -> str:
-    """The key path of `key` under `path`; an odd key (dots, spaces, control characters) shown quoted."""
-    k = key if _SIMPLE_KEY_RE.fullmatch(key) else f"[{key!r}]"
-    return k if not path else f"{path}{k}" if k.startswith("[") else f"{path}.{k}"
-
-
-def _where(path: str, line: int) -> str:
-    return f"{path} (line {line})" if path else f"line {line}"
-
-
-class _Composer:
-    """Builds plain dicts, lists and scalars straight from the parser's events (libyaml's when PyYAML has it),
-    refusing on the way, with the key path and line, what a config never needs and an attacker would use:
-    aliases and anchors (an alias bomb expands exponentially), tags (!!python/..., !!binary, !!set), nesting
-    deeper than MAX_DEPTH, more than MAX_NODES keys and values, keys that are not strings, duplicate keys (both
-    lines named), more than one document, integers longer than MAX_INT_DIGITS. Scalars resolve by the strict rules
-    above."""
-
-    def __init__(self, text: str, name: str) -> None:
-        import yaml  # lazy: `--version`, `init` and `config-reference` need no parser
-
-        self.yaml = yaml
-        self.E = yaml.events
-        # Only the event parser is used (the C one is ~10x faster); construction is ours.
-        self.loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
-        self.text = text
-        self.name = name
-        self.nodes = 0
-
-    def compose(self) -> Any:
-        try:
-            return self._stream()
-        except self.yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"{self.name}: malformed YAML{where}: {exc.problem or exc.context or exc}",
-                              hint="fix the YAML syntax (indentation, quotes, colons)") from None
-        except self.yaml.reader.ReaderError as exc:
-            ch = chr(exc.character) if isinstance(exc.character, int) else str(exc.character)
-            pos = self.text.find(ch)
-            line = self.text.count("\n", 0, pos) + 1 if pos >= 0 else None
-            raise ConfigError(f"{self.name}: {'line ' + str(line) + ': ' if line else ''}the character "
-                              f"{ch!r} is not allowed in YAML ({exc.reason})",
-                              hint="remove it, or write it as an escape inside double quotes") from None
-        except self.yaml.YAMLError as exc:
-            raise ConfigError(f"{self.name}: malformed YAML: {str(exc).splitlines()[0] if str(exc) else exc}",
-                              hint="fix the YAML syntax") from None
-        finally:
-            self.loader.dispose()
-
-    def _stream(self) -> Any:
-        E, get = self.E, self.loader.get_event
-        get()  # StreamStartEvent
-        if self.loader.check_event(E.StreamEndEvent):
-            return None
-        get()  # DocumentStartEvent
-        value = self._node("", 0)
-        get()  # DocumentEndEvent
-        ev = get()
-        if not isinstance(ev, E.StreamEndEvent):
-            raise ConfigError(f"{self.name}: line {ev.start_mark.line + 1}: a second YAML document; a config is one "
-                              f"document", hint="remove the '---' line and what follows it, or merge the two")
-        return value
-
-    def _refuse_shared(self, ev: Any, path: str, line: int) -> None:
-        if isinstance(ev, self.E.AliasEvent):
-            raise ConfigError(f"{_where(path, line)}: the YAML alias *{ev.anchor} is not accepted", hint=_NO_ALIAS_HINT)
-        if getattr(ev, "anchor", None) is not None:
-            raise ConfigError(f"{_where(path, line)}: the YAML anchor &{ev.anchor} is not accepted",
-                              hint=_NO_ALIAS_HINT)
-
-    def _tag(self, ev: Any, path: str, line: int, plain: str) -> None:
-        if ev.tag not in (None, "!", plain):
-            tag = ev.tag.replace("tag:yaml.org,2002:", "!!")
-            raise ConfigError(f"{_where(path, line)}: the YAML tag {tag} is not accepted",
-                              hint="remove the tag: a config holds plain strings, numbers, true/false, null, lists "
-                                   "and mappings")
-
-    def _node(self, path: str, depth: int) -> Any:
-        E = self.E
-        ev = self.loader.get_event()
-        line = ev.start_mark.line + 1
-        self._refuse_shared(ev, path, line)
-        self.nodes += 1
-        if self.nodes > MAX_NODES:
-            raise ConfigError(f"{_where(path, line)}: the config holds more than {MAX_NODES} keys and values",
-                              hint="a deploytool config holds a few hundred; check that --config names the config")
-        if isinstance(ev, E.ScalarEvent):
-            return self._scalar(ev, path, line)
-        if depth >= MAX_DEPTH:
-            raise ConfigError(f"{_where(path, line)}: nested deeper than {MAX_DEPTH} levels",
-                              hint="a deploytool config nests at most 5 levels; check the indentation")
-        if isinstance(ev, E.SequenceStartEvent):
-            self._tag(ev, path, line, "tag:yaml.org,2002:seq")
-            items: list[Any] = []
-            while not self.loader.check_event(E.SequenceEndEvent):
-                items.append(self._node(f"{path}[{len(items)}]", depth + 1))
-            self.loader.get_event()
-            return items
-        self._tag(ev, path, line, "tag:yaml.org,2002:map")  # a MappingStartEvent: nothing else starts a node
-        out: dict[str, Any] = {}
-        lines: dict[str, int] = {}
-        while not self.loader.check_event(E.MappingEndEvent):
-            kev = self.loader.get_event()
-            kline = kev.start_mark.line + 1
-            self._refuse_shared(kev, path, kline)
-            key = self._scalar(kev, path, kline) if isinstance(kev, E.ScalarEvent) else kev
-            if key == "<<" and kev.implicit[0]:
-                raise ConfigError(f"{_where(path, kline)}: the YAML merge key << is not accepted", hint=_NO_ALIAS_HINT)
-            if not isinstance(key, str):
-                what = ("a list" if isinstance(key, E.SequenceStartEvent) else "a mapping"
-                        if isinstance(key, E.MappingStartEvent) else f"{kev.value!r} (read as {_fmt(key)})")
-                raise ConfigError(f"{_where(path, kline)}: the key {what} is not a string",
-                                  hint="keys are names: quote a key that YAML reads as a number, true/false or null")
-            sub = _join(path, key)
-            if key in lines:
-                raise ConfigError(f"{sub}: duplicate key at lines {lines[key]} and {kline}",
-                                  hint="keep one of the two (YAML would silently take the last)")
-            lines[key] = kline
-            out[key] = self._node(sub, depth + 1)
-        self.loader.get_event()
-        return out
-
-    def _scalar(self, ev: Any, path: str, line: int) -> Any:
-        v = ev.value
-        if ev.tag in ("!", _STR_TAG) or (ev.tag is None and not ev.implicit[0]):  # quoted, block or !!str
-            return v
-        self._tag(ev, path, line, _STR_TAG)  # any other tag
-        if v in _NULLS:
-            return None
-        if v in _BOOLS:
-            return _BOOLS[v]
-        if _INT_RE.fullmatch(v):
-            if len(v) > MAX_INT_DIGITS:
-                raise ConfigError(f"{_where(path, line)}: {v[:12]}... ({len(v.lstrip('-'))} digits) is out of range "
-                                  f"for every setting")
-            return int(v)
-        if _FLOAT_RE.fullmatch(v):
-            return float(v)
-        return _FLOAT_WORDS.get(v, v)
-
-
-def parse_yaml(text: str, *, name: str = "config") -> Any:
-    """The YAML document in `text` as plain dicts, lists and scalars (see _Composer for what is refused)."""
-    return _Composer(text, name).compose()
 
 
 def _too_big(p: Path, size: int | None) -> ConfigError:
@@ -1213,9 +1097,7 @@ def _read(p: Path) -> bytes:
 
 
 def load(path: str | Path) -> Config:
-    """Read (at most MAX_CONFIG_BYTES), parse (parse_yaml) and validate (from_dict) the config file at `path`."""
-    import hashlib  # lazy, like yaml
-
+    """Read (at most MAX_CONFIG_BYTES), parse (yamlread.read) and validate (from_dict) the config file at `path`."""
     p = Path(path)
     data = _read(p)
     try:
@@ -1223,24 +1105,25 @@ def load(path: str | Path) -> Config:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise ConfigError(f"{p}: not UTF-8 text (line {line}, byte {exc.start})", hint="save the file as UTF-8") from None
-    raw = parse_yaml(text, name=str(p))
-    return from_dict(raw, source_path=str(p.resolve()), source_sha256=hashlib.sha256(data).hexdigest())
+    places: dict[str, tuple[int, int]] = {}
+    try:
+        raw = yamlread.read(text, source=str(p), places=places)
+        return from_dict(raw, source_path=str(p.resolve()), source_sha256=hashlib.sha256(data).hexdigest())
+    except ConfigError as exc:
+        raise yamlread.place(exc, str(p), places, text) from None
 
 
 def example_text(name: str) -> str:
     if name not in EXAMPLES:
-        close = _close_matches(name, EXAMPLES, n=1)
+        close = did_you_mean(name, EXAMPLES)
         raise ConfigError(f"unknown example {name!r} (examples: {', '.join(EXAMPLES)})",
-                          hint=f"did you mean {close[0]!r}?" if close else None)
-    from importlib import resources  # lazy: 5 ms of startup for `check` and `--version`
-
+                          hint=f"did you mean {close!r}?" if close else None)
     return resources.files("deploy_tool.examples").joinpath(f"{name}.yaml").read_text("utf-8")
 
 
 def example_companions(name: str) -> dict[str, bytes]:
     """Files that come with an example (requirements.in, a chat template), written beside the config by init."""
     example_text(name)  # validates the name
-    from importlib import resources
 
     d = resources.files("deploy_tool.examples").joinpath(name)
     if not d.is_dir():

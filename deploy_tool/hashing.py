@@ -33,20 +33,19 @@ Limits: changes that bypass the file system (writing the block device, debugfs c
 that do not maintain ctime (some FUSE and network file systems), root setting the clock back to a file's
 exact ctime tick before changing it (root can rewrite the pins as well), a writable shared mmap (mtime and
 ctime move at the first write after writeback, not at every store).
-
-hashlib (5 ms: it loads libcrypto) and concurrent.futures (8 ms) are imported only when something is hashed:
-a fully cached check imports neither.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -82,8 +81,6 @@ def read_buffer() -> tuple[bytearray, memoryview]:
 
 
 def _new() -> Any:
-    import hashlib  # lazy: see the module doc
-
     return hashlib.sha256()
 
 
@@ -357,7 +354,6 @@ def parallel(fn: Callable[[T], R], items: Sequence[T], *, workers: int | None = 
     if w == 1:
         out: dict[int, R] = {i: fn(items[i]) for i in order}
         return [out[i] for i in range(n)]
-    from concurrent.futures import ThreadPoolExecutor  # lazy: see the module doc
 
     with ThreadPoolExecutor(max_workers=w, thread_name_prefix="hash") as pool:
         futs = {i: pool.submit(fn, items[i]) for i in order}

@@ -20,10 +20,10 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import datetime as _dt
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from deploy_tool import keyring
+from deploy_tool.clock import iso_utc
 from deploy_tool.errors import BundleError, InputError, OSFailure
 from deploy_tool.hashing import NotAFile, parallel, sha256_bytes, sha256_file
 from deploy_tool.progress import ByteCounter, ProgressFn
@@ -135,21 +136,35 @@ def is_native_lib(name: str) -> bool:
 
 
 def hash_native_libs(venv_dir: str | os.PathLike[str], *, workers: int | None = None,
-                     progress: ProgressFn | None = None) -> dict[str, str]:
-    """{venv-relative path: sha256} of every regular *.so* file under a venv (symlinks to them are skipped)."""
+                     progress: ProgressFn | None = None,
+                     known: Callable[[os.stat_result], str | None] | None = None) -> dict[str, str]:
+    """{venv-relative path: sha256} of every regular *.so* file under a venv (symlinks to them are skipped).
+    `known(stat)`: the SHA-256 of a file with exactly this stat if it was hashed as it was written (a
+    hashing.HashCache's get_same_file: stat-keyed, racy values refused), so it is not read again; else None."""
     root = Path(venv_dir)
     found: dict[str, Path] = {}
+    have: dict[str, str] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for fn in filenames:
             if not is_native_lib(fn):
                 continue
             p = Path(dirpath, fn)
-            if p.is_symlink() or not p.is_file():
+            try:
+                st = os.lstat(p)
+            except OSError:
                 continue
-            found[p.relative_to(root).as_posix()] = p
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            rel = p.relative_to(root).as_posix()
+            hit = known(st) if known is not None else None
+            if hit is not None:
+                have[rel] = hit
+            else:
+                found[rel] = p
     hashes = hash_files(list(found.values()), workers=workers, progress=progress, phase="native libs")
-    return {rel: hashes[p] for rel, p in sorted(found.items())}
+    have.update((rel, hashes[p]) for rel, p in found.items())
+    return dict(sorted(have.items()))
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -200,10 +215,6 @@ def source_date_epoch(env: Mapping[str, str] | None = None) -> int:
     if value > 253402300799:  # 9999-12-31T23:59:59Z
         raise InputError(f"SOURCE_DATE_EPOCH is out of range: {q(raw)}")
     return value
-
-
-def iso_utc(epoch: int) -> str:
-    return _dt.datetime.fromtimestamp(epoch, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _canonical(obj: Any, *, indent: int | None = 1) -> bytes:

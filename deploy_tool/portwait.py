@@ -12,8 +12,7 @@ beginning only then). A plain `systemctl start` of one backend while the other r
 Then the port: free, go; held by anything (a foreign server, a process this check cannot see), fail at once,
 naming it, so a switch rolls back in a second instead of waiting out a timeout.
 
-Only the standard library on the path of every start: the waits go through deploytool's retry policies
-(deploy_tool.retry, tenacity: ~22 ms to import), imported only when there is something to wait for.
+The waits go through deploytool's retry policies (deploy_tool.retry).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from deploy_tool import procfs, retry
 from deploy_tool.errors import DeployError, ExitCode
 
 
@@ -152,31 +152,13 @@ def unit_pids(units: Iterable[str], proc: str = "/proc", parent: str | None = No
 
 
 def _wait_exit(pids: Iterable[int], timeout: float) -> None:
-    """Until all `pids` have exited or `timeout` passed: one pidfd each, woken by each exit."""
-    import select
-
-    deadline = time.monotonic() + timeout
-    fds: list[int] = []
-    p = select.poll()
+    """Until all `pids` have exited or `timeout` passed: one procfs.ProcessWatch each, woken by each exit."""
+    watches = [procfs.ProcessWatch(pid) for pid in pids]
     try:
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue  # gone already
-            except (AttributeError, OSError):  # no pidfd support: look again shortly
-                time.sleep(0.02)
-                return
-            fds.append(fd)
-            p.register(fd, select.POLLIN)
-        left = len(fds)
-        while left and time.monotonic() < deadline:
-            for fd, _ in p.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                p.unregister(fd)
-                left -= 1
+        procfs.wait_gone(watches, timeout)
     finally:
-        for fd in fds:
-            os.close(fd)
+        for w in watches:
+            w.close()
 
 
 class _StillRunning(Exception):
@@ -196,8 +178,6 @@ def _await_siblings(running: dict[int, str], find: Callable[[], dict[int, str]],
                     say: Callable[[str], None]) -> float:
     """Until `find()` finds no process of the other backends (`running`: what it found first), woken by their
     exits; seconds waited. PortTaken if they still run after `timeout`."""
-    from deploy_tool import retry  # only when waiting (see the module doc)
-
     last = running
     if timeout > 0:
         say(f"waiting for {_who(running)} to exit")
@@ -235,23 +215,22 @@ def await_port(host: str, port: int, *, siblings: Iterable[str], timeout: float 
     if can_bind(host, port):
         return waited or time.monotonic() - t0
     held = holders(listening_inodes(port, proc), proc)
-    if not held:  # a listener closing right now, or one this check cannot see (another PID namespace)
-        from deploy_tool import retry  # only on this rare path (see the module doc)
-
-        if retry.port_recheck()(lambda: can_bind(host, port)):
-            return waited or time.monotonic() - t0
+    # no holder seen: a listener closing right now, or one this check cannot see (another PID namespace)
+    if not held and retry.port_recheck()(lambda: can_bind(host, port)):
+        return waited or time.monotonic() - t0
     who = (", ".join(h.describe() for h in held) if held
            else "a process this check cannot see (not one of this manager's backends)")
     raise PortTaken(f"port {port} is held by {who}; the server cannot bind it",
-                    hint=f"find it with `ss -ltnp 'sport = :{port}'` and stop it, or move serve.port")
+                    hint=f"find it with `ss -ltnp 'sport = :{port}'` and stop it, or move serve.internal_port")
 
 
 def await_for_backend(cfg: Any, b: Any) -> str:
-    """await_port for backend `b` of config `cfg` (serve.host:serve.port, the other backends' units as
-    siblings); returns the line `verify --await-port` prints."""
+    """await_port for backend `b` of config `cfg` (the backends' internal address behind the front, the other
+    backends' units as siblings); returns the line `verify --await-port` prints."""
     lines: list[str] = []
-    waited = await_port(cfg.serve.host, cfg.serve.port, siblings=[o.unit for o in cfg.other_backends(b.name)],
+    port = cfg.backend_port
+    waited = await_port(cfg.backend_host, port, siblings=[o.unit for o in cfg.other_backends(b.name)],
                         say=lines.append)
     if lines:
-        return f"{lines[0]}: done after {waited:.2f}s; port {cfg.serve.port}: free"
-    return f"port {cfg.serve.port}: free"
+        return f"{lines[0]}: done after {waited:.2f}s; port {port}: free"
+    return f"port {port}: free"

@@ -1,4 +1,5 @@
-"""Progress bars on stderr for long byte-counting work (hashing, archiving, extracting).
+"""Progress on stderr: bars for long byte-counting work (hashing, archiving, extracting), and a line for every
+wait over 2 s (see `waiting`).
 
 Library code never prints: it takes an optional `progress` callback `(phase, done, total) -> None` with byte
 counts. The CLI makes one with `progress_for(json_mode=...)`, which returns None (no bar) when stderr is not a
@@ -64,6 +65,8 @@ class ProgressBar:
             self.stream.write(line)
             self.stream.flush()
             self._drawn = not finished
+            global _bar_drawn_at
+            _bar_drawn_at = now  # a wait's line keeps off the bar's
 
     def close(self) -> None:
         with self._lock:
@@ -108,3 +111,119 @@ class ByteCounter:
             self.done += n
             done = self.done
         self.progress(self.phase, done, self.total)
+
+
+# ---------------------------------------------------------------------------------------------------------- waits
+#
+# A wait (pip's downloads, packing, unpacking, pinning, the health gate, the readiness wait) shows one line on the
+# terminal once it has lasted WAIT_SHOW_AFTER_S: what is awaited, the time so far and the limit, redrawn every
+# WAIT_INTERVAL_S, erased when the wait ends. Library code only says what it waits for (`with waiting(...)`); the
+# CLI turns the line on (`enable_waits`) when stderr is a terminal and the output is not JSON. Nothing is drawn
+# otherwise: not under systemd (the units' ExecStartPre/Post), not in a pipe, not with --json.
+
+WAIT_SHOW_AFTER_S = 2.0
+WAIT_INTERVAL_S = 0.5
+
+_wait_stream: TextIO | None = None
+_wait_enabled: Callable[[], bool] = lambda: False  # noqa: E731
+_wait_lock = threading.Lock()
+_wait_stack: list[Wait] = []
+_bar_drawn_at = 0.0  # when a ProgressBar last drew: a wait's line stays off it for a second
+
+
+def enable_waits(stream: TextIO | None = None, *, when: Callable[[], bool] = lambda: True) -> None:
+    """Show waits on `stream` (default stderr) when it is a terminal and `when()` holds as each wait starts (the
+    CLI passes `not --json`, which may be given after the command name)."""
+    global _wait_stream, _wait_enabled
+    _wait_stream = stream if stream is not None else sys.stderr
+    _wait_enabled = when
+
+
+def disable_waits() -> None:
+    global _wait_stream, _wait_enabled
+    _wait_stream = None
+    _wait_enabled = lambda: False  # noqa: E731
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.0f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+class Wait:
+    """One wait's line (see `waiting`); `note(text)` adds what it is at (an attempt, a state) to the line."""
+
+    def __init__(self, what: str, limit: float | None, stream: TextIO | None, *,
+                 show_after: float = WAIT_SHOW_AFTER_S, interval: float = WAIT_INTERVAL_S) -> None:
+        self.what = what
+        self.limit = limit
+        self.stream = stream
+        self.show_after = show_after
+        self.interval = interval
+        self.start = time.monotonic()
+        self.detail = ""
+        self.drawn = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def note(self, detail: str) -> None:
+        self.detail = detail
+
+    def line(self, now: float | None = None) -> str:
+        elapsed = (now if now is not None else time.monotonic()) - self.start
+        limit = f" (limit {_fmt_s(self.limit)})" if self.limit else ""
+        detail = f": {self.detail}" if self.detail else ""
+        return f"waiting for {self.what}{detail}: {_fmt_s(elapsed)}{limit}"
+
+    def _draw(self) -> None:
+        if self.stream is None:
+            return
+        with _wait_lock:
+            if _wait_stack and _wait_stack[-1] is not self:
+                return  # an inner wait draws
+            if time.monotonic() - _bar_drawn_at < 1.0:
+                return  # a byte-counting bar shows this wait's progress already
+            self.stream.write("\r\x1b[K" + self.line())
+            self.stream.flush()
+            self.drawn = True
+
+    def _run(self) -> None:
+        if self._stop.wait(self.show_after):
+            return
+        while True:
+            self._draw()
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> Wait:
+        if self.stream is not None:
+            with _wait_lock:
+                _wait_stack.append(self)
+            self._thread = threading.Thread(target=self._run, name="progress-wait", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.stream is not None:
+            with _wait_lock:
+                if self in _wait_stack:
+                    _wait_stack.remove(self)
+                if self.drawn:
+                    self.stream.write("\r\x1b[K")
+                    self.stream.flush()
+                    self.drawn = False
+
+
+def waiting(what: str, *, limit: float | None = None) -> Wait:
+    """`with waiting("the health gate of llamacpp-tensor", limit=900):` shows, after 2 s on a terminal,
+    `waiting for the health gate of llamacpp-tensor: 14s (limit 15m00s)`; elsewhere it does nothing."""
+    stream = _wait_stream
+    if stream is not None:
+        try:
+            if not (_wait_enabled() and stream.isatty()):
+                stream = None
+        except (AttributeError, ValueError):
+            stream = None
+    return Wait(what, limit, stream)

@@ -1,8 +1,8 @@
 """Config -> unit files and env files, through strict Jinja2 templates, and the resolved config a bundle
 carries (config.json). Pure: no I/O but reading templates.
 
-jinja2 (~25 ms to import) is imported when a template is rendered: the ExecStartPre verify of every backend
-start imports this module for its paths and placeholders, and renders nothing.
+jinja2 is imported when a template is rendered: the ExecStartPre verify imports this module for its paths and
+placeholders, renders nothing, and must not depend on jinja2.
 
 The launch lines are built here as argv lists (one option beside its value), then quoted for systemd's
 ExecStart= syntax; environment values are quoted for EnvironmentFile= syntax. Output is deterministic: the
@@ -33,6 +33,7 @@ from deploy_tool.config import (
     ALLOW_KEYWORDS,
     BACKEND_NAME_RE,
     BUNDLED_ENV_LAUNCHER_DIR,
+    BUNDLED_FRONT,
     BUNDLED_FTLLM_LAUNCHER,
     BUNDLED_NCCL,
     BUNDLED_TEMPLATE,
@@ -298,7 +299,7 @@ def ftllm_argv(cfg: Config, b: FtllmBackend) -> list[Arg]:
         argv += ["--think", "true" if b.think else "false"]
     if b.use_bundle_chat_template:
         argv += ["--chat_template", f"{cfg.paths.current}/{BUNDLED_TEMPLATE}"]
-    argv += ["--host", cfg.serve.host, "--port", str(cfg.serve.port)]
+    argv += ["--host", cfg.backend_host, "--port", str(cfg.backend_port)]
     return argv + list(b.extra_args)
 
 
@@ -328,7 +329,7 @@ def llamacpp_argv(cfg: Config, b: LlamacppBackend) -> list[Arg]:
         argv += ["--device", llama_devices(cfg, b)]
     if "--metrics" not in b.extra_args:  # its own Prometheus metrics at /metrics on the serving port
         argv += ["--metrics"]
-    argv += ["--host", cfg.serve.host, "--port", str(cfg.serve.port)]
+    argv += ["--host", cfg.backend_host, "--port", str(cfg.backend_port)]
     if cfg.serve.api_key_file:
         argv += ["--api-key-file", Credential(API_KEY_FILE)]
     return argv + list(b.extra_args)
@@ -464,7 +465,8 @@ def render_backend(cfg: Config, b: Backend) -> list[RenderedFile]:
                    if b.device == "cuda" and cfg.host.gpu_group else None),
         api_key_file=(unit_path(f"{cfg.paths.env_dir}/{API_KEY_FILE}", "paths.env_dir")
                       if cfg.serve.api_key_file else None),
-        ip_allow=ip_allow(cfg),
+        # behind the front, on loopback: nothing but this machine reaches a backend (the clients' list is the front's)
+        ip_allow=Escaped("localhost"),
         netlink=b.device == "cuda",
         gpus=[int(g) for g in cfg.host.gpus] if b.device == "cuda" else [],
         timeout_start=int(b.start_timeout_s or cfg.health.start_timeout_s),
@@ -492,7 +494,7 @@ def render_failover(cfg: Config) -> RenderedFile:
                # %i: the instance, i.e. the failed backend's name (a backend name needs no unescaping)
                exec_start=Escaped(exec_line(failover_argv(cfg), "paths.deploytool (failover unit)") + " --from %i"),
                timeout_start=slowest + int(cfg.health.smoke_timeout_s) + 300,
-               state_dir=unit_path(cfg.paths.state_dir, "paths.state_dir"))
+               state_dir=rw_path(cfg.paths.state_dir, "paths.state_dir"))
     return RenderedFile(FAILOVER_TEMPLATE, "unit", _render("failover.service.j2", **ctx), 0o644)
 
 
@@ -503,13 +505,14 @@ def liveness_argv(cfg: Config) -> list[Arg]:
     return tool_argv(cfg, "liveness", "--watch")
 
 
-def _rw_path(value: str, key: str) -> Escaped:
-    """A path of ReadWritePaths= (a list split at white space; quotes would be taken as quoting): no space or
-    quote in it."""
-    if any(c in value for c in " \t\"'"):
-        raise _refuse(key, value, "contains a space or a quote, which the liveness unit's ReadWritePaths= cannot "
-                                  "carry")
-    return unit_path(value, key)
+def rw_path(value: str, key: str, *, missing_ok: bool = False) -> Escaped:
+    """One word of ReadWritePaths= (a list split at white space, each word unquoted: systemd.exec(5)): the path
+    (with `-`, ignored where it does not exist, when `missing_ok`) in double quotes where it holds white space,
+    specifiers escaped; a quote or a backslash in the path is refused (either would be read as quoting)."""
+    if any(c in value for c in "\"'"):
+        raise _refuse(key, value, "contains a quote, which ReadWritePaths= would read as quoting")
+    word = ("-" if missing_ok else "") + unit_path(value, key)
+    return Escaped(f'"{word}"' if any(c.isspace() for c in word) else word)
 
 
 def render_liveness(cfg: Config) -> list[RenderedFile]:
@@ -518,7 +521,8 @@ def render_liveness(cfg: Config) -> list[RenderedFile]:
     lc = cfg.supervision.liveness
     doc = file_url(cfg.paths.config, "paths.config")
     version = unit_text(__version__, "version")
-    rw = [_rw_path(cfg.paths.state_dir, "paths.state_dir"), _rw_path(cfg.paths.unit_dir, "paths.unit_dir")]
+    rw = [rw_path(cfg.paths.state_dir, "paths.state_dir", missing_ok=True),
+          rw_path(cfg.paths.unit_dir, "paths.unit_dir", missing_ok=True)]
     host = cfg.serve.host
     allow = [Escaped(host)] if host not in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::") \
         and re.fullmatch(r"[0-9a-fA-F.:]+", host) else []
@@ -528,12 +532,49 @@ def render_liveness(cfg: Config) -> list[RenderedFile]:
     return [RenderedFile(LIVENESS_UNIT, "unit", svc, 0o644)]
 
 
+FRONT_SOCKET = "deploytool-front.socket"
+FRONT_SERVICE = "deploytool-front.service"
+FRONT_UNITS = (FRONT_SOCKET, FRONT_SERVICE)
+FRONT_RUNTIME_DIR = "deploytool-front"
+FRONT_CONTROL = f"/run/{FRONT_RUNTIME_DIR}/control"  # box/frontctl.py CONTROL, the same path
+
+
+def listen_address(host: str, port: int) -> str:
+    """ListenStream= of serve.host and serve.port (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def front_argv(cfg: Config) -> list[Arg]:
+    """The front's ExecStart=: the box's Python, isolated and without site, on the release's launch/front.py."""
+    return [cfg.bundle.python, "-I", "-S", f"{cfg.paths.current}/{BUNDLED_FRONT}",
+            "--backend", f"{cfg.backend_host}:{cfg.backend_port}", "--hold", f"{cfg.hold_timeout_s:g}",
+            "--control", FRONT_CONTROL]
+
+
+def render_front(cfg: Config) -> list[RenderedFile]:
+    """The front's socket and service: the public port (serve.host:serve.port), which systemd keeps open, and the
+    process that passes requests to the active backend and holds them while none is ready (box/front.py)."""
+    version = unit_text(__version__, "version")
+    doc = file_url(cfg.paths.config, "paths.config")
+    listen = unit_text(listen_address(cfg.serve.host, cfg.serve.port), "serve.host")
+    sock = _render("front.socket.j2", version=version, unit=Escaped(FRONT_SOCKET), documentation=doc,
+                   listen=listen, ip_allow=ip_allow(cfg))
+    svc = _render("front.service.j2", version=version, unit=Escaped(FRONT_SERVICE), documentation=doc,
+                  listen=listen, socket=Escaped(FRONT_SOCKET),
+                  backend=Escaped(f"{cfg.backend_host}:{cfg.backend_port}"),
+                  hold=Escaped(f"{cfg.hold_timeout_s:g}"),
+                  exec_start=exec_line(front_argv(cfg), "bundle.python (the front's ExecStart=)"),
+                  control=Escaped(FRONT_CONTROL), runtime_dir=Escaped(FRONT_RUNTIME_DIR))
+    return [RenderedFile(FRONT_SOCKET, "unit", sock, 0o644), RenderedFile(FRONT_SERVICE, "unit", svc, 0o644)]
+
+
 def render_all(cfg: Config) -> list[RenderedFile]:
-    """Every unit and env file for every backend, the liveness probe's unit, and the failover unit when failover
-    is on; sorted by name."""
+    """Every unit and env file for every backend, the front's socket and service, the liveness probe's unit, and
+    the failover unit when failover is on; sorted by name."""
     out: list[RenderedFile] = []
     for name in sorted(cfg.backends):
         out += render_backend(cfg, cfg.backends[name])
+    out += render_front(cfg)
     out += render_liveness(cfg)
     if cfg.supervision.failover.enabled:
         out.append(render_failover(cfg))

@@ -105,12 +105,15 @@ def _record_hash(data: bytes) -> str:
 
 
 def _fix_records(venv: Path, changed: dict[Path, bytes]) -> None:
+    names = {p.name for p in changed}
     for record in sorted(venv.glob("lib/python*/site-packages/*.dist-info/RECORD")):
         site = record.parent.parent
         rows = list(csv.reader(io.StringIO(record.read_text("utf-8"))))
         dirty = False
         for row in rows:
-            if len(row) != 3:
+            # only a row named like a rewritten file can be one: resolving every row (a path lookup per component)
+            # was most of an unpack's relocation
+            if len(row) != 3 or row[0].rpartition("/")[2] not in names:
                 continue
             target = (site / row[0]).resolve()
             if target in changed:

@@ -27,6 +27,7 @@ import click
 
 import deploy_tool
 from deploy_tool import checks, config, errors
+from deploy_tool import proc as _proc  # noqa: F401  (its CommandFailed counts among the exit codes, whatever imports it)
 from deploy_tool.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,18 +73,19 @@ def _options_table(cmd: click.Command, ctx: click.Context, skip_shared: bool) ->
     return ["| option | meaning |", "|---|---|", *rows, ""]
 
 
-def _walk(cmd: click.Command, ctx: click.Context) -> Iterator[tuple[click.Command, click.Context]]:
+def walk(cmd: click.Command, ctx: click.Context) -> Iterator[tuple[click.Command, click.Context]]:
+    """Every visible command under `cmd`, with its context, depth first (also the man page's order)."""
     yield cmd, ctx
     if isinstance(cmd, click.Group):
         for name in cmd.list_commands(ctx):
             sub = cmd.get_command(ctx, name)
             if sub is not None and not sub.hidden:
-                yield from _walk(sub, click.Context(sub, info_name=name, parent=ctx))
+                yield from walk(sub, click.Context(sub, info_name=name, parent=ctx))
 
 
 def cli_page() -> str:
     root = click.Context(cli_main, info_name="deploytool")
-    cmds = list(_walk(cli_main, root))
+    cmds = list(walk(cli_main, root))
     lines = [HEADER.format(src="the click command tree, deploy_tool.cli.main"), "", "# Command-line reference", "",
              "Every command of `deploytool`, as its `--help` says it. The global options of `deploytool` are also "
              "accepted after any subcommand (`deploytool status --json` is `deploytool --json status`).", ""]

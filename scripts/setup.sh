@@ -107,4 +107,16 @@ if ! cmp -s tests/support/fleet/requirements.txt "$SANITY_HOME/primed" \
   rm -f "$log"
   cp tests/support/fleet/requirements.txt "$SANITY_HOME/primed"
 fi
+# promtool, Prometheus's own checker of the metrics file (tests/test_metrics.py): Debian's prometheus package holds
+# it; only the binary is unpacked into .cache/promtool (installing the package would set up a Prometheus server)
+PROMTOOL=.cache/promtool/promtool
+if [ ! -x "$PROMTOOL" ]; then
+  echo "setup: unpacking promtool from Debian's prometheus package into .cache/promtool"
+  tmp=$(mktemp -d)
+  if ! { (cd "$tmp" && apt-get download -qq prometheus) && dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"; } >/dev/null 2>&1
+  then
+    rm -rf "$tmp"; echo "setup: could not download Debian's prometheus package for promtool" >&2; exit 1
+  fi
+  mkdir -p .cache/promtool && mv "$tmp/x/usr/bin/promtool" "$PROMTOOL" && rm -rf "$tmp"
+fi
 echo "setup: done"

@@ -1,5 +1,12 @@
 """Shared fixtures, the per-file timing summary, and how `make test` groups tests for its xdist workers."""
 
+import os
+
+# deploytool's journal events (deploy_tool.box.journal) never reach this machine's own journal from a test run on
+# a systemd box: in-process tests send nowhere; the CLI as a child (tests/support/demo_box.dt) writes into its
+# sandbox's journald as on a box
+os.environ.setdefault("DEPLOYTOOL_JOURNAL_SOCKET", "")
+
 from tests.support.e2e import demo, installed  # noqa: E402,F401
 from tests.support.groups import pytest_collection_modifyitems  # noqa: E402,F401
 from tests.support.sandbox import *  # noqa: F401,F403

@@ -18,6 +18,21 @@ from deploy_tool.errors import BundleError, InputError
 from tests.support.bundles import make_venv_tree, member, snapshot, write_members
 
 
+@pytest.fixture(scope="module", autouse=True, params=["tools", "python"])
+def unpack_path(request: pytest.FixtureRequest):
+    """Every test twice: extraction through the system's zstd and GNU tar (checked here, written there), and
+    through the Python writer (a box without them, DEPLOYTOOL_UNPACK=python)."""
+    if request.param == "tools" and archive.unpack_tools() is None:
+        pytest.skip("no zstd or GNU tar on this machine")
+    old = os.environ.get(archive.UNPACK_ENV)
+    os.environ[archive.UNPACK_ENV] = "system" if request.param == "tools" else "python"
+    yield request.param
+    if old is None:
+        os.environ.pop(archive.UNPACK_ENV, None)
+    else:
+        os.environ[archive.UNPACK_ENV] = old
+
+
 def _tree_listing(root: Path) -> dict[str, tuple]:
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):

@@ -183,7 +183,11 @@ CASES: list[Case] = [
     ("tp-visible", "two-2080ti", [(f"{FT}.env", {"FASTLLM_CUDA_GRAPH": "0", "CUDA_VISIBLE_DEVICES": "0"})],
      "device-tp-gpus", "error", ["--tp 2 needs 2 GPUs", "CUDA_VISIBLE_DEVICES='0' leaves 1"]),
     ("extra-port", "cpu-demo", [(f"{LL}.extra_args", ["--port", "9000"])], "extra-args-override", "error",
-     ["--port", "18082", "listen on 9000", "only last value will be used"]),
+     ["--port", "18083", "listen on 9000", "only last value will be used"]),
+    ("front-port-clash", "cpu-demo", [("serve.internal_port", 18082)], "front-port-clash", "error",
+     ["serve.internal_port is 18082", "which is serve.port"]),
+    ("front-hold-short", "cpu-demo", [("serve.hold_timeout_s", 5)], "front-hold-too-short", "error",
+     ["serve.hold_timeout_s is 5 s", "clients would get 503"]),
     ("extra-model-name", "cpu-demo", [(f"{FT}.extra_args", ["--model_name=other"])], "extra-args-override", "error",
      ["--model_name=other", "answer to 'other'"]),
     ("threads", "cpu-demo", [(f"{FT}.threads", 4096)], "threads-beyond-cores", "warning", ["-t 4096", "15 s"]),
@@ -227,6 +231,22 @@ def test_check_fires_on_its_bad_case(case: Case, tmp_path: Path, cpu_demo_files:
     for piece in evidence:
         assert piece in f.message, f"{piece!r} not in {f.message!r}"
     assert f.fix and f.source == next(c.source for c in checks.CATALOG if c.id == id_)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_checks_of_one_backend_find_what_the_whole_run_finds_of_it(case: Case, tmp_path: Path,
+                                                                   cpu_demo_files: Path) -> None:
+    """A switch's preflight runs the checks of its target only (`backends=`): on every bad case, for each
+    backend, that finds exactly the findings of the whole run that name that backend or none (the box's)."""
+    _name, example, changes, _id, _sev, _ev = case
+    data = example_dict(example)
+    for k, v in changes:
+        set_key(data, k, v)
+    cfg = load_dict(cpu_demo_files, data)
+    whole = checks.run_checks(cfg, on_box=False)
+    for name in cfg.backends:
+        mine = checks.run_checks(cfg, on_box=False, backends=[name])
+        assert [f for f in mine if f.backend in (None, name)] == [f for f in whole if f.backend in (None, name)]
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLE_FINDINGS))

@@ -194,7 +194,7 @@ def test_real_llama_server_default_verbosity_has_no_buffer_lines(tmp_path: Path)
     """The real llama-server at its default verbosity logs n_ctx_slot but no 'KV buffer size' line: the capacity
     read-back reports the context it runs at and says 'could not determine' for the buffers, the GPU check is
     'unknown'; with -lv 4 (the check's fix) the buffer lines are there and both are decided."""
-    from deploy_tool.box.health import wait_ready
+    from deploy_tool.box.probe.health import wait_ready
     from deploy_tool.box.runtime import OK, UNKNOWN, capacity_truth, detect_cpu_fallback
     from tests.support import backends
     from tests.support.tiny_model import write_model

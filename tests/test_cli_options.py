@@ -1,4 +1,4 @@
-"""Every global option (--config, --json, --dry-run, --verbose, --debug) is accepted after every subcommand of
+"""Every global option (--config, --json, --dry-run, --verbose, --debug, --color) is accepted after every subcommand of
 the click group too, found by walking the group (a new command or a new global option is covered without
 editing this file), and means the same as before the command."""
 
@@ -37,6 +37,8 @@ def _value_args(opt: click.Option) -> tuple[list[str], Any]:
     """Arguments that give `opt` a non-default value, and the value the Ctx field must then hold."""
     if opt.is_flag:
         return [], True
+    if isinstance(opt.type, click.Choice):  # --color
+        return ["never"], "never"
     return ["elsewhere.yaml"], Path("elsewhere.yaml")
 
 
@@ -132,9 +134,16 @@ def test_pass_through_command_keeps_its_commands_options() -> None:
     assert obj.json and ctx.params["cmd"] == ("systemctl", "status")
 
 
-def test_command_short_option_wins_over_a_global_short_name() -> None:
-    """history's own -n (--limit) stays its own; --dry-run still works there by its long name."""
-    obj, ctx = _parse(("history",), ["-n", "3"])
-    assert ctx.params["limit"] == 3 and not obj.dry_run
-    obj, _ = _parse(("history",), ["--dry-run"])
-    assert obj.dry_run
+def test_one_meaning_per_short_option() -> None:
+    """A short option means one thing in every command: -n is --dry-run in history too (its --limit is -l, as
+    logs' --limit/--lines), and no command gives a global short name (-c, -n, -v) to an option of its own."""
+    obj, ctx = _parse(("history",), ["-n", "-l", "3"])
+    assert ctx.params["limit"] == 3 and obj.dry_run
+    meaning: dict[str, set[str]] = {}
+    for _path, cmd in [((), main), *COMMANDS]:
+        for p in cmd.params:
+            if isinstance(p, click.Option):
+                for o in p.opts:
+                    if not o.startswith("--"):
+                        meaning.setdefault(o, set()).add(next((x for x in p.opts if x.startswith("--")), o))
+    assert {o: m for o, m in meaning.items() if len(m) > 1} == {}

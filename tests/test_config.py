@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy_tool import checks, config, render
+from deploy_tool import checks, config, render, yamlread
 from deploy_tool.cli import main
 from deploy_tool.errors import ConfigError, DeployError, ExitCode, InputError
 from tests.support.configs import example_dict
@@ -38,13 +39,13 @@ def _b(extra: str) -> str:
 # (case id, YAML text, exact error line, exact hint or None, exit code)
 BAD: list[tuple[str, str, str, str | None, int]] = [
     ("malformed-flow", "version: 1\nbackends:\n  a: [1, 2\n",
-     "{p}: malformed YAML at line 4, column 1: did not find expected ',' or ']'",
+     "{p}:4:1: malformed YAML: did not find expected ',' or ']'",
      "fix the YAML syntax (indentation, quotes, colons)", 3),
     ("malformed-tab", "version: 1\n\tbackends: {}\n",
-     "{p}: malformed YAML at line 2, column 1: found a tab character that violates indentation",
+     "{p}:2:1: malformed YAML: found a tab character that violates indentation",
      "fix the YAML syntax (indentation, quotes, colons)", 3),
     ("malformed-colon", "version: 1\nbackends: a: b\n",
-     "{p}: malformed YAML at line 2, column 12: mapping values are not allowed in this context",
+     "{p}:2:12: malformed YAML: mapping values are not allowed in this context",
      "fix the YAML syntax (indentation, quotes, colons)", 3),
     ("top-level-list", "- 1\n- 2\n", "the config must be a YAML mapping at the top level, not list",
      "start from `deploytool init --example cpu-demo`", 3),
@@ -56,7 +57,7 @@ BAD: list[tuple[str, str, str, str | None, int]] = [
     ("wrong-type-list", _b("    aliases: ftllm\n"), "backends.a.aliases: 'ftllm' is not a list (expected a list of "
      "a string)", None, 3),
     ("wrong-type-mapping", MIN + "serve: 8082\n", "serve: 8082 is not a mapping (expected keys: host, port, "
-     "model_name, api_key_file, user, allow)", None, 3),
+     "internal_port, hold_timeout_s, model_name, api_key_file, user, allow)", None, 3),
     ("unknown-key", _b("    tokenz: 5\n"), "backends.a: unknown key 'tokenz'", "did you mean 'tokens'?", 3),
     ("unknown-key-nested", _b("    speculative:\n      num_draft_token: 8\n"),
      "backends.a.speculative: unknown key 'num_draft_token'", "did you mean 'num_draft_tokens'?", 3),
@@ -129,7 +130,7 @@ BAD: list[tuple[str, str, str, str | None, int]] = [
      "keys are names: quote a key that YAML reads as a number, true/false or null", 3),
     ("key-list", _b("    env:\n      ? [a]\n      : x\n"), "backends.a.env (line 8): the key a list is not a string",
      "keys are names: quote a key that YAML reads as a number, true/false or null", 3),
-    ("second-document", MIN + "---\nversion: 1\n", "{p}: line 7: a second YAML document; a config is one document",
+    ("second-document", MIN + "---\nversion: 1\n", "{p}:7:1: a second YAML document; a config is one document",
      "remove the '---' line and what follows it, or merge the two", 3),
     ("huge-int", _b("    tp: " + "9" * 5000 + "\n"),
      "backends.a.tp (line 7): 999999999999... (5000 digits) is out of range for every setting", None, 3),
@@ -168,9 +169,87 @@ BAD: list[tuple[str, str, str, str | None, int]] = [
      "serve" + "[0]" * 15 + " (line 7): nested deeper than 16 levels",
      "a deploytool config nests at most 5 levels; check the indentation", 3),
     ("control-char", MIN + "serve:\n  model_name: a\x07b\n",
-     "{p}: line 8: the character '\\x07' is not allowed in YAML (control characters are not allowed)",
+     "{p}:8:16: the character '\\x07' is not allowed in YAML (control characters are not allowed)",
      "remove it, or write it as an escape inside double quotes", 3),
 ]
+
+# where each error points, FILE:LINE:COLUMN (the key it names; a missing key's mapping); a case not listed names
+# its file only (no key to point at) or its place in the message itself (malformed YAML)
+LOCATION: dict[str, str] = {
+    'top-level-list': '1:1',
+    'wrong-type-int': '7:5',
+    'wrong-type-bool': '7:5',
+    'wrong-type-list': '7:5',
+    'wrong-type-mapping': '7:1',
+    'unknown-key': '7:5',
+    'unknown-key-nested': '8:7',
+    'unknown-top': '7:1',
+    'missing-model': '4:3',
+    'missing-version': '1:1',
+    'bad-version': '1:1',
+    'missing-backends': '1:1',
+    'bad-port-range': '8:3',
+    'bad-port-zero': '8:3',
+    'bad-port-type': '8:3',
+    'bad-backend-name': '4:3',
+    'bad-kind': '5:5',
+    'unknown-default': '2:1',
+    'unknown-default-close': '2:1',
+    'duplicate-alias': '11:5',
+    'alias-shadows-backend': '7:5',
+    'env-name': '7:5',
+    'env-newline': '8:7',
+    'env-nul': '8:7',
+    'ratio': '7:5',
+    'ratio-nan': '7:5',
+    'kv-dtype': '7:5',
+    'split-mode': '7:5',
+    'compute-capability': '8:3',
+    'placeholder': '7:5',
+    'duplicate-key': '8:5',
+    'duplicate-top': '7:1',
+    'duplicate-backend': '7:3',
+    'alias': '7:5',
+    'alias-only': '7:5',
+    'merge-key': '7:5',
+    'tag-python': '7:5',
+    'tag-int': '7:5',
+    'tag-set': '7:5',
+    'str-tag-ok-but-not-int': '7:5',
+    'key-int': '8:7',
+    'key-null': '8:7',
+    'key-list': '8:7',
+    'huge-int': '7:5',
+    'huge-float-int': '7:5',
+    'big-int-to-float': '7:5',
+    'timeout-zero': '8:3',
+    'timeout-e': '7:5',
+    'timeout-inf': '7:5',
+    'bool-yes': '7:5',
+    'bool-on': '7:5',
+    'bool-for-int': '7:5',
+    'hex-int': '8:3',
+    'octal-int': '8:3',
+    'underscore-int': '8:3',
+    'sexagesimal': '8:3',
+    'float-for-int': '7:5',
+    'float-for-string': '8:3',
+    'bool-for-string': '8:3',
+    'version-float': '1:1',
+    'gpu-id': '8:13',
+    'gpu-twice': '8:16',
+    'threads-zero': '7:5',
+    'ctx-huge': '7:5',
+    'nested': '7:23',
+}
+
+
+def _located(case_id: str, line: str) -> str:
+    """The error as the CLI prints it: `FILE:LINE:COL: key: message` (the composer's ' (line N)' folded in)."""
+    if line.startswith("{p}"):
+        return line
+    loc = LOCATION.get(case_id)
+    return f"{{p}}:{loc}: " + re.sub(r" \(line \d+\)", "", line, count=1) if loc else "{p}: " + line
 
 
 def _run(args: list[str], cwd: Path) -> Any:
@@ -182,7 +261,8 @@ def _run(args: list[str], cwd: Path) -> Any:
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
 def test_bad_config_exact_message_through_cli(case: tuple[str, str, str, str | None, int], tmp_path: Path) -> None:
     """`render --out` on a bad config: the exact one-line error and hint, its exit code, no traceback, no output."""
-    _name, text, line, hint, code = case
+    name, text, line, hint, code = case
+    line = _located(name, line)
     p = tmp_path / "deploytool.yaml"
     p.write_text(text)
     out = tmp_path / "out"
@@ -204,8 +284,9 @@ def test_bad_config_json_error(tmp_path: Path) -> None:
     p.write_text(_b("    tokenz: 5\n"))
     r = CliRunner().invoke(main, ["--json", "--config", str(p), "check"])
     assert r.exit_code == 3
-    assert json.loads(r.stdout) == {"error": "ConfigError", "message": "backends.a: unknown key 'tokenz'",
-                                    "hint": "did you mean 'tokens'?", "exit_code": 3}
+    assert json.loads(r.stdout) == {"error": "ConfigError", "message": f"{p}:7:5: backends.a: unknown key 'tokenz'",
+                                    "hint": "did you mean 'tokens'?", "exit_code": 3,
+                                    "details": {"file": str(p), "line": 7, "column": 5, "key": "backends.a.tokenz"}}
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "not-utf8", "unreadable"])
@@ -255,11 +336,11 @@ def test_init_refuses_to_overwrite(tmp_path: Path) -> None:
 
 
 def test_unknown_example(tmp_path: Path) -> None:
-    """An unknown example name is one error with a did-you-mean, exit 3, nothing written."""
+    """An unknown example name is a usage error (exit 2) with a did-you-mean, nothing written."""
     r = CliRunner().invoke(main, ["init", "--example", "cpu-dem", "--out", str(tmp_path / "x.yaml")])
-    assert r.exit_code == 3
-    assert r.stderr == ("error: unknown example 'cpu-dem' (examples: two-2080ti, cpu-demo)\n"
-                        "hint: did you mean 'cpu-demo'?\n")
+    assert r.exit_code == 2
+    assert r.stderr.endswith("Error: Invalid value for '--example' / '-e': unknown example 'cpu-dem' (examples: "
+                             "two-2080ti, cpu-demo); did you mean 'cpu-demo'?\n")
     assert not list(tmp_path.iterdir())
 
 
@@ -388,7 +469,7 @@ def test_fuzz_mutated_examples(raw: Any) -> None:
 def test_fuzz_yaml_text(text: str) -> None:
     """Any YAML-ish text: parse_yaml + from_dict give a Config or a ConfigError, never another exception."""
     try:
-        raw = config.parse_yaml(text)
+        raw = yamlread.read(text)
     except ConfigError:
         return
     _exercise(raw)

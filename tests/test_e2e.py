@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy_tool import config
 from deploy_tool.errors import DeployError
 from tests.support.e2e import DT, REPO, dt  # noqa: F401  (fixtures demo, installed: tests/conftest.py)
 
@@ -154,7 +155,13 @@ def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     assert r.returncode == 0, r.stdout + r.stderr
     # the target's start overlaps the current's stop, but its server execs only once ftllm is gone: the
     # manager's own record orders "Stopped ftllm-dflash" before "Started llamacpp-tensor" (Type=exec: after exec)
-    stamps = _manager_stamps(systemd_sandbox, since)
+    # (the switch returns once its gate passed; the manager logs "Started" when the unit's own ExecStartPost
+    # readiness wait ends, which on a loaded machine may come a moment later)
+    for _ in range(60):
+        stamps = _manager_stamps(systemd_sandbox, since)
+        if "Started llamacpp-tensor.service" in stamps:
+            break
+        time.sleep(0.5)
     assert stamps["Stopped ftllm-dflash.service"] <= stamps["Started llamacpp-tensor.service"], stamps
     assert stamps["Starting llamacpp-tensor.service"] < stamps["Stopped ftllm-dflash.service"], stamps  # overlap
     # the gate checks each backend against its own libraries: no warnings about the other backend's libraries,
@@ -176,6 +183,39 @@ def test_switch_and_back_keeps_port_and_model_name(installed, systemd_sandbox):
     _status_names_the_boot_enabled(installed, systemd_sandbox, "ftllm-dflash")
     r = dt(installed, "switch", "ftllm")
     assert r.returncode == 0 and "already active" in r.stdout
+
+
+def test_logs_shows_a_switchs_events_and_the_backends_lines(installed, systemd_sandbox):
+    """A switch journals its start, steps and result under SYSLOG_IDENTIFIER=deploytool into the sandbox's real
+    journald; `deploytool logs` shows them interleaved with the new backend's own lines (and the named backend's
+    on request)."""
+    since = int(time.time()) - 1
+    r = dt(installed, "switch", "llamacpp", "--reason", "logs e2e")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = dt(installed, "logs", "--since", f"@{since}", "-l", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "switch: start switch to llamacpp (logs e2e)" in r.stdout, r.stdout[-3000:]
+    r = dt(installed, "logs", "--json", "--since", f"@{since}", "-l", "0")
+    assert r.returncode == 0, r.stderr
+    entries = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    ours = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "deploytool" and e.get("DEPLOYTOOL_OPERATION") == "switch"]
+    # this switch's own events (--since has whole seconds: the test before may have switched within that second)
+    ours = ours[max(i for i, e in enumerate(ours) if e["DEPLOYTOOL_PHASE"] == "start"):]
+    phases = [e["DEPLOYTOOL_PHASE"] for e in ours]
+    assert phases[0] == "start" and "step" in phases and phases[-1] == "result", phases
+    assert ours[-1]["DEPLOYTOOL_OK"] == "1" and ours[-1]["DEPLOYTOOL_BACKEND"] == "llamacpp-tensor"
+    unit_lines = [e for e in entries if e.get("_SYSTEMD_UNIT") == "llamacpp-tensor.service"]
+    assert unit_lines, "the active backend's own lines are missing"
+    assert any(e.get("UNIT") == "llamacpp-tensor.service" and e.get("_PID") == "1" for e in entries)  # "Started"
+    # another unit's own lines are not shown: only its deploytool lines (its ExecStartPre `deploytool verify`
+    # writes under the identifier deploytool too)
+    assert all(e.get("SYSLOG_IDENTIFIER") == "deploytool" for e in entries
+               if e.get("_SYSTEMD_UNIT") == "ftllm-dflash.service")
+    r = dt(installed, "logs", "ftllm", "--no-events", "--json", "--since", f"@{since}", "-l", "0")
+    named = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert r.returncode == 0 and named and not any("DEPLOYTOOL_OPERATION" in e for e in named)  # no events
+    assert {e.get("UNIT") if e.get("_PID") == "1" else e.get("_SYSTEMD_UNIT") for e in named} == {
+        "ftllm-dflash.service"}  # its own lines, and systemd's (init.scope) about it
 
 
 def test_status_exit_code_and_metrics_follow_the_box(installed, systemd_sandbox):
@@ -335,9 +375,10 @@ def test_switch_wrong_model_name_rolls_back(installed, systemd_sandbox):
 
 
 def test_switch_port_taken_by_foreign_process_rolls_back(installed, systemd_sandbox):
-    """A foreign process on the port after the current backend stops: rolled back, reason names the port."""
+    """A foreign process on the backends' port after the current backend stops: rolled back, reason names the
+    port."""
     # A foreign listener we control: it binds the port the moment ftllm releases it.
-    port = yaml.safe_load(installed.read_text())["serve"]["port"]
+    port = config.load(installed).backend_port
     squatter = subprocess.Popen(
         [sys.executable, "-c", "import socket,sys,time\n"
          "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
@@ -366,7 +407,7 @@ def test_switch_port_taken_by_foreign_process_rolls_back(installed, systemd_sand
 def test_unit_with_its_port_held_by_a_foreign_process_refuses_to_start(installed, systemd_sandbox):
     """The units' ExecStartPre (verify --await-port): a foreign listener on the port fails the start at once,
     before the server runs, naming the port; then the CLI brings ftllm back."""
-    port = yaml.safe_load(installed.read_text())["serve"]["port"]
+    port = config.load(installed).backend_port
     sd = systemd_sandbox.systemd
     sd.stop("ftllm-dflash.service")
     squatter = subprocess.Popen(

@@ -21,7 +21,17 @@ from deploy_tool.box.failover import decide, last_gate_passed, stopped_by_a_job
 from deploy_tool.box.state import State
 from deploy_tool.errors import DeployError, ExitCode
 from tests.support import fake_systemd as fs
-from tests.test_state_machine import FU, LU, Box, F, L, Outcome, assert_settled, no_real_sleep
+from tests.test_state_machine import (
+    FU,
+    LU,
+    Box,
+    F,
+    L,
+    Outcome,
+    assert_settled,
+    changes_within_touches,
+    no_real_sleep,
+)
 
 
 @pytest.fixture
@@ -47,7 +57,8 @@ def failover(box: Box, name: str, *, kill: str | None = None, dry_run: bool = Fa
     if kill:
         os.environ["DEPLOYTOOL_FAULT"] = f"kill:{kill}"
     try:
-        res = operations.failover(box.cfg, name, dry_run=dry_run, log=box.log.append, sd=box.world.systemd())
+        res = operations.failover(box.cfg, name, dry_run=dry_run, log=box.log.append, sd=box.world.systemd(),
+                                  preflight=box.check)
     except fs.Killed as exc:
         return Outcome("killed", killed=str(exc))
     except DeployError as exc:
@@ -90,9 +101,17 @@ def test_crash_loop_after_a_committed_switch_fails_over(box: Box) -> None:
     failed_at = crash_loop(box, LU)
     # systemd gave up after StartLimitBurst=3 starts (the switch's and two restarts), RestartSec=10 apart
     assert box.world.units[LU].n_restarts == 2
+    n_front, n_calls = len(box.front.log), len(box.world.calls)
     out = failover(box, L)
     assert out.action == "failed-over", (out, box.log)
     assert_settled(box)
+    # the requests that waited through the crash loop are held from the fallback's start until it passed its gate
+    # (they go to it after its smoke test, not into it)
+    log = box.front.log[n_front:]
+    assert [c for c, _ in log if c != "stats"] == ["hold", "release"], log
+    start_at = next(i for i, c in enumerate(box.world.calls) if i >= n_calls and c.method == "start"
+                    and c.args[0] == FU)
+    assert next(n for c, n in log if c == "hold") <= start_at < next(n for c, n in log if c == "release"), log
     st = box.state()
     assert (st["active_backend"], st["previous_backend"]) == (F, L)
     assert box.world.now - failed_at < 1  # the fallback is ready at once here: nothing but its start and gate
@@ -235,6 +254,21 @@ def test_the_window_is_configurable() -> None:
     assert decide(replace(cfg, supervision=replace(cfg.supervision, failover=replace(
         cfg.supervision.failover, enabled=False))), st, f, [], now=1061.0) == (
         None, "failover is off (supervision.failover.enabled: false)")
+
+
+@pytest.mark.parametrize("then", ["ok", "never-ready"])
+def test_a_failover_changes_only_what_its_plan_says_each_step_touches(box: Box, then: str) -> None:
+    """The failover's --dry-run plan names what each step touches; running it changes nothing else (the gate
+    enables the fallback and disables the failed backend, a failed fallback's step gives the boot back)."""
+    switched_to_l(box, fs.DIES_LOADING)
+    box.world.script(FU, fs.BEHAVIOURS[then])
+    crash_loop(box, LU)
+    plan = failover(box, L, dry_run=True)
+    assert plan.action == "planned", plan
+    n = len(box.world.calls)
+    failover(box, L)
+    seen = changes_within_touches(box, plan.result.steps, n)
+    assert {"starting-target", "gate"} | ({"rolling-back"} if then != "ok" else set()) <= seen, seen
 
 
 # ------------------------------------------------------------------------------------------------ the fallback fails

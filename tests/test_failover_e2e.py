@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.clients import client_loop
 from tests.support.e2e import dt
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
@@ -156,17 +157,24 @@ def test_crash_loop_after_a_committed_switch_fails_over(installed, systemd_sandb
     r = dt(cfg, "switch", "llamacpp")
     assert r.returncode == 0, r.stdout + r.stderr
     n, n_all = len(failovers(cfg, L)), len(failovers(cfg))
-    failed_at = crash_loop(env, LU)
-    serving_at = wait_for(lambda: serves(cfg), 120, "ftllm serving after the failover")
+    # a client of the public port all along: its requests wait at the front through the crash loop and the
+    # failover, and every one is answered (tests/test_held_port_e2e.py has the switches and a single crash)
+    with client_loop(cfg, models_every=0.25, chat_every=1.0) as loop:
+        failed_at = crash_loop(env, LU)
+        serving_at = wait_for(lambda: serves(cfg), 120, "ftllm serving after the failover")
     took = serving_at - failed_at
-    print(f"failover: {took:.2f} s from {L} failing for good to {F} answering")
+    print(f"failover: {took:.2f} s from {L} failing for good to {F} answering; clients: {loop.summary()}")
+    assert not loop.failed and len(loop.seen) > 20, loop.summary()
     assert took < FAILOVER_BOUND_S, took
     wait_for(lambda: len(failovers(cfg, L)) > n, 30, "the failover event")
     e = failovers(cfg, L)[-1]
-    assert (e["result"], e["from_backend"], e["to_backend"]) == ("ok", L, F), e
+    # on a failure, its error line first (the event's repr cuts it short) and its outcome
+    assert (e["result"], e["from_backend"], e["to_backend"]) == ("ok", L, F), \
+        (e.get("error"), e.get("outcome"), e.get("reason"))
     assert len(failovers(cfg)) == n_all + 1  # no other failover unit ran (the fallback was never refused)
     assert e["reason"].startswith(f"failover: {LU} failed for good")
     assert "Start request repeated too quickly" in e["journal_tail"], e["journal_tail"]
+    assert e["clients"]["failed"] == 0, e["clients"]  # what the clients saw while it ran, counted by the front
     st = state(cfg)
     assert (st["active_backend"], st["previous_backend"], st["operation"]) == (F, L, None)
     assert active_units(env) == {FU}

@@ -613,7 +613,10 @@ def _sandbox_tree(template: Path, env, port: int) -> rt.Tree:
         data["paths"]["unit_dir"] = str(env.unit_dir)
         data["paths"]["config"] = "inside.yaml"
         data["paths"]["deploytool"] = str(Path(sys.executable).parent / "deploytool")
-        data["serve"]["port"] = port
+        data["serve"]["internal_port"] = port  # the backends' own port, which the unit's server binds
+        from tests.support.sandbox import free_port
+
+        data["serve"]["port"] = free_port()  # the front's (not started here)
         data["backends"] = {f"fpt-{k}": v for k, v in data["backends"].items()}
         data["backends"]["fpt-ftllm-dflash"]["aliases"] = ["fpt-ftllm"]
         data["backends"]["fpt-llamacpp-tensor"]["aliases"] = ["fpt-llamacpp"]
@@ -730,64 +733,46 @@ def test_systemd_refuses_real_llama_server_start_and_starts_it_when_restored(tem
         shutil.rmtree(tree.root.parent, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------------- the fast entry
+# ------------------------------------------------------------------------------------------- the console entry
 
 
-def _norm(text: str) -> str:
-    return re.sub(r"\[\d+\.\d+ s, \d+ of \d+ files from cache\]", "[timing]", text)
+def entry(tree: rt.Tree, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deploy_tool", *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
 
 
-def entry(tree: rt.Tree, *args: str, fast: bool) -> subprocess.CompletedProcess[str]:
-    prog = ["-c", "from deploy_tool.entry import main; main()"] if fast else ["-m", "deploy_tool"]
-    return subprocess.run([sys.executable, *prog, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
-
-
-def test_fast_entry_answers_exactly_like_the_click_command(tree: rt.Tree) -> None:
-    """deploy_tool.entry's click-free verify gives the same stdout, stderr and exit code in every outcome."""
+def test_console_entry_exit_codes_of_verify(tree: rt.Tree) -> None:
+    """verify as the units' ExecStartPre runs it (stdout not a terminal): its exit code in every outcome, an error
+    on stderr as one line plus a hint; --json and pin on the same entry."""
     cfgp = str(tree.config_path)
     broken = tree.root / "broken.yaml"
     broken.write_text("version: 1\nbackends: [\n")
 
-    def same(*args: str) -> int:
-        a, b = entry(tree, *args, fast=True), entry(tree, *args, fast=False)
-        assert (a.returncode, _norm(a.stdout), a.stderr) == (b.returncode, _norm(b.stdout), b.stderr), (a, b)
-        return a.returncode
+    def code(*args: str) -> int:
+        r = entry(tree, *args)
+        assert r.returncode == 0 or r.stderr.startswith("error: "), r
+        return r.returncode
 
-    assert same("--config", cfgp, "verify", FT) == 13  # not pinned
+    assert code("--config", cfgp, "verify", FT) == 13  # not pinned
     fp.pin(tree.cfg, FT, "install")
-    assert same("--config", cfgp, "verify", FT) == 0
-    assert same("-c", cfgp, "verify", "ftllm", "--no-cache") == 0
+    assert code("--config", cfgp, "verify", FT) == 0
+    assert code("-c", cfgp, "verify", "ftllm", "--no-cache") == 0
     # --await-port (the units' ExecStartPre): the served port held by a process that is no backend unit, this
-    # test itself, fails at once (exit 9) with the holder named, the same on both paths
+    # test itself, fails at once (exit 9) with the holder named
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         with contextlib.suppress(OSError):  # if something else has it, it is held all the same
-            s.bind((tree.cfg.serve.host, tree.cfg.serve.port))
+            s.bind((tree.cfg.backend_host, tree.cfg.backend_port))
             s.listen()
-        assert same("--config", cfgp, "verify", FT, "--await-port") == 9
-        assert same("--config", cfgp, "verify", FT, "--no-cache", "--await-port") == 9
-    assert same("--config", cfgp, "verify", FT, "--await-port") in (0, 9)  # 0 unless another program holds it
-    flip_byte(tree.site_packages / "ftllm/libfastllm_tools.so", 2222)
-    assert same(f"--config={cfgp}", "verify", FT) == 7
-    assert same("--config", cfgp, "verify", "nosuch") == 3
-    assert same("--config", str(broken), "verify", FT) == 3
-    assert same("--config", str(tree.root / "absent.yaml"), "verify", FT) == 5
-
-
-def test_fast_entry_skips_click_and_hands_everything_else_to_click(tree: rt.Tree) -> None:
-    """verify through the fast entry loads no click; other command lines (pin, --json) still work through click."""
-    fp.pin(tree.cfg, FT, "install")
-    time.sleep(fp.CACHE_RACY_MARGIN_S)  # the first verify's hashes of the fresh tree are then not racy
-    code = ("import sys\n"
-            f"sys.argv = ['deploytool', '--config', {str(tree.config_path)!r}, 'verify', {FT!r}]\n"
-            "from deploy_tool.entry import main\n"
-            "try:\n"
-            "    main()\n"
-            "except SystemExit as e:\n"
-            "    print('EXIT', e.code, 'click' in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.stdout.strip().splitlines()[-1] == "EXIT 0 False", r.stdout + r.stderr
-    js = entry(tree, "--config", str(tree.config_path), "verify", FT, "--json", fast=True)
+        assert code("--config", cfgp, "verify", FT, "--await-port") == 9
+        assert code("--config", cfgp, "verify", FT, "--no-cache", "--await-port") == 9
+    assert code("--config", cfgp, "verify", FT, "--await-port") in (0, 9)  # 0 unless another program holds it
+    js = entry(tree, "--config", cfgp, "verify", FT, "--json")
     assert js.returncode == 0 and json.loads(js.stdout)["ok"] is True
-    p = entry(tree, "--config", str(tree.config_path), "pin", FT, "--reason", "again", fast=True)
+    p = entry(tree, "--config", cfgp, "pin", FT, "--reason", "again")
     assert p.returncode == 0 and "nothing changed since the last pin" in p.stdout
+    flip_byte(tree.site_packages / "ftllm/libfastllm_tools.so", 2222)
+    assert code(f"--config={cfgp}", "verify", FT) == 7
+    assert code("--config", cfgp, "verify", "nosuch") == 3
+    assert code("--config", str(broken), "verify", FT) == 3
+    assert code("--config", str(tree.root / "absent.yaml"), "verify", FT) == 5

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_tool.box.health import (
+from deploy_tool.box.probe.health import (
     REASONS,
     ReadyReport,
     UnitSnapshot,
@@ -196,6 +196,19 @@ def test_ftllm_refused_then_models_listing(canned: Canned, clock: FakeClock) -> 
     canned.on("GET", "/v1/models", lambda s: (200, models("tiny")))
     report = wait_ready("ftllm", canned.url, "tiny", timeout=1.0, interval=0.25, clock=clock, sleep=clock.sleep)
     assert report.attempts == 1 and canned.hits.get("/health") is None  # ftllm has no /health: never asked
+
+
+def test_one_look_waits_for_a_slow_answer(canned: Canned) -> None:
+    """timeout=0 (status's look) asks once and gives each request its request_timeout: a box whose server answers
+    in 0.3 s under load is serving, not down."""
+    canned.on("GET", "/health", lambda s: (200, {"status": "ok"}))
+    canned.on("GET", "/v1/models", lambda s: (200, models("tiny")))
+    canned.delay = 0.3
+    r = wait_ready("llamacpp", canned.url, "tiny", timeout=0, request_timeout=2.0)
+    assert r.attempts == 1 and r.served_models == ("tiny",)
+    canned.delay = 1.0
+    with pytest.raises(HealthError):
+        wait_ready("llamacpp", canned.url, "tiny", timeout=0, request_timeout=0.2)
 
 
 def test_wrong_model_fails_at_once(canned: Canned, clock: FakeClock) -> None:

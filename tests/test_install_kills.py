@@ -123,7 +123,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> Bundles:
     data = example_dict("cpu-demo")
     set_key(data, "systemd.sandbox", DELETE)
     set_key(data, "paths.unit_dir", str(d / "units"))
-    set_key(data, "serve.port", free_port())
+    set_key(data, "serve.internal_port", free_port())
     set_key(data, "bundle.tool_wheels_dir", "tool-wheels")
     set_key(data, "health.start_timeout_s", 10)  # virtual seconds
     set_key(data, "health.interval_s", 0.5)
@@ -300,7 +300,7 @@ def _rid(bundle: Path) -> str:
 def _chat(bx: Box) -> dict[str, Any]:
     body = json.dumps({"model": bx.cfg.serve.model_name, "messages": [{"role": "user", "content": "hi"}],
                        "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{bx.cfg.serve.port}/v1/chat/completions", data=body,
+    req = urllib.request.Request(f"http://127.0.0.1:{bx.cfg.backend_port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
@@ -373,6 +373,7 @@ def test_fresh_box_kill_then_install_again_completes(box: Box, step: str) -> Non
     assert st["operation"] is None and st["release"] == _rid(box.b.a) and st["active_backend"] == F
     assert box.release_entries() == [_rid(box.b.a)] and box.current_release() == _rid(box.b.a)
     assert _serving(box) == {FU} and box.world.enabled() == {FU}
+    assert box.world.front()["deploytool-front.socket"] == ("active", True)  # the public port is held
     assert _chat(box)["choices"][0]["message"]["content"]
     assert box.verify(F).ok and box.verify(L).ok
     events = [(e["event"], e.get("ok"), e.get("interrupted")) for e in box.history() if e["event"] != "pin"]

@@ -1,10 +1,12 @@
 """The house points one way: every import inside deploy_tool (module level or inside a function) goes from a
 higher room to a lower one, never back up, and no modules import each other in a circle.
 
-    cli/, entry, __main__      the commands                                    (top)
+    cli/, __main__             the commands                                    (top)
     rehearsal/                 the sandboxed systemd, benchmark runs, charts
     box/ | builder/            what runs on the box | on the build machine     (side by side: neither imports
                                                                                the other)
+    box/probe/                 the probes of a running backend: the rest of box/ uses them; what they use of
+                               box/ never uses them back
     deploy_tool/*.py           shared by both sides: config, render, checks, bundle, hashing, ...   (bottom)
 """
 
@@ -21,7 +23,7 @@ def room(module: str) -> str:
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in ("box", "builder", "rehearsal", "cli"):
         return parts[1]
-    if len(parts) > 1 and parts[1] in ("entry", "__main__"):
+    if len(parts) > 1 and parts[1] == "__main__":
         return "cli"
     return "shared"
 
@@ -90,6 +92,32 @@ def test_no_circles() -> None:
 
 
 def test_every_room_is_a_package_with_a_doc() -> None:
-    for name in ("box", "builder", "rehearsal"):
+    for name in ("box", "box/probe", "builder", "rehearsal"):
         init = PKG / name / "__init__.py"
         assert init.is_file() and ast.get_docstring(ast.parse(init.read_text())), name
+
+
+PROBE = "deploy_tool.box.probe"
+
+
+def test_the_probe_wing_and_the_rest_of_box_do_not_meet_in_a_circle() -> None:
+    """What box/probe/ imports from the rest of box/ (runtime, fingerprint, systemd, state, ...) never leads back
+    into box/probe/: the wing sits below the operations that use it."""
+    g = graph()
+
+    def inside(m: str) -> bool:
+        return m == PROBE or m.startswith(PROBE + ".")
+
+    bad = []
+    for m in sorted(x for x in g if inside(x)):
+        for d in sorted(x for x in g[m] if room(x) == "box" and not inside(x)):
+            todo, seen = [d], {d}
+            while todo:
+                cur = todo.pop()
+                for nxt in g[cur]:
+                    if inside(nxt):
+                        bad.append(f"{m} imports {d}, which leads back to {nxt} (through {cur})")
+                    elif nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+    assert not bad, "\n".join(bad)

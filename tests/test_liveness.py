@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from deploy_tool import procfs
-from deploy_tool.box import drain, liveness
-from deploy_tool.box.liveness import LiveState, Observation, decide
+from deploy_tool.box.probe import drain, liveness
+from deploy_tool.box.probe.liveness import LiveState, Observation, decide
 from deploy_tool.cli import main
 from deploy_tool.config import LivenessCfg
 from tests.support import fake_systemd as fs
@@ -56,14 +56,37 @@ def test_k_failures_in_a_row_restart_and_an_answer_resets_the_count() -> None:
 
 
 def test_busy_is_not_hung_but_busy_without_cpu_is() -> None:
-    """No answer with a request in flight: busy while the server uses CPU (never restarted, however long); the
+    """No answer with a request in flight: busy while the server uses CPU (not restarted within busy_max_s); the
     same with no CPU used (a stopped or deadlocked server with a client waiting) counts."""
     acts, st = run(LC, [obs(in_flight=1, cpu=True)] * 20)
-    assert set(acts) == {"busy"} and st.failures == 0 and st.busy
+    assert set(acts) == {"busy"} and st.failures == 0 and st.busy and st.busy_since == 1000.0
     acts, _ = run(LC, [obs(in_flight=1, cpu=None)] * 5)  # CPU accounting off: the connections decide
     assert set(acts) == {"busy"}
     acts, _ = run(LC, [obs(in_flight=2, cpu=False)] * 3)
     assert acts == ["failure", "failure", "restart"]
+
+
+@pytest.mark.parametrize("bound", [0.0, 30.0, 95.0, 900.0])
+def test_a_busy_streak_is_bounded(bound: float) -> None:
+    """Busy for ever (a host thread spinning on a hung kernel uses CPU): past busy_max_s in a row each tick fails,
+    `failures` of them restart it; the streak's start survives the failures; an answer ends the streak, and a
+    later streak has the whole bound again. 0: no bound."""
+    cfg = dataclasses.replace(LC, busy_max_s=bound)
+    acts, st = run(cfg, [obs(in_flight=1, cpu=True)] * 20)  # ticks at 0, 10, ... 190 s
+    if not bound or bound > 190:
+        assert set(acts) == {"busy"} and st.busy_since == 1000.0
+        return
+    first_fail = next(i for i in range(20) if i * 10 >= bound)
+    assert acts[:first_fail] == ["busy"] * first_fail
+    assert acts[first_fail:first_fail + 3] == ["failure", "failure", "restart"], acts
+    v = decide(cfg, START_S, LiveState(backend=F, invocation="i1", seen_ready=True, busy_since=1000.0),
+               obs(in_flight=1, cpu=True), 1000.0 + bound)
+    assert v.action == "failure" and f"busy for {bound:.0f}s without answering a probe" in v.detail, v
+    # an answer ends the streak: the next one starts from its own first tick
+    acts, st = run(cfg, [obs(in_flight=1, cpu=True)] * (first_fail - 1) + [obs(True)] +
+                   [obs(in_flight=1, cpu=True)] * (first_fail - 1))
+    assert acts == ["busy"] * (first_fail - 1) + ["ok"] + ["busy"] * (first_fail - 1), acts
+    assert st.busy_since == 1000.0 + first_fail * 10
 
 
 def test_a_start_never_seen_ready_has_its_start_timeout() -> None:
@@ -154,7 +177,7 @@ def client(box: Box) -> Iterator[Any]:
     made: list[Client] = []
 
     def make() -> Client:
-        made.append(Client(box.cfg.serve.port))
+        made.append(Client(box.cfg.backend_port))
         return made[-1]
 
     yield make
@@ -273,7 +296,7 @@ def test_liveness_cli_off_and_dry_run(tmp_path: Path) -> None:
 
 def test_connections_are_counted_from_proc_without_our_own(box: Box, client: Any) -> None:
     box.installed(F)
-    port = box.cfg.serve.port
+    port = box.cfg.backend_port
     assert drain.in_flight(box.cfg) == 0
     box.serves()  # this process's own request: not counted (nor left behind)
     c = client()
@@ -362,3 +385,37 @@ def test_cli_drain_options(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "contradict" in r.output, r.output
     r = CliRunner().invoke(main, ["--config", str(cfg), "switch", "llamacpp", "--drain-timeout", "-1"])
     assert r.exit_code == 2 and "--drain-timeout" in r.output, r.output
+
+
+def test_a_hung_servers_backlog_is_not_its_work() -> None:
+    """A server that accepts nothing (stopped, hung): the connections the front keeps opening to it wait in its
+    listen backlog. They count for a drain (each is a request), not as the server's work for the liveness probe,
+    which would otherwise call a hung server busy for as long as clients keep trying; one it accepted counts."""
+    import socket
+    import subprocess
+    import sys
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    port = srv.getsockname()[1]
+    # the clients in another process (a connection of this process's own is never counted)
+    code = ("import socket, sys, time\n"
+            f"cs = [socket.create_connection(('127.0.0.1', {port})) for _ in range(3)]\n"
+            "print('up', flush=True); sys.stdin.readline()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        assert procfs.connections_in(port) == 3
+        assert procfs.connections_in(port, accepted=True) == 0
+        a, _ = srv.accept()
+        try:
+            assert procfs.connections_in(port, accepted=True) == 1 and procfs.connections_in(port) == 3
+        finally:
+            a.close()
+    finally:
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.close()
+        p.wait(10)
+        srv.close()

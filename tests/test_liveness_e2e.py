@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.clients import client_loop
 from tests.support.e2e import dt
 from tests.test_e2e import _manager_stamps, chat, history, state
 
@@ -113,9 +114,14 @@ def test_a_stream_in_flight_completes_then_the_switch_proceeds(installed, system
     assert r.returncode == 0, r.stdout + r.stderr
     assert s.done and s.finish == "length" and not s.error, (s.chunks, s.finish, s.error)
     h = [e for e in history(installed) if e["event"] == "switch"][-1]
-    assert h["ok"] and h["drain"]["outcome"] == "drained" and h["drain"]["in_flight"] >= 1, h
-    assert h["drain"]["waited_s"] > 0
-    assert "request(s) in flight" in r.stderr, r.stderr
+    # the stream goes through the front, which reads the backend's answer as it comes: with a slow reader
+    # (READ_DELAY) the backend may have sent its last byte, into the front's buffer, before the drain looks, and
+    # then finds nothing in flight on its port; the stream completes from the front all the same (asserted above)
+    assert h["ok"] and h["drain"]["outcome"] in ("drained", "idle"), h
+    if h["drain"]["outcome"] == "drained" or not s.read_delay:
+        assert h["drain"]["outcome"] == "drained" and h["drain"]["in_flight"] >= 1, h
+        assert h["drain"]["waited_s"] > 0
+        assert "request(s) in flight" in r.stderr, r.stderr
     stop = _manager_stamps(env, since)[f"Stopping {frm}.service"] / 1e6
     if not s.read_delay:  # the manager stopped the backend only after the stream's last byte
         assert stop >= s.ended - 0.05, (stop, s.ended)
@@ -146,9 +152,9 @@ def _events(cfg: Path, since: str) -> list[dict[str, Any]]:
 
 
 def _now_iso() -> str:
-    from deploy_tool.box.state import now_iso
+    from deploy_tool.clock import iso_utc
 
-    return now_iso()
+    return iso_utc(micro=True)
 
 
 def test_a_stopped_server_is_restarted_by_the_liveness_probe(installed, systemd_sandbox):
@@ -161,6 +167,11 @@ def test_a_stopped_server_is_restarted_by_the_liveness_probe(installed, systemd_
     before = env.systemd.show(FU)
     mark = _now_iso()
     env.systemd.kill(FU, "SIGSTOP", who="main")
+    # a client from the moment the server hangs: its requests wait at the front (the stopped server's backlog
+    # takes the front's tries and answers none) until the restarted server answers them. Started after the stop:
+    # a request the server had accepted just before it counts as its work while the unit's CPU time still grows
+    # (the probe's `busy`), which would keep the probe from restarting it (a race this test does not pose)
+    loop = client_loop(installed, models_every=0.25, chat_every=1.0).start()
     try:
         t0 = time.monotonic()
         deadline = t0 + 150
@@ -193,7 +204,14 @@ def test_a_stopped_server_is_restarted_by_the_liveness_probe(installed, systemd_
                     pass
             time.sleep(0.5)
         after = env.systemd.show(FU)
-        print(f"SIGSTOP to the restart: {restarted:.1f} s; to serving again: {time.monotonic() - t0:.1f} s")
+        loop.stop()
+        print(f"SIGSTOP to the restart: {restarted:.1f} s; to serving again: {time.monotonic() - t0:.1f} s; "
+              f"clients: {loop.summary()}")
+        # the stopped server took the front's tries into its backlog and never answered them; the kill closed
+        # them unanswered, the front tried again, and the restarted server answered every one
+        # (each of the loop's two clients waits on its request: a few requests, each held through the hang)
+        assert not loop.failed and len(loop.seen) >= 2, loop.summary()
+        assert max(x.seconds for x in loop.seen) > 5, loop.summary()  # held through the hang, then answered
         assert after.n_restarts == before.n_restarts + 1 and after.main_pid != before.main_pid
         assert chat(installed)["choices"][0]["message"]["content"]
         assert state(installed)["active_backend"] == "ftllm-dflash"
@@ -201,6 +219,7 @@ def test_a_stopped_server_is_restarted_by_the_liveness_probe(installed, systemd_
         st = env.systemd.show(FU)
         if st.main_pid == before.main_pid:  # the test failed before the restart: let it run again
             env.systemd.kill(FU, "SIGCONT", who="main")
+        loop.stop()
 
 
 def _failover_in_the_window(cfg: Path) -> None:

@@ -225,6 +225,45 @@ def test_metrics_follow_state_and_history(tmp_path: Path) -> None:
     assert value(fams, "last_gate_success") == 1
 
 
+PROMTOOL = Path(__file__).resolve().parents[1] / ".cache" / "promtool" / "promtool"
+
+
+def test_what_clients_saw_per_operation_and_the_front_counters(tmp_path: Path) -> None:
+    """The clients' figures of each operation's history event add up per kind of operation; the front's own
+    counters come from status; events without them (before the front) count nothing; and Prometheus's own
+    checker, promtool (Debian's prometheus package, unpacked by make setup), finds nothing to say."""
+    cfg = _cfg(tmp_path)
+    store = Store(cfg.paths.state_dir)
+    store.record("install", ok=True, release="r1", backend=F, action="started")  # no front yet: no clients
+    store.record("switch", ok=True, from_backend=F, to_backend=L, outcome="switched",
+                 clients={"requests": 40, "waited": 6, "failed": 0, "held_s": 1.25, "wait_max_s": 1.3})
+    store.record("switch", ok=False, from_backend=L, to_backend=F, outcome="rolled-back",
+                 clients={"requests": 70, "waited": 20, "failed": 2, "held_s": 3.5, "wait_max_s": 3.6})
+    store.record("failover", ok=True, from_backend=L, to_backend=F,
+                 clients={"requests": 9, "waited": 9, "failed": 0, "held_s": 0.0, "wait_max_s": 12.0})
+    rep = {**_rep(), "front": {"installed": True, "socket": "active",
+                               "counters": {"requests": 500, "waited": 35, "failed": 2, "held_s": 4.75}}}
+    text = metrics.render(cfg, rep, store.history())
+    fams = parse(text)
+    assert value(fams, "operation_held_seconds_total", operation="switch") == 4.75
+    assert value(fams, "operation_requests_waited_total", operation="switch") == 26
+    assert value(fams, "operation_requests_failed_total", operation="switch") == 2
+    assert value(fams, "operation_requests_failed_total", operation="failover") == 0
+    assert ("operation", "install") not in {k for s in fams["deploytool_operation_held_seconds_total"]["samples"]
+                                            for k in s}
+    assert value(fams, "front_requests_total") == 500 and value(fams, "front_requests_failed_total") == 2
+    assert value(fams, "front_held_seconds_total") == 4.75
+    # before any front or operation with clients: none of these families
+    bare = parse(metrics.render(cfg, _rep(), []))
+    assert not any(n.startswith(("deploytool_front_", "deploytool_operation_held", "deploytool_operation_requests"))
+                   for n in bare), sorted(bare)
+    import subprocess
+
+    assert PROMTOOL.is_file(), f"{PROMTOOL} is missing: run `make setup`"
+    r = subprocess.run([str(PROMTOOL), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
+
+
 def test_an_explicit_gate_field_wins() -> None:
     assert metrics.gate_result({"event": "failover", "ok": False, "gate": True}) is True
     assert metrics.gate_result({"event": "failover", "ok": False, "outcome": "refused"}) is None
@@ -343,6 +382,28 @@ def test_switch_rollback_and_recover_rewrite_the_metrics(box: Box) -> None:
     assert value(fams, "active_backend", backend=L) == 1 and value(fams, "last_gate_success") == 0
     out = box.run("recover")
     assert Path(box.cfg.paths.metrics_file).exists() and value(_prom(box), "operation_pending") == 0
+
+
+def test_metrics_after_a_switch_come_from_the_switch_itself(box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch and a rollback write the metrics from what they learned (the gate that passed, the fingerprints
+    the preflight verified, the drift the file said for the other backend), not from a second status."""
+    from deploy_tool.box import status
+
+    box.installed(F)
+    assert box.run("switch", L).action == "switched"  # a first file, from the switch
+    collected: list[str] = []
+    monkeypatch.setattr(status, "collect", lambda *a, **k: collected.append("collect") or {})
+    assert box.run("switch", F).action == "switched"
+    fams = _prom(box)
+    assert value(fams, "active_backend", backend=F) == 1 and value(fams, "serving") == 1
+    assert value(fams, "status_code") == 0
+    assert value(fams, "drift", backend=F) == 0 and value(fams, "drift", backend=L) == 0
+    box.world.script(f"{L}.service", fs.NEVER_READY)
+    assert box.run("rollback").code == 10  # rolled back to F
+    fams = _prom(box)
+    assert value(fams, "active_backend", backend=F) == 1 and value(fams, "serving") == 1
+    assert value(fams, "last_gate_success") == 0
+    assert collected == []
 
 
 def test_a_refused_lock_writes_nothing(box: Box) -> None:

@@ -45,16 +45,18 @@ def test_switch_ftllm_to_llamacpp(cfg: Config) -> None:
         ("lock", "lock /var/lib/deploytool/lock"),
         ("intent", f"record intent: switch {FT} -> {LL}"),
         ("preflight", f"preflight {LL}: config checks, fingerprints (deploytool verify {LL})"),
-        ("draining", f"drain {FT}.service: wait until no request is in flight on port 8082 (its TCP "
+        ("draining", f"drain {FT}.service: the front holds new requests; wait until no request is in flight on port 8083 (its TCP "
                      "connections), at most 60s"),
         ("stopping-current", f"stop {FT}.service (it serves until here)"),
         ("starting-target", f"start {LL}.service: its ExecStartPre checks the fingerprints while the current "
                             "backend exits, then waits until it is gone and the port is free"),
-        ("gate", "health gate: llamacpp readiness on port 8082, smoke completion as 'qwen38-27b-ud'"),
-        ("committing", f"commit: enable {LL}.service, disable the others, write state and history"),
+        ("gate", f"health gate: llamacpp readiness on port 8083, smoke completion as 'qwen38-27b-ud'; meanwhile "
+                 f"{LL}.service enabled for boot, the others disabled"),
+        ("committing", "commit: write state and history (refused if the enablement failed)"),
         ("rolling-back", f"on failure: stop {LL}.service, start {FT}.service through the same gate, exit 10"),
     ]
-    assert steps[7].touches == (f"{LL}.service", f"{FT}.service", STATE)
+    assert steps[6].touches == (f"{LL}.service", f"{FT}.service")  # the gate flips the boot-time enablement
+    assert steps[7].touches == (STATE,)
     assert steps[3].touches == ()  # draining changes nothing: the current backend serves on meanwhile
     assert steps[-1].when == "on failure"
     # the journal names are the state machine's steps, in its order
@@ -68,7 +70,7 @@ def test_switch_to_the_active_backend_is_a_noop(cfg: Config) -> None:
     steps = _switch(cfg, st, FT, running=False)
     assert [s.name for s in steps] == ["intent", "preflight", "starting-target", "gate", "committing",
                                        "rolling-back"]
-    assert steps[2].text() == f"start {FT}.service once nothing answers on port 8082"
+    assert steps[2].text() == f"start {FT}.service once nothing answers on port 8083"
     assert steps[-1].text() == f"on failure: stop {FT}.service, leave no backend running, exit 9"
 
 
@@ -86,7 +88,7 @@ def test_switch_drain_bound_and_no_drain(cfg: Config) -> None:
 
 def test_switch_on_a_box_whose_unit_does_not_wait_for_the_port(cfg: Config) -> None:
     steps = _switch(cfg, State(active_backend=FT), LL, awaits_port=False)
-    assert steps[4] == Step("starting-target", f"start {LL}.service once nothing answers on port 8082",
+    assert steps[4] == Step("starting-target", f"start {LL}.service once nothing answers on port 8083",
                             (f"{LL}.service",))
 
 
@@ -97,13 +99,14 @@ def test_rollback(cfg: Config) -> None:
     assert rows(_switch(cfg, st, to, action="rollback")) == [
         ("intent", f"record intent: rollback {LL} -> {FT}"),
         ("preflight", f"preflight {FT}: config checks, fingerprints (deploytool verify {FT})"),
-        ("draining", f"drain {LL}.service: wait until no request is in flight on port 8082 (its TCP "
+        ("draining", f"drain {LL}.service: the front holds new requests; wait until no request is in flight on port 8083 (its TCP "
                      "connections), at most 60s"),
         ("stopping-current", f"stop {LL}.service (it serves until here)"),
         ("starting-target", f"start {FT}.service: its ExecStartPre checks the fingerprints while the current "
                             "backend exits, then waits until it is gone and the port is free"),
-        ("gate", "health gate: ftllm readiness on port 8082, smoke completion as 'qwen38-27b-ud'"),
-        ("committing", f"commit: enable {FT}.service, disable the others, write state and history"),
+        ("gate", f"health gate: ftllm readiness on port 8083, smoke completion as 'qwen38-27b-ud'; meanwhile "
+                 f"{FT}.service enabled for boot, the others disabled"),
+        ("committing", "commit: write state and history (refused if the enablement failed)"),
         ("rolling-back", f"on failure: stop {FT}.service, start {LL}.service through the same gate, exit 10"),
     ]
     # with no previous backend recorded, the only other one
@@ -161,7 +164,7 @@ FRESH_INSTALL = [
     ("current-flipped", "flip /opt/deploytool/current"),
     ("pinned", "pin fingerprints"),
     ("daemon-reloaded", "daemon-reload"),
-    ("started", f"stop the other backends, start {FT}"),
+    ("started", f"stop the other backends, hold the public port 8082 (deploytool-front.socket), start {FT}"),
     ("healthy", f"health gate, then enable {FT}.service for boot and disable the others"),
     ("committed", "commit state"),
     ("undo", "on failure: undo every step in reverse, start the backend that served, exit 14"),
@@ -232,27 +235,59 @@ def test_recover_an_interrupted_install(cfg: Config) -> None:
         "clean-staging", "remove-units", "remove-release", "daemon-reload", "undone"]
 
 
-def test_every_step_of_every_plan_has_a_handler(cfg: Config) -> None:
-    """The runs walk the plans: a step without a handler would fail there, so each plan's names are checked."""
+def _bare(cls: type) -> object:
+    """A run object without its state (no box behind it): only its methods are bound into a plan."""
+    return object.__new__(cls)
+
+
+def test_every_step_of_every_plan_carries_what_it_runs(cfg: Config) -> None:
+    """Built for running, every step a run walks carries one of that run object's own methods, and the plan's
+    data (text, JSON) is the --dry-run plan's; built for --dry-run, no step carries anything. The steps done
+    before the plan (an install's verification) and the failure steps (run with the error) carry none."""
+
+    def check(dry: list[Step], bound: list[Step], run: object, *, skip: tuple[str, ...] = ()) -> None:
+        assert dry == bound and [s.to_json() for s in dry] == [s.to_json() for s in bound]
+        assert all(s.run is None for s in dry)
+        for s in bound:
+            if s.name in skip or (s.when and s.name in ("rolling-back", "undo")):
+                assert s.run is None, s.name
+                continue
+            assert s.run is not None and getattr(s.run, "__self__", None) is run, s.name
+            assert getattr(type(run), s.run.__name__) is s.run.__func__  # type: ignore[attr-defined]
+
     st = State(active_backend=FT, release="r1")
-    for steps in (_switch(cfg, st, LL), _switch(cfg, st, FT), _switch(cfg, State(), LL, awaits_port=False)):
-        assert {s.name for s in steps if not s.when} - {"noop"} <= set(switch._SwitchRun.HANDLERS)
-    facts = install.InstallFacts(release="abc123")
-    for f in (facts, replace(facts, laid_down=True), replace(facts, tool=False)):
-        assert {s.name for s in _install(cfg, State(), f) if not s.when} - {"verified"} \
-            <= set(install._Install.HANDLERS)
+    sr = _bare(switch.SwitchRun)
+    for args in ((st, LL, True), (st, FT, True), (State(), LL, False), (st, LL, False)):
+        s0, to, awaits = args
+        target = cfg.backends[to]
+        facts = switch.switch_facts(cfg, s0, target, target_running=False, awaits_port=awaits)
+        for drain_s in (None, 0.0):
+            check(switch.switch_plan(cfg, s0, target, facts, drain_s=drain_s),
+                  switch.switch_plan(cfg, s0, target, facts, drain_s=drain_s, run=sr), sr)  # type: ignore[arg-type]
+    ir = _bare(install._Install)
+    facts_i = install.InstallFacts(release="abc123")
+    for f in (facts_i, replace(facts_i, laid_down=True), replace(facts_i, tool=False)):
+        for start in (True, False):
+            check(_install(cfg, State(), f, start=start),
+                  install.install_plan(cfg, State(), bundle=BUNDLE, keys=KEYS, facts=f, start=start,
+                                       run=ir), ir, skip=("verified",))  # type: ignore[arg-type]
+    rr = _bare(switch._RecoverRun)
     for step in ("preflight", "draining", "stopping-current", "gate", "committing"):
-        for running in (False, True):
-            plan = switch.recover_plan(cfg, replace(st, operation=_op(step)), target_running=running)
-            assert {s.name for s in plan} <= set(switch._RecoverRun.HANDLERS)
+        for kind in ("switch", "failover"):
+            for running in (False, True):
+                s1 = replace(st, operation=_op(step, kind))
+                check(switch.recover_plan(cfg, s1, target_running=running),
+                      switch.recover_plan(cfg, s1, target_running=running, run=rr), rr)  # type: ignore[arg-type]
+    ur = _bare(install._UndoInstall)
     op = Operation(kind="install", op_id="x", started="t", step="started", from_backend=FT, to_backend=LL,
                    release="r2", previous_release="r1")
-    for o in (op, replace(op, step="pinned"), replace(op, from_backend=None, previous_release=None)):
+    for o in (op, replace(op, step="pinned"), replace(op, from_backend=None, previous_release=None),
+              replace(op, from_backend=None)):
         for laid_down in (False, True):
-            plan = install.recover_plan(cfg, State(operation=o), prev_laid_down=laid_down, prev_running=False)
-            assert {s.name for s in plan} <= set(install._UndoInstall.HANDLERS)
-    for cls in (install._Install, install._UndoInstall, switch._SwitchRun, switch._RecoverRun):
-        assert set(cls.HANDLERS.values()) <= set(dir(cls)), cls
+            for prev_running in (False, True):
+                kw = {"prev_laid_down": laid_down, "prev_running": prev_running}
+                check(install.recover_plan(cfg, State(operation=o), **kw),
+                      install.recover_plan(cfg, State(operation=o), run=ur, **kw), ur)  # type: ignore[arg-type]
 
 
 def test_dry_run_json_carries_the_steps(tmp_path: Path) -> None:
@@ -308,9 +343,10 @@ def test_failover(cfg: Config) -> None:
         ("journal-kept", f"keep {LL}.service's last 40 journal lines for history"),
         ("intent", f"record intent: failover {LL} -> {FT}"),
         ("preflight", f"preflight {FT}: config checks, fingerprints (deploytool verify {FT})"),
-        ("starting-target", f"start {FT}.service once nothing answers on port 8082"),
-        ("gate", "health gate: ftllm readiness on port 8082, smoke completion as 'qwen38-27b-ud'"),
-        ("committing", f"commit: enable {FT}.service, disable the others, write state and history"),
+        ("starting-target", f"start {FT}.service once nothing answers on port 8083"),
+        ("gate", f"health gate: ftllm readiness on port 8083, smoke completion as 'qwen38-27b-ud'; meanwhile "
+                 f"{FT}.service enabled for boot, the others disabled"),
+        ("committing", "commit: write state and history (refused if the enablement failed)"),
         ("rolling-back", f"on failure: stop {FT}.service, leave both stopped ({LL} enabled for boot again), state "
                          "and status say nothing is serving, exit 9"),
     ]

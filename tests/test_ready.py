@@ -1,6 +1,6 @@
 """Ready means ready: the units' ExecStartPost (`deploytool await-ready`) ends the start job when the server serves.
 
-Fast part: deploy_tool.box.ready against real HTTP listeners and real child processes. Sandbox part: the installed
+Fast part: deploy_tool.box.probe.ready against real HTTP listeners and real child processes. Sandbox part: the installed
 cpu-demo box under the real sandboxed systemd: `systemctl start` returns only once the port serves, a unit
 ordered After= the backend sees a serving port (and, without the ExecStartPost, does not), TimeoutStartSec=
 ends a start that never gets ready, and a server that dies while loading fails its start at once.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
-from deploy_tool.box import ready
+from deploy_tool import config, procfs
+from deploy_tool.box.probe import ready
 from deploy_tool.errors import HealthError, SystemdError
 from tests.support.configs import example_dict, load_dict, set_key
 from tests.support.demo_box import dt
@@ -39,7 +38,7 @@ MODEL = "qwen38-27b-ud"
 
 def _cfg(tmp: Path, port: int, *, key_file: Path | None = None):
     data = example_dict("cpu-demo")
-    set_key(data, "serve.port", port)
+    set_key(data, "serve.internal_port", port)
     set_key(data, "health.interval_s", 0.05)
     if key_file is not None:
         set_key(data, "serve.api_key_file", str(key_file))
@@ -130,7 +129,7 @@ def test_cli_exit_code_and_not_ready_line(tmp_path: Path) -> None:
     from tests.support.configs import write_dict
 
     data = example_dict("cpu-demo")
-    set_key(data, "serve.port", free_port())
+    set_key(data, "serve.internal_port", free_port())
     cfg = write_dict(tmp_path, data)
     r = subprocess.run([sys.executable, "-m", "deploy_tool", "--config", str(cfg), "await-ready", "ftllm-dflash",
                         "--timeout", "0.3"], capture_output=True, text=True, timeout=60)
@@ -138,25 +137,22 @@ def test_cli_exit_code_and_not_ready_line(tmp_path: Path) -> None:
     assert r.stderr.startswith("not ready: ") and "error:" not in r.stderr
 
 
-def test_console_entry_fast_path(tmp_path: Path, models_server) -> None:
-    """The units' exact command line goes through the console entry's fast path (no click): the same lines and
-    exit codes; `click` is not imported."""
+def test_console_entry_await_ready(tmp_path: Path, models_server) -> None:
+    """The units' exact ExecStartPost command line through the console entry: the ready line and exit 0; a
+    server that does not answer its readiness check: "not ready:" and exit 9."""
     from tests.support.configs import write_dict
 
     port, _handler = models_server
     data = example_dict("cpu-demo")
-    set_key(data, "serve.port", port)
+    set_key(data, "serve.internal_port", port)
     set_key(data, "health.start_timeout_s", 1)
     cfg = write_dict(tmp_path, data)
-    probe = ("import sys, runpy; sys.argv = ['deploytool'] + sys.argv[1:]; from deploy_tool import entry\n"
-             "try:\n    entry.main()\nfinally:\n    print('CLICK' if 'click' in sys.modules else 'NOCLICK')")
-    r = subprocess.run([sys.executable, "-c", probe, "--config", str(cfg), "await-ready", "ftllm-dflash"],
-                       capture_output=True, text=True, timeout=60)
+    cmd = [sys.executable, "-m", "deploy_tool", "--config", str(cfg), "await-ready"]
+    r = subprocess.run([*cmd, "ftllm-dflash"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert f"ftllm-dflash serves {MODEL!r} at http://127.0.0.1:{port}" in r.stdout and "NOCLICK" in r.stdout
-    r = subprocess.run([sys.executable, "-c", probe, "--config", str(cfg), "await-ready", "llamacpp-tensor"],
-                       capture_output=True, text=True, timeout=60)  # llama-server's /health: 404 here
-    assert r.returncode == 9 and r.stderr.startswith("not ready: ") and "NOCLICK" in r.stdout, r
+    assert f"ftllm-dflash serves {MODEL!r} at http://127.0.0.1:{port}" in r.stdout
+    r = subprocess.run([*cmd, "llamacpp-tensor"], capture_output=True, text=True, timeout=60)  # /health: 404 here
+    assert r.returncode == 9 and r.stderr.startswith("not ready: "), r
 
 
 def _unit_state(active: str, sub: str, job: str, inv: str = "a" * 32):
@@ -170,7 +166,7 @@ def _unit_state(active: str, sub: str, job: str, inv: str = "a" * 32):
 def test_the_gate_reads_a_queued_start_as_not_started() -> None:
     """A start queued with --no-block (Job= set) on a unit still showing its last run, or waiting for its
     Restart= (systemd holds the start until then): not dead, not started, its old invocation not taken."""
-    from deploy_tool.box.gate import _snapshot
+    from deploy_tool.box.probe.gate import _snapshot
 
     seen: list[str] = []
     for active, sub in (("inactive", "dead"), ("failed", "failed"), ("activating", "auto-restart"),
@@ -187,7 +183,7 @@ def test_the_gate_reads_a_queued_start_as_not_started() -> None:
 def test_the_readiness_wait_never_probes_before_the_server_runs(models_server) -> None:
     """While the unit is queued or in its ExecStartPre, whatever answers on the port (the previous backend, in a
     switch) is not taken for the target being ready; the wait times out naming the state."""
-    from deploy_tool.box import health
+    from deploy_tool.box.probe import health
 
     port, _handler = models_server
     for sub in ("queued", "start-pre"):
@@ -205,7 +201,7 @@ def test_the_gate_sees_the_server_gone_while_the_readiness_wait_still_runs(monke
     status recorded): the gate's watch reads the unit as failed at once, not once the ExecStartPost has exited."""
     import dataclasses
 
-    from deploy_tool.box import gate
+    from deploy_tool.box.probe import gate
 
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
                              stdin=subprocess.PIPE)
@@ -217,7 +213,7 @@ def test_the_gate_sees_the_server_gone_while_the_readiness_wait_still_runs(monke
         def show(self, unit: str):
             return answers.pop(0)
 
-    monkeypatch.setattr(gate, "_pidfd", lambda pid, unit: os.pidfd_open(pid))
+    monkeypatch.setattr(gate, "_watch", lambda pid, unit: procfs.ProcessWatch(pid))
     watch = gate.UnitWatch(Sd(), "u.service", seen=[])  # type: ignore[arg-type]
     try:
         assert watch.state() is not None and watch.fd is not None  # first look: running, pidfd open
@@ -241,7 +237,8 @@ sandboxed = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest
 
 
 def _port(cfg: Path) -> int:
-    return int(yaml.safe_load(cfg.read_text())["serve"]["port"])
+    """The backends' own port (behind the front's public one): what these tests watch open and close."""
+    return config.load(cfg).backend_port
 
 
 def _get(port: int, path: str) -> tuple[int, str]:

@@ -28,7 +28,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy_tool.box import fingerprint as fp
-from deploy_tool.box import treepin
 from tests.support import release_tree as rt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,11 +83,8 @@ def entries(tree: rt.Tree, want: Callable[[Path], bool]) -> list[Path]:
 
 
 def refused(tree: rt.Tree, use_cache: bool, *expect: str) -> fp.VerifyReport:
-    """verify fails naming (at least) the `expect` ids, each with different expected and actual values; with the
-    cache, the release is walked in a child first (treepin.prefetch, as the installed tool's ExecStartPre does)
-    and then, verified again, in the process."""
-    if use_cache:
-        treepin.prefetch(os.path.realpath(tree.release))
+    """verify fails naming (at least) the `expect` ids, each with different expected and actual values, and again
+    when verified a second time."""
     r = fp.verify(tree.cfg, FT, use_cache=use_cache)
     assert not r.ok
     got = {d.item.id: d for d in r.rows}
@@ -279,7 +275,7 @@ def test_a_file_replaced_by_a_symlink_or_a_directory_is_refused(pinned: rt.Tree,
 
 def fast_verify(tree: rt.Tree, *extra: str) -> subprocess.CompletedProcess[str]:
     """`deploytool verify` through the console entry, as systemd runs the units' ExecStartPre."""
-    return subprocess.run([sys.executable, "-c", "from deploy_tool.entry import main; main()", "--config",
+    return subprocess.run([sys.executable, "-m", "deploy_tool", "--config",
                            str(tree.config_path), "verify", FT, *extra], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
 

@@ -64,6 +64,7 @@ def _cfg_with_stubs(example: str, tmp: Path, **changes: Any) -> tuple[config.Con
     set_key(data, "paths.config", str(root / "etc" / "deploytool" / "deploytool.yaml"))
     set_key(data, "paths.unit_dir", str(root / "etc" / "systemd" / "system"))
     data.get("systemd", {}).pop("sandbox", None)
+    set_key(data, "bundle.python", str(root / "usr" / "bin" / "python3"))  # the front's ExecStart=
     for b in data["backends"].values():
         if b["kind"] == "llamacpp" and not str(b.get("binary", "{")).startswith("{"):
             b["binary"] = str(root / "usr" / "local" / "bin" / "llama-server")
@@ -115,8 +116,8 @@ def test_golden_units_match_render() -> None:
     d = golden.diff(REPO / "units")
     assert d == "", f"units/ drifted from the templates (run `make golden` if intended):\n{d}"
     assert sorted(p.name for p in (REPO / "units").iterdir()) == [
-        "deploytool-failover@.service", "deploytool-liveness.service",
-        "ftllm-dflash.env", "ftllm-dflash.service", "llamacpp-tensor.env", "llamacpp-tensor.service"]
+        "deploytool-failover@.service", "deploytool-front.service", "deploytool-front.socket",
+        "deploytool-liveness.service", "ftllm-dflash.env", "ftllm-dflash.service", "llamacpp-tensor.env", "llamacpp-tensor.service"]
 
 
 def test_golden_tool_refresh_and_check(tmp_path: Path) -> None:
@@ -154,7 +155,9 @@ def test_golden_reproduces_production_lines() -> None:
             "--tokens 262144 --gpu_mem_ratio 0.95 --kv_cache_dtype fp4 --speculative_algorithm dflash "
             "--speculative_draft_model_path /models/Qwen3.8-27B-DFlash2 --speculative_num_draft_tokens 8 "
             "--prefix_cache true --chat_template ") in ft
-    assert "--host 0.0.0.0 --port 8082" in ft and "Conflicts=llamacpp-tensor.service" in ft
+    # behind the front, which holds the public port the field's line bound (0.0.0.0:8082)
+    assert "--host 127.0.0.1 --port 8083" in ft and "Conflicts=llamacpp-tensor.service" in ft
+    assert "ListenStream=0.0.0.0:8082" in (REPO / "units" / "deploytool-front.socket").read_text()
     fe = (REPO / "units" / "ftllm-dflash.env").read_text()
     assert 'FASTLLM_CUDA_GRAPH="0"' in fe and 'CUDA_VISIBLE_DEVICES="0,1"' in fe and "LD_PRELOAD=" in fe
     ll = (REPO / "units" / "llamacpp-tensor.service").read_text()
@@ -171,9 +174,11 @@ def test_golden_reproduces_production_lines() -> None:
 def test_systemd_analyze_verify_clean(example: str, tmp_path: Path) -> None:
     """`systemd-analyze verify` on every rendered unit of the example: exit 0 and EMPTY stderr."""
     cfg, stubs = _cfg_with_stubs(example, tmp_path)
-    assert len(stubs) == 6  # ExecStartPre + ExecStart of both units, the failover's and the liveness probe's ExecStart
+    assert len(stubs) == 7  # ExecStartPre + ExecStart of both units, the failover's, the liveness probe's and the
+    # front's ExecStart
     units = _write_rendered(cfg, tmp_path / "units")
-    assert sorted(u.name for u in units) == ["deploytool-failover@.service", "deploytool-liveness.service",
+    assert sorted(u.name for u in units) == ["deploytool-failover@.service", "deploytool-front.service",
+                                             "deploytool-front.socket", "deploytool-liveness.service",
                                              "ftllm-dflash.service", "llamacpp-tensor.service"]
     r = _verify(units)
     assert r.stderr == "", r.stderr
@@ -208,7 +213,8 @@ def test_golden_units_exposure_is_at_most_2(tmp_path: Path) -> None:
         for line in ("SystemCallFilter=@system-service", "MemoryDenyWriteExecute=yes", "PrivateUsers=yes",
                      "ProtectHome=yes", "PrivateMounts=yes", "IPAddressDeny=any", "DevicePolicy=closed"):
             assert line in text.splitlines(), f"{u.name} lacks {line}"
-        assert "AF_NETLINK" in text  # cuda: NCCL's interface discovery
+        if u.name != render.FRONT_SERVICE:
+            assert "AF_NETLINK" in text  # cuda: NCCL's interface discovery
 
 
 def test_systemd_analyze_verify_catches_missing_binary(tmp_path: Path) -> None:
@@ -246,6 +252,8 @@ def test_systemd_analyze_security_score(example: str, api_key: bool, tmp_path: P
                                                      else {}))
     units = _write_rendered(cfg, tmp_path / "units")
     for u in units:
+        if u.suffix == ".socket":
+            continue  # systemd-analyze security scores services; the socket's IP filter is tested in the sandbox
         score, label = _security(u)
         print(f"security {example}/{u.name}{' (api key)' if api_key else ''}: {score} {label}")
         record_property(f"security:{example}/{u.name}{':api-key' if api_key else ''}", score)
@@ -255,7 +263,8 @@ def test_systemd_analyze_security_score(example: str, api_key: bool, tmp_path: P
                   render.LIVENESS_UNIT: LIVENESS_SECURITY_TARGET}.get(u.name, SECURITY_TARGET)
         assert score <= target, f"{u.name}: exposure {score} > {target}"
         text = u.read_text()
-        if example == "two-2080ti" and u.name not in (render.FAILOVER_TEMPLATE, render.LIVENESS_UNIT):
+        if example == "two-2080ti" and u.name not in (render.FAILOVER_TEMPLATE, render.LIVENESS_UNIT,
+                                                      render.FRONT_SERVICE):
             assert "DeviceAllow=char-nvidiactl rwm" in text and "DeviceAllow=char-nvidia-frontend rwm" in text
             assert "DeviceAllow=char-nvidia-uvm rwm" in text and "PrivateDevices=yes" not in text
 
@@ -382,7 +391,10 @@ def test_ip_allow_list_from_the_config_is_enforced_by_real_systemd(sandbox_env: 
     try:
         for name, allow in (("none", []), ("net", [f"{addr}/24"])):
             cfg = load_example(tmp_path / name, "cpu-demo", **{"serve.allow": allow})
-            lines = [ln for ln in _unit_text(cfg).splitlines() if ln.startswith(("IPAddressDeny=", "IPAddressAllow="))]
+            # the clients' list is the front socket's; a backend, behind it on loopback, allows localhost alone
+            assert "\nIPAddressAllow=localhost\n" in _unit_text(cfg)
+            sock = next(f.content for f in render.render_front(cfg) if f.name == render.FRONT_SOCKET)
+            lines = [ln for ln in sock.splitlines() if ln.startswith(("IPAddressDeny=", "IPAddressAllow="))]
             assert lines[0] == "IPAddressDeny=any" and lines[1].startswith("IPAddressAllow=localhost")
             probe = ("import socket,sys; a=sys.argv; [print('RT', h, 'ok' if (s := socket.socket()).settimeout(2) or "
                      "s.connect_ex((h, int(p))) == 0 else 'refused', flush=True) for h, p in ((a[1], a[2]), "
@@ -412,7 +424,7 @@ def test_gpu_lines_only_in_cuda_units(tmp_path: Path) -> None:
     for ex in config.EXAMPLES:
         cfg = load_dict(tmp_path / ex, example_dict(ex))
         for f in render.render_all(cfg):
-            if f.kind != "unit" or f.name in (render.FAILOVER_TEMPLATE, render.LIVENESS_UNIT):
+            if f.kind != "unit" or f.name in (render.FAILOVER_TEMPLATE, render.LIVENESS_UNIT, *render.FRONT_UNITS):
                 continue
             b = cfg.backends[f.name.removesuffix(".service")]
             lines = f.content.splitlines()

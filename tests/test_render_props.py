@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -276,7 +277,35 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
         env_path.write_text(env_text)
         (out / f"{name}.service").write_text(unit)
         units.append(out / f"{name}.service")
+    assert read_write_paths(by_name[render.FAILOVER_TEMPLATE].content) == [cfg.paths.state_dir]
+    assert read_write_paths(by_name[render.LIVENESS_UNIT].content) == [f"-{cfg.paths.state_dir}",
+                                                                      f"-{cfg.paths.unit_dir}"]
     return units
+
+
+def read_write_paths(unit: str) -> list[str]:
+    """The words of a unit's ReadWritePaths= lines as systemd reads them: split at white space, double quotes
+    group a word (a backslash or quote in a path is refused before this), then specifiers (%% is %)."""
+    return [w.replace("%%", "%") for k, v in _directives(unit) if k == "ReadWritePaths" for w in shlex.split(v)]
+
+
+@pytest.mark.sandbox
+def test_read_write_paths_with_spaces_as_a_real_systemd_reads_them(sandbox_env: Any, tmp_path: Path) -> None:
+    """A box whose paths hold a space, a percent sign and non-ASCII: the failover and liveness units' ReadWritePaths=
+    as the sandbox's systemd 252 loads them name exactly those directories (unquoted, a space would split one
+    path into two, a relative one that systemd drops)."""
+    cfg = _load(_data({}), tmp_path, "c a%b é")
+    by_name = {f.name: f for f in render.render_all(cfg)}
+    sd = sandbox_env.systemd
+    want = {"rwprobe-failover@x.service": [cfg.paths.state_dir],
+            "rwprobe-liveness.service": [f"-{cfg.paths.state_dir}", f"-{cfg.paths.unit_dir}"]}
+    assert " " in cfg.paths.state_dir and "%" in cfg.paths.state_dir
+    sd.install_file("rwprobe-failover@.service", by_name[render.FAILOVER_TEMPLATE].content.encode())
+    sd.install_file("rwprobe-liveness.service", by_name[render.LIVENESS_UNIT].content.encode())
+    sd.daemon_reload()
+    # systemctl show prints the list with a word that holds a space in double quotes
+    got = {u: shlex.split(sd.properties(u, "ReadWritePaths")["ReadWritePaths"]) for u in want}
+    assert got == want
 
 
 def _fuzz_dirname(draw_text: str) -> str:

@@ -91,17 +91,3 @@ def test_siblings_exit_waits_through_the_event_wait() -> None:
             if next(looks):
                 raise Again
     assert len(waits) == 1 and 89 < waits[0] <= 90
-
-
-def test_the_start_path_does_not_import_the_retry_library() -> None:
-    """The ExecStartPre's await-port and a switch's driver import tenacity only when they have to wait."""
-    import subprocess
-    import sys
-
-    code = ("import sys, socket\n"
-            "from deploy_tool import portwait\nfrom deploy_tool.box import systemd\n"
-            "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
-            "portwait.await_port('127.0.0.1', port, siblings=['x.service'], sibling_pids=dict)\n"
-            "print('tenacity' in sys.modules, 'deploy_tool.retry' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["False", "False"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from deploy_tool.box import runtime
-from deploy_tool.box.health import Kind, wait_ready
+from deploy_tool.box.probe.health import Kind, wait_ready
 from deploy_tool.box.runtime import (
     FAIL,
     OK,

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deploy_tool.errors import BundleError
 from deploy_tool.manifest import FileEntry, Manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -381,3 +382,152 @@ def test_rsync_stats_are_read_from_real_rsync_output(tmp_path):
                        capture_output=True, text=True, check=True)
     stats = sc.parse_stats(r.stdout)
     assert stats["literal_bytes"] < 30_000 and stats["matched_bytes"] > 250_000, stats
+
+
+# ------------------------------------------------------------------ the controller's MANIFEST reader
+
+def _with_id(obj):
+    """`obj` with the bundle_id its content hashes to (as both readers compute it), where it has the shape for it."""
+    try:
+        body = {"format_version": obj["format_version"], "files": sorted(obj["files"], key=lambda f: f["path"]),
+                "inputs": obj["inputs"], "native_libs": obj["native_libs"]}
+        obj["bundle_id"] = hashlib.sha256(sc._canonical(body, None)).hexdigest()[:16]
+    except (KeyError, TypeError, ValueError):
+        pass
+    return obj
+
+
+def _canonical(obj) -> bytes:
+    return sc._canonical(obj, 1)
+
+
+def _file0(key, value):
+    def f(o):
+        o["files"][0][key] = value
+        return _canonical(_with_id(o))
+    return f
+
+
+def _top(key, value):
+    def f(o):
+        o[key] = value
+        return _canonical(_with_id(o))
+    return f
+
+
+def _drop(key):
+    def f(o):
+        del o[key]
+        return _canonical(_with_id(o))
+    return f
+
+
+# what both readers refuse: every check ship_core makes (the bundle_id made right again after the edit, so the
+# check itself is what refuses)
+BOTH_REFUSE = {
+    "size+1, id kept": lambda o: (o["files"][0].update(size=o["files"][0]["size"] + 1), _canonical(o))[1],
+    "other id": lambda o: _canonical(dict(o, bundle_id="0" * 16)),
+    "id not hex": lambda o: _canonical(dict(o, bundle_id="XYZ")),
+    "negative size": _file0("size", -1), "bool size": _file0("size", True), "text size": _file0("size", "1"),
+    "mode 0600": _file0("mode", "0600"), "mode int": _file0("mode", 420), "mode 644": _file0("mode", "644"),
+    "sha upper": lambda o: _file0("sha256", o["files"][0]["sha256"].upper())(o), "sha short": _file0("sha256", "ab"),
+    "dotdot": _file0("path", "../etc/passwd"), "absolute": _file0("path", "/etc/passwd"),
+    "empty part": _file0("path", "a//b"), "dot part": _file0("path", "./a"), "backslash": _file0("path", "a\\b"),
+    "control char": _file0("path", "a\nb"), "reserved": _file0("path", "MANIFEST"), "empty path": _file0("path", ""),
+    "extra file key": _file0("x", 1),
+    "twice": lambda o: (o["files"].append(dict(o["files"][0])), _canonical(_with_id(o)))[1],
+    "file and dir": lambda o: (o["files"].append(dict(o["files"][0], path=o["files"][0]["path"] + "/x")),
+                               _canonical(_with_id(o)))[1],
+    "format 2": _top("format_version", 2), "format true": _top("format_version", True), "extra key": _top("x", 1),
+    "no created": _drop("created"), "no files": _drop("files"), "files a dict": _top("files", {}),
+    "inputs a list": _top("inputs", []), "native_libs a list": _top("native_libs", []),
+    "not an object": lambda o: b"[]\n", "not JSON": lambda o: _canonical(o)[:-3],
+    "not ASCII": lambda o: _canonical(o).replace(b'"format_version"', '"format_versión"'.encode()),
+}
+# what deploytool's reader alone refuses (the install on the host refuses them too: ship_core leaves them to it)
+DEPLOYTOOL_ALONE_REFUSES = {
+    "not canonical": lambda o: json.dumps(o).encode(),
+    "files unsorted": lambda o: _canonical(_with_id(dict(o, files=o["files"][::-1]))),
+    "created not a time": _top("created", "yesterday"),
+    "native lib hash bad": _top("native_libs", {"lib/x.so": "nope"}),
+}
+
+
+def _answer(read, raw):
+    """(bundle_id, ((path, size, mode, sha256), ...)) or 'refused'."""
+    try:
+        m = read(raw)
+    except (sc.ShipError, BundleError):
+        return "refused"
+    return m.bundle_id, tuple((e.path, e.size, e.mode, e.sha256) for e in m.files)
+
+
+@pytest.mark.parametrize("edit", [None, *BOTH_REFUSE, *DEPLOYTOOL_ALONE_REFUSES])
+@settings(max_examples=8, deadline=None)
+@given(files=bundle_files.filter(lambda d: len(d) >= 2), modes=st.lists(st.sampled_from([0o644, 0o755]), min_size=6))
+def test_the_controllers_two_manifest_readers_agree(edit, files, modes):
+    """deploytool's MANIFEST reader (what the ship action uses where deploytool is installed) and ship_core's (its
+    fallback, and the host's): the same bundle id and files on any real MANIFEST; both refuse what ship_core
+    refuses; deploytool's alone refuses a MANIFEST out of canonical form."""
+    ents = [FileEntry(p, len(b), modes[i], hashlib.sha256(b).hexdigest()) for i, (p, b) in enumerate(files.items())]
+    m = Manifest.build(ents, inputs={"n": 1}, created="2026-01-01T00:00:00Z")
+    raw = m.to_bytes() if edit is None else {**BOTH_REFUSE, **DEPLOYTOOL_ALONE_REFUSES}[edit](json.loads(m.to_bytes()))
+    core, package = _answer(sc.parse_manifest, raw), _answer(Manifest.from_bytes, raw)
+    if edit is None:
+        assert core == package == (m.bundle_id, tuple((e.path, e.size, e.mode, e.sha256) for e in m.files))
+    elif edit in BOTH_REFUSE:
+        assert core == package == "refused", edit
+    else:
+        assert package == "refused" and core != "refused", edit
+
+
+FLEET_PYTHON = REPO / ".cache" / "fleet-ansible" / "bin" / "python"
+READ_BUNDLES = r'''
+import json, os, sys
+collections, repo, with_package = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+sys.path.insert(0, collections)
+if with_package:
+    sys.path.append(repo)  # after site-packages: ansible is ansible-core's, deploy_tool the checkout's
+from ansible.errors import AnsibleActionFail
+from ansible_collections.deploytool.fleet.plugins.action import ship
+out = {"package": ship.PackageManifest is not None, "bundles": []}
+for d in sys.argv[4:]:
+    try:
+        m, sig = ship.ActionModule._read_bundle(d)
+        out["bundles"].append([m.raw.decode(), m.bundle_id, [[e.path, e.size, e.mode, e.sha256] for e in m.files],
+                               sig.decode()])
+    except AnsibleActionFail as exc:
+        out["bundles"].append("refused: " + str(exc).split(": ", 1)[0])
+print(json.dumps(out))
+'''
+
+
+def test_the_ship_action_reads_a_bundle_alike_with_or_without_deploytool(tmp_path):
+    """The action plugin, run by ansible-core's Python: with deploytool importable it reads the MANIFEST with
+    deploy_tool.manifest, without it with ship_core; the same bundles read the same, the same ones are refused."""
+    coll = tmp_path / "coll" / "ansible_collections" / "deploytool"
+    coll.mkdir(parents=True)
+    (coll / "fleet").symlink_to(REPO / "ansible")
+    good, m = make_bundle(tmp_path / "a", FILES_A)
+    edited, _ = make_bundle(tmp_path / "b", {"x": b"1", "d/y": b"22"})
+    obj = json.loads((edited / "MANIFEST").read_bytes())
+    obj["files"][0]["size"] += 1
+    (edited / "MANIFEST").write_bytes(_canonical(obj))
+    short, _ = make_bundle(tmp_path / "c", {"x": b"1"})
+    (short / "x").write_bytes(b"")
+    bundles = [str(good), str(edited), str(short), str(tmp_path / "none")]
+    runs = {}
+    for with_package in ("1", "0"):
+        r = subprocess.run([str(FLEET_PYTHON), "-c", READ_BUNDLES, str(tmp_path / "coll"), str(REPO), with_package,
+                            *bundles], capture_output=True, text=True, cwd=tmp_path, check=False,
+                           env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+        assert r.returncode == 0, r.stderr
+        runs[with_package] = json.loads(r.stdout)
+    assert runs["1"]["package"] is True and runs["0"]["package"] is False
+    assert runs["1"]["bundles"] == runs["0"]["bundles"]
+    first = runs["1"]["bundles"][0]
+    assert first[1] == m.bundle_id and [tuple(f) for f in first[2]] == [(e.path, e.size, e.mode, e.sha256)
+                                                                         for e in m.files]
+    assert [b if isinstance(b, str) else "read" for b in runs["1"]["bundles"]] == [
+        "read", f"refused: bundle {edited}", f"refused: bundle {short}", f"refused: src {tmp_path / 'none'} is not a "
+        f"directory"]

@@ -1,5 +1,5 @@
 """The operation lock: a refused caller is told the holder's operation and pid (exit 12), read from a record
-the holder writes atomically when it takes the lock; real second processes hold it."""
+the holder writes into the lock file once it holds the flock; real second processes hold it."""
 
 from __future__ import annotations
 
@@ -102,48 +102,56 @@ def test_killed_holder_releases_the_lock(tmp_path: Path) -> None:
         pass
 
 
-def test_record_is_never_torn_or_stale_under_contention(tmp_path: Path) -> None:
+def test_record_names_the_holder_under_contention(tmp_path: Path) -> None:
     """Two processes take and release the lock hundreds of times while this one keeps trying: every refusal
-    names an operation together with the pid of the process that took the lock for it (never an empty,
-    half-written or previous holder's record, never a mix of two records), and the lock file read at any
-    moment holds one whole record."""
+    that names a holder names an operation together with the pid of the process that took the lock for it
+    (never a mix of two records), and the lock file read at any moment is empty (free, or taken a moment ago)
+    or one whole record."""
     procs = {subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), f"op{i}", "2.5"]): f"op{i}"
              for i in range(2)}
     by_pid = {p.pid: op for p, op in procs.items()}
     refusals = 0
     unknown = 0
-    raw_reads = 0
-    no_record = 0
     deadline = time.monotonic() + 2.5
-    # the very first lock creates an empty file, replaced by its holder's record at once; from then on the
-    # path always names a file with one whole record
-    while not (tmp_path / "lock").is_file() or not (tmp_path / "lock").stat().st_size:
+    while not (tmp_path / "lock").is_file():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     try:
         while time.monotonic() < deadline:
-            raw = (tmp_path / "lock").read_bytes()  # what any reader sees: always one whole record
-            rec = json.loads(raw)
-            assert rec["operation"].rsplit("-", 1)[0] == {**by_pid, os.getpid(): "probe"}[rec["pid"]], rec
-            raw_reads += 1
+            raw = (tmp_path / "lock").read_bytes()
+            if raw:
+                rec = json.loads(raw)
+                assert rec["operation"].rsplit("-", 1)[0] == {**by_pid, os.getpid(): "probe"}[rec["pid"]], rec
             try:
                 with Store(tmp_path).lock(what="probe"):
                     pass
             except LockedError as exc:
                 h = exc.details["holder"] if isinstance(exc.details, dict) else None
                 if h is None:
-                    unknown += 1  # released between the refusal and the look: said as "another deploytool"
+                    unknown += 1  # released (or not yet recorded) between the refusal and the look
                     assert "cannot probe: another deploytool holds" in exc.message
                     continue
                 refusals += 1
                 assert h["pid"] in by_pid, h
-                if h["operation"] is None:  # the holder had not replaced the record within 0.5 s (a loaded box)
-                    no_record += 1
-                    assert f"(operation unknown, pid {h['pid']})" in exc.message
-                    continue
                 assert h["operation"].rsplit("-", 1)[0] == by_pid[h["pid"]], (h, by_pid)
                 assert f"({h['operation']}, pid {h['pid']}, since " in exc.message
     finally:
         for p in procs:
             assert p.wait(timeout=30) == 0
-    assert refusals > 20 and no_record <= max(2, refusals // 10), (refusals, unknown, no_record)
+    assert refusals > 20, (refusals, unknown)
+
+
+def test_a_killed_holders_record_names_nobody(tmp_path: Path) -> None:
+    """kill -9 leaves the holder's record in the lock file: it is not taken for a live holder (status and the
+    liveness probe ask), and the next holder writes its own."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), "switch to x", "-1"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    store = Store(tmp_path)
+    assert (store.holder() or {}).get("pid") == p.pid
+    p.kill()
+    p.wait(timeout=10)
+    assert json.loads((tmp_path / "lock").read_bytes())["pid"] == p.pid  # left behind
+    assert store.holder() is None
+    with store.lock(what="install"):
+        assert (store.holder() or {}).get("operation") == "install"

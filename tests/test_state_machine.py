@@ -9,6 +9,7 @@ real runs are tested in test_checks, test_fingerprint and, with everything else 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from deploy_tool import checks
-from deploy_tool.box import fingerprint, health, operations
+from deploy_tool.box import fingerprint, frontctl, operations
+from deploy_tool.box.probe import health
 from deploy_tool.box.state import Operation, State, Store
-from deploy_tool.box.switch import Switcher
+from deploy_tool.box.switch import Switcher, run_preflight
 from deploy_tool.box.systemd import Systemd
 from deploy_tool.errors import DeployError, ExitCode
 from tests.support import fake_systemd as fs
@@ -56,7 +58,7 @@ def make_config(d: Path, port: int) -> Any:
     data = example_dict("cpu-demo")
     set_key(data, "systemd.sandbox", DELETE)
     set_key(data, "paths.unit_dir", str(d / "units"))
-    set_key(data, "serve.port", port)
+    set_key(data, "serve.internal_port", port)
     set_key(data, "health.start_timeout_s", 10)  # virtual seconds: 20 probes
     set_key(data, "health.interval_s", 0.5)
     set_key(data, "health.smoke_timeout_s", 5)
@@ -81,12 +83,32 @@ class Preflight:
         return fingerprint.VerifyReport(ok=False, rows=[fingerprint.Drift(item, "a" * 64, "b" * 64)], backend=name)
 
 
-def patch_everywhere(mp: pytest.MonkeyPatch, original: Callable[..., Any], fake: Callable[..., Any]) -> None:
-    """Replace `original` in every deploy_tool module that holds it (module.function or a from-import)."""
-    for mod in [m for n, m in sys.modules.items() if n.startswith("deploy_tool") and m is not None]:
-        for attr, value in list(vars(mod).items()):
-            if value is original:
-                mp.setattr(mod, attr, fake)
+class FakeFront:
+    """The front's control socket as deploytool sees it (deploy_tool.box.frontctl.ask), on the world's clock: a
+    hold ends by itself after its seconds, as box/front.py's does; every command kept, with the calls to systemd
+    made before it (what was stopped or started while requests were held)."""
+
+    def __init__(self, world: fs.World) -> None:
+        self.world = world
+        self.until = 0.0
+        self.log: list[tuple[str, int]] = []  # (command, how many systemd calls came before it)
+        self.counters = {"requests": 0, "waited": 0, "failed": 0, "held_s": 0.0, "wait_max_s": 0.0,
+                         "since": "2026-12-02T00:00:00Z"}
+
+    @property
+    def holding(self) -> bool:
+        return self.until > self.world.now
+
+    def ask(self, cfg: Any, command: str, timeout: float = 2.0) -> dict[str, Any] | None:
+        if isinstance(sys.exc_info()[1], fs.Killed):
+            return None  # a deploytool killed at a kill point runs no `finally`: its release never comes
+        self.log.append((command.split()[0], len(self.world.calls)))
+        word, *rest = command.split()
+        if word == "hold":
+            self.until = self.world.now + float(rest[0])
+        elif word == "release":
+            self.until = 0.0
+        return {"ok": True, **self.counters, "holding": self.holding}
 
 
 class Box:
@@ -98,8 +120,13 @@ class Box:
         self.world = fs.World(self.cfg)
         self.world.install_units()
         self.preflight = Preflight()
-        patch_everywhere(mp, checks.run_checks, self.preflight.run_checks)
-        patch_everywhere(mp, fingerprint.verify, self.preflight.verify)
+        self.front = FakeFront(self.world)
+        mp.setattr(frontctl, "ask", self.front.ask)
+        # the real preflight over the scripted verdicts: its own messages and exit codes
+        self.check = functools.partial(run_preflight, run_checks=self.preflight.run_checks,
+                                       verify=self.preflight.verify)
+        # and what `status` and the metrics report of the pins (they call fingerprint.verify)
+        mp.setattr(fingerprint, "verify", self.preflight.verify)
         self.store = Store(self.cfg.paths.state_dir)
         self.log: list[str] = []
 
@@ -112,12 +139,14 @@ class Box:
         self.store.save(State(active_backend=name, release="r1"))
 
     def switcher(self) -> Switcher:
-        return Switcher(self.cfg, log=self.log.append, sd=self.world.systemd())
+        return Switcher(self.cfg, log=self.log.append, sd=self.world.systemd(), preflight=self.check)
 
     def run(self, op: str, *args: Any, kill: str | None = None, **kw: Any) -> Outcome:
         """One deploytool command as the CLI runs it (deploy_tool.box.operations; a fresh process: a new driver
         handle), optionally killed at `kill`."""
         command = {"switch": operations.switch, "rollback": operations.rollback, "recover": operations.recover}[op]
+        if op != "recover":  # it runs no preflight
+            kw["preflight"] = self.check
         if kill:
             os.environ["DEPLOYTOOL_FAULT"] = f"kill:{kill}"
         try:
@@ -141,7 +170,7 @@ class Box:
 
     def serves(self) -> str:
         """What a client gets on the served port right now: the completion's content (real HTTP)."""
-        return health.smoke_completion(f"http://127.0.0.1:{self.cfg.serve.port}", self.cfg.serve.model_name,
+        return health.smoke_completion(health.base_url(self.cfg), self.cfg.serve.model_name,
                                        timeout=5).content
 
     def calls(self, method: str) -> list[fs.Call]:
@@ -186,6 +215,20 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
     assert slept == [], f"slept for real: {slept}"
 
 
+def changes_within_touches(box: Box, steps: list[dict[str, Any]], since: int = 0) -> set[str]:
+    """Every unit a step changed (the fake's calls since call `since`, each under the step state.json had
+    journaled then) is one the plan (`steps`, as --dry-run --json gives them) says that step touches. Returns the
+    steps seen changing something, so a caller can show the check saw work."""
+    touches = {s["name"]: set(s["touches"]) for s in steps}
+    seen: set[str] = set()
+    for c in box.world.calls[since:]:
+        if c.step in touches and c.units_changed():
+            assert set(c.units_changed()) <= touches[c.step], \
+                f"step {c.step} {c.method} {c.args}: its plan says it touches {sorted(touches[c.step])}"
+            seen.add(c.step)
+    return seen
+
+
 def assert_settled(box: Box, *, after_rollback_failed: bool = False) -> None:
     """No operation pending; the recorded backend serves, alone, and is the one enabled for boot.
 
@@ -194,6 +237,7 @@ def assert_settled(box: Box, *, after_rollback_failed: bool = False) -> None:
     Restart=on-failure may bring it up later by itself, unrecorded."""
     st = box.state()
     assert st.get("operation") is None, st
+    assert not box.front.holding, box.front.log  # no request is held past an operation that ended
     active = st.get("active_backend")
     if active is None:
         if not after_rollback_failed:
@@ -228,7 +272,7 @@ def test_every_fault_point_in_the_code_is_known_here() -> None:
         text = p.read_text()
         found |= set(re.findall(r"\bfault\(\"([a-z][a-z-]*)\"", text))
         found |= set(re.findall(r"\badvance\([^,()]+, \"([a-z][a-z-]*)\"", text))
-    found |= set(switch._SwitchRun.HANDLERS) | set(install.JOURNALED)
+    found |= set(switch.STEPS) | set(install.JOURNALED)
     # a release's removal (between its rename and its delete): tests/test_releases.py kills there
     assert found == set(SWITCH_POINTS) | {ROLLBACK_POINT} | set(INSTALL_POINTS) | {"release-renamed"}, found
 
@@ -247,6 +291,14 @@ def test_switch_hands_the_port_over(box: Box) -> None:
         ("switch", True, "switched", F, L)
     # the current backend's stop is only queued: the target's ExecStartPre waits for it (--await-port)
     assert [c.kwargs.get("no_block") for c in box.calls("stop")] == [True]
+    # new requests are held from the drain, before the current backend stops, until the target passed its gate
+    commands = [c for c, _ in box.front.log if c != "stats"]
+    assert commands == ["hold", "release"], box.front.log
+    held_at = next(n for c, n in box.front.log if c == "hold")
+    released_at = next(n for c, n in box.front.log if c == "release")
+    stop_at = next(i for i, c in enumerate(box.world.calls) if c.method == "stop")
+    start_at = next(i for i, c in enumerate(box.world.calls) if c.method == "start" and c.args[0] == LU)
+    assert held_at <= stop_at < start_at < released_at, (box.front.log, box.world.calls)
     assert [c.args[0] for c in box.calls("enable")] == [LU] and box.calls("disable")[0].args == (FU,)
 
 
@@ -286,6 +338,33 @@ def test_slow_but_healthy_is_switched(box: Box, behaviour: fs.Behaviour) -> None
         assert box.world.units[FU].result == "timeout"  # SIGKILLed
     elif behaviour is fs.SLOW_STOP:
         assert behaviour.stop_s <= waited < behaviour.stop_s + 5
+
+
+@pytest.mark.parametrize("then", ["ok", "never-ready", "crash-at-start"])
+@pytest.mark.parametrize("start", ["from-ftllm", "from-none", "rollback"])
+def test_each_step_changes_only_what_its_plan_says_it_touches(box: Box, start: str, then: str) -> None:
+    """What --dry-run shows a step touches is what it changes: every start, stop, enable and disable a switch,
+    a rollback or a rollback after a failed gate makes falls within its step's `touches`."""
+    if start != "from-none":
+        box.installed(F)
+    if start == "rollback":
+        assert box.run("switch", L).action == "switched"
+        box.world.script(FU, fs.BEHAVIOURS[then])
+        op, args, to = "rollback", (), F
+    else:
+        box.world.script(LU, fs.BEHAVIOURS[then])
+        op, args, to = "switch", (L,), L
+    plan = box.run(op, *args, dry_run=True)
+    assert plan.action == "planned", plan
+    n = len(box.world.calls)
+    box.run(op, *args)
+    seen = changes_within_touches(box, plan.result.steps, n)
+    assert {"starting-target", "gate"} <= seen, seen  # it started the target and flipped its enablement
+    if then != "ok":
+        assert "rolling-back" in seen
+    if start != "from-none":
+        assert "stopping-current" in seen
+    assert box.state()["operation"] is None and to
 
 
 @pytest.mark.parametrize("conflicts", [True, False], ids=["conflicts", "no-conflicts"])
@@ -374,12 +453,12 @@ def test_port_held_by_a_foreign_process_fails_fast_naming_it(box: Box) -> None:
     box.world.systemd().stop(FU)
     with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", box.cfg.serve.port))
+        squatter.bind(("127.0.0.1", box.cfg.backend_port))
         squatter.listen()
         t0 = box.world.now
         out = box.run("switch", L)
     assert out.code == ExitCode.ROLLBACK_FAILED, out
-    assert f"port {box.cfg.serve.port} is held by pid {os.getpid()}" in out.error.message
+    assert f"port {box.cfg.backend_port} is held by pid {os.getpid()}" in out.error.message
     assert box.world.now - t0 < 1
     assert box.state()["active_backend"] is None and box.world.active() == set()
 
@@ -389,7 +468,7 @@ def test_nothing_running_and_the_port_taken_is_refused_before_the_start(box: Box
 
     with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", box.cfg.serve.port))
+        squatter.bind(("127.0.0.1", box.cfg.backend_port))
         squatter.listen()
         out = box.run("switch", L)
     assert out.code == ExitCode.HEALTH and "is taken by another process" in out.error.message
@@ -573,7 +652,7 @@ def test_recover_an_interrupted_upgrade(box: Box, mp: pytest.MonkeyPatch, point:
     current at r1 and brings ftllm back through the gate (restarted if r2's units had started it), or exits 11
     naming it if it does not come back."""
     pins: list[str] = []
-    patch_everywhere(mp, fingerprint.pin, lambda cfg, b, reason, **kw: pins.append(f"{b.name}: {reason}"))
+    mp.setattr(fingerprint, "pin", lambda cfg, b, reason, **kw: pins.append(f"{b.name}: {reason}"))
     releases = Path(box.cfg.paths.releases_dir)
     for rid in ("r1", "r2"):
         (releases / rid / "env").mkdir(parents=True)

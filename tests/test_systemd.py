@@ -385,7 +385,7 @@ class _CountingShows:
 def test_unit_watch_reads_the_unit_only_when_its_process_exits(sandbox_env: SandboxEnv) -> None:
     """The gate's UnitWatch: one `show` to learn MainPID, then none while the process lives; its exit wakes a
     long sleep at once, and the next look reads the unit's failure from systemd."""
-    from deploy_tool.box.gate import UnitWatch
+    from deploy_tool.box.probe.gate import UnitWatch
 
     sd = sandbox_env.systemd
     sd.install_file("t-watch.service", b"[Service]\nType=exec\nExecStart=/bin/sh -c 'sleep 1.5; exit 3'\n")
@@ -414,7 +414,7 @@ def test_unit_watch_reads_the_unit_only_when_its_process_exits(sandbox_env: Sand
 def test_unit_watch_without_a_pidfd_asks_systemd_every_time(sandbox_env: SandboxEnv) -> None:
     """A MainPID that does not map to a process of the unit (here: this test's own PID) gets no pidfd: every look
     is a `show`, as before, so a dead unit is still seen."""
-    from deploy_tool.box.gate import UnitWatch
+    from deploy_tool.box.probe.gate import UnitWatch
 
     sd = sandbox_env.systemd
     port = free_port()

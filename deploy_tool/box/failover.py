@@ -31,22 +31,21 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, replace
 from typing import Any
 
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.state import State, Step, Store, now_iso
+from deploy_tool.box.state import State, Step, Store
 from deploy_tool.box.switch import (
+    Preflight,
     Switcher,
     SwitchFacts,
     SwitchResult,
-    _SwitchRun,
+    SwitchRun,
     planned,
     switch_plan,
-    together,
 )
+from deploy_tool.clock import iso_utc
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import DeployError, HealthError, LockedError
 
@@ -145,8 +144,10 @@ def look(cfg: Config, sd: systemd_mod.Systemd, b: Backend, *, invocation: str | 
                    "\n".join(journal.splitlines()[-JOURNAL_LINES:]))
 
 
-def failover_steps(cfg: Config, st: State, f: Failure, fallback: Backend | None, why: str) -> list[Step]:
-    """The plan after the lock: the guard's verdict, then the switch's own steps (or the skip)."""
+def failover_steps(cfg: Config, st: State, f: Failure, fallback: Backend | None, why: str,
+                   run: SwitchRun | None = None) -> list[Step]:
+    """The plan after the lock: the guard's verdict, then the switch's own steps (or the skip), those bound to
+    `run` when it is given (the guard and the journal are done before: `_failover_locked`)."""
     state = str(Store(cfg.paths.state_dir).state_path)
     guard = Step("guard", f"check {f.unit} failed for good (the active backend, failed, no stop job, no failover "
                           f"within {cfg.supervision.failover.window_s:g} s) and pick the last backend that passed "
@@ -154,7 +155,7 @@ def failover_steps(cfg: Config, st: State, f: Failure, fallback: Backend | None,
     if fallback is None:
         return [guard, Step("skip", f"record the failover as skipped, change nothing: {why}", (state,))]
     facts = SwitchFacts(cur=None, overlap=False, noop=False)
-    steps = switch_plan(cfg, st, fallback, facts, action=EVENT)
+    steps = switch_plan(cfg, st, fallback, facts, action=EVENT, run=run)
     assert steps[-1].name == "rolling-back"
     steps[-1] = Step("rolling-back", f"stop {fallback.unit}, leave both stopped ({f.backend} enabled for boot "
                                      f"again), state and status say nothing is serving, exit 9",
@@ -179,13 +180,13 @@ def as_seen_from_here(cfg: Config) -> Config:
 
 def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocation: str | None = None,
              log: Log = _quiet, sd: systemd_mod.Systemd | None = None,
-             finish: Callable[[State], object] | None = None) -> SwitchResult:
+             finish: Callable[[State], object] | None = None, preflight: Preflight | None = None) -> SwitchResult:
     """`deploytool failover --from BACKEND`: exit 0 failed over or skipped (recorded), 9 the fallback failed too.
     (`cfg` as_seen_from_here, `sd` and `finish` made of it: see deploy_tool.box.operations.)"""
     b = cfg.backend(from_backend.removesuffix(".service"))
     sd = sd or systemd_mod.for_config(cfg)
     store = Store(cfg.paths.state_dir)
-    sw = Switcher(cfg, log=log, sd=sd, finish=finish)
+    sw = Switcher(cfg, log=log, sd=sd, finish=finish, preflight=preflight)
     if dry_run:
         st = store.load()
         f = look(cfg, sd, b, invocation=invocation)
@@ -207,106 +208,90 @@ def failover(cfg: Config, from_backend: str, *, dry_run: bool = False, invocatio
 def _failover_locked(sw: Switcher, st: State, b: Backend, *, invocation: str | None) -> SwitchResult:
     cfg, sd, store, log = sw.cfg, sw.sd, sw.store, sw.log
     t0 = wall()
-    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="failover") as pool:
-        # the likely fallback's preflight only reads: it runs while the failed unit's journal is read (the guard's
-        # last look), and is waited for (or dropped) like a switch's
-        likely = cfg.backends.get(st.previous_backend or "")
-        early = (pool.submit(sw._preflight, likely) if likely is not None and st.active_backend == b.name
-                 and likely.name != b.name and cfg.supervision.failover.enabled else None)
-        f = look(cfg, sd, b, invocation=invocation)
-        fallback, why = decide(cfg, st, f, store.history(), now=t0)
-        if fallback is None:
-            if early is not None:
-                wait_all([early])
-            store.record(EVENT, result="skipped", from_backend=b.name, to_backend=st.previous_backend, reason=why,
-                         unit_state=f.active_state, unit_result=f.result)
-            log(f"no failover: {why}")
-            return SwitchResult(True, "skipped", b.name, "", message=f"no failover from {b.name}: {why}")
-        reason = f"failover: {f.unit} failed for good ({f.result or 'unknown'})"
-        log(f"{reason}; failing over to {fallback.name}")
-        steps = [s for s in failover_steps(cfg, st, f, fallback, "") if s.name not in ("guard", "journal-kept")]
-        facts = SwitchFacts(cur=None, overlap=False, noop=False)
-        run = _FailoverRun(sw, pool, st, fallback, facts, action=EVENT, reason=reason)
-        run.failure, run.attempt = f, {"at": now_iso(), "epoch": t0, "from": b.name, "to": fallback.name}
-        if early is not None and likely is fallback:
-            run.preflight = early
-        return run.run(steps)
+    f = look(cfg, sd, b, invocation=invocation)
+    fallback, why = decide(cfg, st, f, store.history(), now=t0)
+    if fallback is None:
+        store.record(EVENT, result="skipped", from_backend=b.name, to_backend=st.previous_backend, reason=why,
+                     unit_state=f.active_state, unit_result=f.result)
+        log(f"no failover: {why}")
+        return SwitchResult(True, "skipped", b.name, "", message=f"no failover from {b.name}: {why}")
+    reason = f"failover: {f.unit} failed for good ({f.result or 'unknown'})"
+    log(f"{reason}; failing over to {fallback.name}")
+    fo = _Failover(f, {"at": iso_utc(micro=True), "epoch": t0, "from": b.name, "to": fallback.name}, reason)
+    run = SwitchRun(sw, st, fallback, SwitchFacts(cur=None, overlap=False, noop=False), action=EVENT, reason=reason,
+                    record=fo.record, roll_back=fo.roll_back)
+    steps = [s for s in failover_steps(cfg, st, f, fallback, "", run) if s.name not in ("guard", "journal-kept")]
+    return fo.run(run, steps)
 
 
-class _FailoverRun(_SwitchRun):
-    """A switch to the fallback with the failed backend as nothing to stop or return to: on failure both stay
-    stopped. Writes the one "failover" event and state's extra.failover."""
+class _Failover:
+    """What makes a switch run to the fallback a failover: the failed backend is nothing to stop or return to,
+    so on failure both stay stopped; it writes the one "failover" event and state's extra.failover. Its
+    `record` and `roll_back` are the run's (SwitchRun's hooks); `run` walks the plan and settles the state."""
 
-    failure: Failure
-    attempt: dict[str, Any]
-    _rolled = False  # the fallback was started and failed (roll_back ran)
+    def __init__(self, failure: Failure, attempt: dict[str, Any], reason: str) -> None:
+        self.failure, self.attempt, self.reason = failure, attempt, reason
+        self.rolled = False  # the fallback was started and failed (roll_back ran)
 
-    def record(self, **fields: Any) -> None:
+    def record(self, run: SwitchRun, **fields: Any) -> None:
         ok = bool(fields.get("ok"))
         why = fields.get("reason") if not ok and fields.get("reason") != self.reason else None
-        self.store.record(EVENT, ok=ok, result="ok" if ok else "failed", from_backend=self.failure.backend,
-                          to_backend=self.target.name, outcome=fields.get("outcome"), reason=self.reason,
-                          unit_result=self.failure.result, journal_tail=self.failure.journal[-4000:],
-                          **({"error": why} if why else {}),
-                          **({"fallback_journal_tail": fields["journal_tail"]} if fields.get("journal_tail") else {}),
-                          **{k: fields[k] for k in ("seconds", "ready_s", "release") if k in fields})
+        run.store.record(EVENT, ok=ok, result="ok" if ok else "failed", from_backend=self.failure.backend,
+                         to_backend=run.target.name, outcome=fields.get("outcome"), reason=self.reason,
+                         unit_result=self.failure.result, journal_tail=self.failure.journal[-4000:],
+                         **({"error": why} if why else {}),
+                         **({"fallback_journal_tail": fields["journal_tail"]} if fields.get("journal_tail") else {}),
+                         **{k: fields[k] for k in ("seconds", "ready_s", "release") if k in fields},
+                         **run.clients())
 
-    def run(self, steps: list[Step]) -> SwitchResult:
+    def run(self, run: SwitchRun, steps: list[Step]) -> SwitchResult:
         try:
-            res = super().run(steps)
+            res = run.run(steps)
         except DeployError as exc:
-            self._settle(ok=False, error=exc.message.splitlines()[0])
-            if self._rolled:  # roll_back's own error says it all
+            self._settle(run.store, ok=False, error=exc.message.splitlines()[0])
+            if self.rolled:  # roll_back's own error says it all
                 raise
-            raise type(exc)(f"failover from {self.failure.backend} to {self.target.name} refused: {exc.message}; "
+            raise type(exc)(f"failover from {self.failure.backend} to {run.target.name} refused: {exc.message}; "
                             f"nothing is serving: both stay stopped", hint=exc.hint, details=exc.details) from None
-        self._settle(ok=True)
+        self._settle(run.store, ok=True)
         res.action = "failed-over"
-        res.message = (f"{self.failure.unit} failed ({self.failure.result}); failed over to {self.target.name}, "
-                       f"which serves {self.cfg.serve.model_name!r} on port {self.cfg.serve.port} "
+        res.message = (f"{self.failure.unit} failed ({self.failure.result}); failed over to {run.target.name}, "
+                       f"which serves {run.cfg.serve.model_name!r} on port {run.cfg.serve.port} "
                        f"({res.seconds:.1f}s)")
         return res
 
-    def check(self) -> None:
-        # meanwhile: clear the fallback's failed state and start-limit counter, as a switch does while it stops the
-        # current backend (a fallback started a few times within StartLimitIntervalSec= would otherwise be refused
-        # once, fail, and set off its own OnFailure= before the driver's retry)
-        together(self.pool, super().check, lambda: self.sw._quiet_reset(self.target.unit))
-
-    def _settle(self, *, ok: bool, error: str = "") -> None:
+    def _settle(self, store: Store, *, ok: bool, error: str = "") -> None:
         """state.json: the attempt (the window counts from it); after a failure, nothing recorded active."""
-        st = self.store.load()
+        st = store.load()
         entry = {**self.attempt, "result": "ok" if ok else "failed", **({"error": error} if error else {})}
         upd: dict[str, Any] = {"extra": {**st.extra, "failover": entry}, "operation": None}
         if not ok:
             upd["active_backend"] = None
-        self.store.save(replace(st, **upd))
+        store.save(replace(st, **upd))
 
-    def roll_back(self, exc: DeployError) -> SwitchResult:
+    def roll_back(self, run: SwitchRun, exc: DeployError) -> SwitchResult:
         """The fallback failed after it was started: its journal tail kept, it is stopped; nothing is started
         instead (the failed backend had failed for good) and it is enabled for boot again."""
-        self._rolled = True
-        target, f = self.target, self.failure
-        if self.enabling is not None:
-            wait_all([self.enabling])
+        self.rolled = True
+        target, f, sd = run.target, self.failure, run.sd
         reason = exc.message.splitlines()[0]
         inv = None
         with contextlib.suppress(DeployError):
-            inv = self.sd.show(target.unit).invocation_id or None
+            inv = sd.show(target.unit).invocation_id or None
         try:
-            journal = self.sd.journal(target.unit, invocation=inv, lines=30, since=self.since if inv else None)
+            journal = sd.journal(target.unit, invocation=inv, lines=30, since=run.since if inv else None)
         except DeployError:
             journal = ""
-        self.log(f"{target.name} failed too: {reason}; leaving both stopped")
-        self.st = self.store.advance(self.st, "rolling-back")
+        run.log(f"{target.name} failed too: {reason}; leaving both stopped")
+        run.st = run.store.advance(run.st, "rolling-back")
         with contextlib.suppress(DeployError):
-            self.sd.stop(target.unit)
-            self.sd.reset_failed(target.unit)
-        if self.enabling is not None:  # the gate flipped the boot-time enablement: what served boots again
+            sd.stop(target.unit)
+            sd.reset_failed(target.unit)
+        if run.enabling:  # the gate flipped the boot-time enablement: what served boots again
             with contextlib.suppress(DeployError):
-                self.sd.enable(f.unit, reload=False)
-                self.sd.disable(target.unit, reload=False)
-        self.record(ok=False, outcome="failed", reason=reason, journal_tail=journal[-4000:])
+                sd.enable(f.unit, reload=False)
+                sd.disable(target.unit, reload=False)
+        run.record(ok=False, outcome="failed", reason=reason, journal_tail=journal[-4000:])
         tail = "\n  ".join(journal.splitlines()[-8:])
         raise HealthError(f"failover from {f.backend} to {target.name} failed: {exc.message}\nnothing is serving: "
                           f"{f.backend} failed ({f.result}) and {target.name} did not pass the health gate; both "

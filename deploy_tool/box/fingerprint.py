@@ -41,8 +41,7 @@ changed only stats files. Why that can be trusted, and its limits (where `verify
 in deploy_tool.hashing's module doc. The cache file is trusted only when owned by root or the user running
 verify and not group- or world-writable; `--no-cache` ignores it; `pin` always hashes afresh.
 
-Imports kept inside functions, because the units' ExecStartPre imports this module before every start: binaries
-(~45 ms; only when a fatbin or the llama-server build must be read afresh), state, datetime and pwd (only a pin).
+Nothing here may import jinja2 or cryptography: the units' ExecStartPre verify must not depend on them.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import stat
 import time
@@ -58,8 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from deploy_tool import __version__
+from deploy_tool import __version__, strictmodes
+from deploy_tool.binaries import arch_supported, read_fatbin, read_llama_version
 from deploy_tool.box import treepin
+from deploy_tool.box.state import Store
+from deploy_tool.clock import iso_utc
 from deploy_tool.config import BUNDLED_NCCL, Backend, Config, FtllmBackend, LlamacppBackend, expand
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
@@ -386,9 +389,7 @@ class _Collector:
                     and snap.get("settled") is True and isinstance(snap.get("values"), list)
                     and len(snap["values"]) == len(w.rels) and set(map(type, snap["values"])) <= {str})
 
-        w = treepin.prefetched(root)  # walked beside the imports (entry.py): its key and names, no stats
-        if w is None or not unchanged(w):
-            w = treepin.walk(root)
+        w = treepin.walk(root)
         key = treepin.snapshot_key(w)
         n = len(w.rels)
         if unchanged(w):
@@ -640,8 +641,6 @@ def _collect_gguf(c: _Collector, prefix: str, what: str, path: str | os.PathLike
 
 def _arch_value(cc: str, policy: str) -> Callable[[str], str]:
     def fn(path: str) -> str:
-        from deploy_tool.binaries import arch_supported, read_fatbin
-
         info = read_fatbin(path)
         ok, _why = arch_supported(info, cc, policy)
         want = "sm_" + cc.replace(".", "")
@@ -704,8 +703,6 @@ def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:
 
 
 def _build_value(path: str) -> str:
-    from deploy_tool.binaries import read_llama_version
-
     info = read_llama_version(path, timeout=20)
     if info.build_number is None:
         first = info.text.splitlines()[0] if info.text else "no output"
@@ -872,8 +869,6 @@ def _who() -> dict[str, Any]:
     user = os.environ.get("SUDO_USER") or os.environ.get("USER") or os.environ.get("LOGNAME")
     if not user:
         try:
-            import pwd
-
             user = pwd.getpwuid(uid).pw_name
         except (KeyError, ImportError):
             user = str(uid)
@@ -881,12 +876,6 @@ def _who() -> dict[str, Any]:
     if os.environ.get("SUDO_USER"):
         out["sudo"] = True
     return out
-
-
-def _now() -> str:
-    import datetime as _dt
-
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
@@ -934,8 +923,6 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
 
     `fresh`: an in-memory HashCache shared by the pins of several backends in one run (install pins every
     backend: the release they share is read once); only values computed in this process are in it."""
-    from deploy_tool.box.state import Store
-
     b = _resolve(cfg, backend)
     reason = (reason or "").strip()
     if not reason:
@@ -945,12 +932,11 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
         previous = load_pins(cfg, b)
     items, trees, _stats = _collect(cfg, b, use_cache=False, expected=None, workers=workers,
                                     racy_margin_s=CACHE_RACY_MARGIN_S, cache_file=True, fresh=fresh)
-    from deploy_tool import strictmodes
 
     unsafe = [u for t in trees.values() for u in strictmodes.tree_problems(t.entries, t.root)]
     if unsafe:  # verify holds the tree to its pins only: what is pinned must be root's alone
         raise strictmodes.refusal(unsafe, f"cannot pin {b.name}")
-    ps = PinSet(backend=b.name, kind=b.kind, pinned_at=_now(), release=release or current_release(cfg),
+    ps = PinSet(backend=b.name, kind=b.kind, pinned_at=iso_utc(), release=release or current_release(cfg),
                 reason=reason, by=_who(), items=tuple(items), path=str(pins_path(cfg, b.name)), trees=trees)
     path = pins_path(cfg, b.name)
     try:

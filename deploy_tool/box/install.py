@@ -13,7 +13,8 @@ A previous release keeps running untouched until the new one is ready to start; 
 with no half-installed units.
 
 `install_plan` and `recover_plan` build those steps as data (`Step`s, from the config, the state and what the
-verified bundle and the box report); `--dry-run` prints them and the run walks them, one handler per step.
+verified bundle and the box report); `--dry-run` prints them; built for running, each step carries the `_Install`
+(or `_UndoInstall`) method it runs, and the run walks them.
 An operation of another kind found interrupted is finished by whoever hands `finish` in (deploy_tool.box.operations).
 """
 
@@ -36,13 +37,15 @@ from typing import Any
 
 from deploy_tool import archive, binaries, checks, proc, strictmodes, venv
 from deploy_tool import bundle as bundle_mod
-from deploy_tool.box import bootstrap, fingerprint, sequence
+from deploy_tool.box import bootstrap, fingerprint, frontctl, sequence
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.gate import api_key, queue_start, run_gate
-from deploy_tool.box.state import Operation, State, Step, Store, now_iso
+from deploy_tool.box.probe.gate import api_key, queue_start, run_gate
+from deploy_tool.box.state import Operation, State, Step, Store
+from deploy_tool.clock import iso_utc
 from deploy_tool.config import Config, expand
 from deploy_tool.errors import (
     BundleError,
+    ConfigError,
     DeployError,
     ExitCode,
     GpuError,
@@ -54,8 +57,11 @@ from deploy_tool.errors import (
 )
 from deploy_tool.fsutil import atomic_symlink, atomic_write, os_error
 from deploy_tool.manifest import hash_native_libs
+from deploy_tool.progress import waiting
 from deploy_tool.render import (
     API_KEY_FILE,
+    FRONT_SERVICE,
+    FRONT_SOCKET,
     LEGACY_SECRETS_ENV,
     RenderedFile,
     render_api_key,
@@ -113,23 +119,22 @@ def find_bundle(cfg: Config, given: str | None) -> Path:
     return cands[0]
 
 
-class _Undo:
-    """Undo actions run in reverse order on failure (pipx-style transaction)."""
+class _Undo(contextlib.ExitStack):
+    """What undoes each change an install made, run in reverse by `close()` when it fails (pipx-style); the
+    commit drops it (`pop_all()`). An undo that fails is logged by what it undoes and the rest still run."""
 
-    def __init__(self, log: Log) -> None:
-        self.actions: list[tuple[str, Callable[[], None]]] = []
+    def __init__(self, log: Log = lambda s: None) -> None:  # pop_all() makes one without a log
+        super().__init__()
         self.log = log
 
     def add(self, what: str, fn: Callable[[], None]) -> None:
-        self.actions.append((what, fn))
+        self.callback(self._undo_one, what, fn)
 
-    def run(self) -> None:
-        for what, fn in reversed(self.actions):
-            try:
-                fn()
-            except Exception as exc:  # keep undoing the rest; report what could not be undone
-                self.log(f"undo '{what}' failed: {exc}")
-        self.actions.clear()
+    def _undo_one(self, what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # keep undoing the rest; report what could not be undone
+            self.log(f"undo '{what}' failed: {exc}")
 
 
 def _backup_file(p: Path, undo: _Undo) -> None:
@@ -161,9 +166,10 @@ VERIFY_ALSO = " (a revoked or expired key is refused), refuse a sequence below t
 
 
 def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: InstallFacts | None,
-                 rebuild: bool = False, start: bool = True) -> list[Step]:
-    """The steps of an install after the lock; `facts` None: the bundle is not verified yet (--dry-run), so
-    its id is <id> and the steps that depend on what it carries say so."""
+                 rebuild: bool = False, start: bool = True, run: _Install | None = None) -> list[Step]:
+    """The steps of an install after the lock, each with what it runs when `run` (the install under way) is
+    given; `facts` None: the bundle is not verified yet (--dry-run), so its id is <id> and the steps that depend
+    on what it carries say so. The first step (the verification) runs before the plan is built."""
     releases, paths = Path(cfg.paths.releases_dir), cfg.paths
     rid = facts.release if facts else "<id>"
     final = releases / rid
@@ -179,29 +185,32 @@ def install_plan(cfg: Config, st: State, *, bundle: str, keys: str, facts: Insta
         stage = releases / f".staging-{rid}"
         how = ("rebuild the venv from the wheels (--no-index --require-hashes), compile, relocate" if rebuild
                else "unpack venv (bytecode included), relocate")
-        steps += [Step("venv-ready", f"unpack to {stage}, {how}", (str(stage),)),
+        steps += [Step("venv-ready", f"unpack to {stage}, {how}", (str(stage),), run=run.venv if run else None),
                   Step("native-libs-checked", "check the OS libraries the native binaries need, check native "
-                       "library hashes")]
+                       "library hashes", run=run.native_libs if run else None)]
         if facts is None or facts.tool:
             steps.append(Step("tool-ready", "build deploytool's own venv from the bundle's tool wheels",
-                              (f"{stage}/tool",), when="" if facts else "if the bundle carries them"))
-        steps.append(Step("release-laid-down", f"move it to {final}", (str(final),)))
+                              (f"{stage}/tool",), when="" if facts else "if the bundle carries them",
+                              run=run.tool_venv if run else None))
+        steps.append(Step("release-laid-down", f"move it to {final}", (str(final),), run=run.lay_down if run else None))
     else:
-        steps.append(Step("release-kept", f"{final} is laid down already: keep it", (str(final),)))
+        steps.append(Step("release-kept", f"{final} is laid down already: keep it", (str(final),),
+                          run=run.keep if run else None))
     secrets = f", the API key as the units' root-only credential {API_KEY_FILE}" if cfg.serve.api_key_file else ""
     steps += [Step("units-written", f"write units to {paths.unit_dir}, env files to {paths.env_dir}{secrets}",
-                   (paths.unit_dir, paths.env_dir)),
-              Step("current-flipped", f"flip {paths.current}", (paths.current,)),
-              Step("pinned", "pin fingerprints", (f"{paths.state_dir}/pins",)),
-              Step("daemon-reloaded", "daemon-reload")]
+                   (paths.unit_dir, paths.env_dir), run=run.write_units if run else None),
+              Step("current-flipped", f"flip {paths.current}", (paths.current,), run=run.flip_current if run else None),
+              Step("pinned", "pin fingerprints", (f"{paths.state_dir}/pins",), run=run.pin if run else None),
+              Step("daemon-reloaded", "daemon-reload", run=run.daemon_reload if run else None)]
     if start:
         target = cfg.backends[cfg.default_backend]
-        steps += [Step("started", f"stop the other backends, start {cfg.default_backend}",
-                       tuple(b.unit for b in cfg.backends.values())),
+        steps += [Step("started", f"stop the other backends, hold the public port {cfg.serve.port} "
+                                  f"({FRONT_SOCKET}), start {cfg.default_backend}",
+                       (*(b.unit for b in cfg.backends.values()), FRONT_SOCKET), run=run.start if run else None),
                   Step("healthy", f"health gate, then enable {target.unit} for boot and disable the others",
-                       (target.unit,))]
+                       (target.unit,), run=run.gate if run else None)]
     state = str(Store(paths.state_dir).state_path)
-    steps += [Step("committed", "commit state", (state,)),
+    steps += [Step("committed", "commit state", (state,), run=run.commit if run else None),
               Step("undo", "undo every step in reverse, start the backend that served, exit 14", (state,),
                    when="on failure")]
     return steps
@@ -213,39 +222,45 @@ def _backend_to_start(cfg: Config, st: State) -> str:
     return st.active_backend if st.active_backend and st.active_backend in cfg.backends else cfg.default_backend
 
 
-def recover_plan(cfg: Config, st: State, *, prev_laid_down: bool, prev_running: bool) -> list[Step]:
+def recover_plan(cfg: Config, st: State, *, prev_laid_down: bool, prev_running: bool,
+                 run: _UndoInstall | None = None) -> list[Step]:
     """The steps that undo an install killed midway (`prev_laid_down`: the release it replaced is on the box;
-    `prev_running`: the backend that served runs); run by `recover_install`."""
+    `prev_running`: the backend that served runs), each with what it runs when `run` is given; run by
+    `recover_install`."""
     op = st.operation
     assert op is not None and op.kind == "install"
     rid, prev = op.release, op.previous_release
     releases, paths = Path(cfg.paths.releases_dir), cfg.paths
     target = cfg.backends.get(op.to_backend or "")
     started_new = op.step in ("started", "healthy")
-    steps = [Step("clean-staging", f"remove {releases}/.verify-* and {releases}/.staging-{rid}")]
+    steps = [Step("clean-staging", f"remove {releases}/.verify-* and {releases}/.staging-{rid}",
+                  run=run.clean_staging if run else None)]
     if prev and prev_laid_down:
         steps += [Step("restore-release", f"point {paths.current} to {releases}/{prev}, write its env files and "
-                       "units back", (paths.current, paths.env_dir, paths.unit_dir)),
-                  Step("repin", f"pin fingerprints of release {prev}", (f"{paths.state_dir}/pins",))]
+                       "units back", (paths.current, paths.env_dir, paths.unit_dir), run=run.restore_release if run else None),
+                  Step("repin", f"pin fingerprints of release {prev}", (f"{paths.state_dir}/pins",),
+                       run=run.repin if run else None)]
         if started_new and target is not None and target.name != op.from_backend:
-            steps.append(Step("stop-target", f"stop {target.unit}", (target.unit,)))
+            steps.append(Step("stop-target", f"stop {target.unit}", (target.unit,), run=run.stop_target if run else None))
     else:
         units = sorted(b.unit for b in cfg.backends.values())
         steps.append(Step("remove-units", f"stop, disable and remove {', '.join(units)} (and the units release "
                           f"{rid} carries), their env files, the pins and {paths.current}: a fresh box keeps "
-                          "nothing half-installed", (*units, paths.env_dir, f"{paths.state_dir}/pins", paths.current)))
+                          "nothing half-installed", (*units, paths.env_dir, f"{paths.state_dir}/pins", paths.current),
+                          run=run.remove_units if run else None))
     if rid and rid != prev:
-        steps.append(Step("remove-release", f"remove {releases}/{rid}", (f"{releases}/{rid}",)))
-    steps.append(Step("daemon-reload", "daemon-reload"))
+        steps.append(Step("remove-release", f"remove {releases}/{rid}", (f"{releases}/{rid}",),
+                          run=run.remove_release if run else None))
+    steps.append(Step("daemon-reload", "daemon-reload", run=run.daemon_reload if run else None))
     if op.from_backend and op.from_backend in cfg.backends and prev:
         b = cfg.backends[op.from_backend]
         if started_new or not prev_running:  # (re)started: serving again only once it is healthy
             steps.append(Step("restart-previous", f"{'restart' if started_new else 'start'} {b.unit} of release "
-                              f"{prev} behind the health gate", (b.unit,)))
+                              f"{prev} behind the health gate", (b.unit,), run=run.restart_previous if run else None))
     elif started_new and target is not None:
-        steps.append(Step("stop-new", f"stop {target.unit}", (target.unit,)))
+        steps.append(Step("stop-new", f"stop {target.unit}", (target.unit,), run=run.stop_target if run else None))
     steps.append(Step("undone", f"clear the interrupted install from state (release {prev or 'none'}), record it in "
-                      "history", (str(Store(paths.state_dir).state_path),)))
+                      "history", (str(Store(paths.state_dir).state_path),), run=run.undone if run else None))
     return steps
 
 
@@ -304,6 +319,10 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
 def check_gpus(cfg: Config) -> None:
     """Refuse, before anything changes, a config whose cuda backends would lose their GPUs on this box: no NVIDIA
     driver, a host.gpus entry the driver does not have, device nodes the service user cannot open."""
+    front = checks.front_errors(cfg)
+    if front:
+        raise ConfigError("; ".join(f"{f.id}: {f.message}" for f in front), hint=front[0].fix,
+                          details={"findings": [f.to_json() for f in front]})
     errs = checks.gpu_box_errors(cfg)
     if errs:
         raise GpuError("this box cannot give the cuda backends their GPUs: " + "; ".join(f.message for f in errs),
@@ -354,20 +373,24 @@ def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: St
                          running=installed and start and any(
                              sd.show(b.unit).active_state in ("active", "activating", "reloading")
                              for b in cfg.backends.values()))
+    # what to do, first: the steps are bound to the run below only when there is an install to run
     steps = install_plan(cfg, st, bundle=str(path), keys=keys, facts=facts, rebuild=rebuild, start=start)
     if steps[1].name == "start-installed":
         return _start_installed(cfg, sd, store, st, rid, final, log=log, t0=t0)
     if steps[1].name == "noop":
         return InstallResult(True, "noop", rid, str(final), st.active_backend, seconds=time.monotonic() - t0,
                              message=f"release {rid} is already installed; nothing to do")
-    op = Operation(kind="install", op_id=uuid.uuid4().hex[:12], started=now_iso(), step="verified",
+    op = Operation(kind="install", op_id=uuid.uuid4().hex[:12], started=iso_utc(micro=True), step="verified",
                    from_backend=st.active_backend, to_backend=cfg.default_backend, release=rid,
                    previous_release=st.release, pid=os.getpid())
     st = store.begin(st, op)
     undo = _Undo(log)
     try:
-        res = _Install(cfg, sd, store, st, vb, final, rebuild=rebuild, undo=undo, log=log,
-                       progress=progress, seq=seq, downgrade=downgrade).run(steps)
+        run = _Install(cfg, sd, store, st, vb, final, rebuild=rebuild, undo=undo, log=log,
+                       progress=progress, seq=seq, downgrade=downgrade)
+        run.marks[0]["since_start_s"] = round(run.marks[0]["t"] - t0, 3)  # lock, verify, checks, intent
+        res = run.run(install_plan(cfg, st, bundle=str(path), keys=keys, facts=facts, rebuild=rebuild, start=start,
+                                   run=run))
     except BaseException as exc:
         _undo(cfg, sd, store, st, undo, log)
         if isinstance(exc, OSError):  # disk full and the like, from any step: a clean error, exit 17
@@ -390,7 +413,7 @@ def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: St
 def _undo(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, undo: _Undo, log: Log) -> None:
     """The failure step: every step undone in reverse, the backend that served started again, intent cleared."""
     log("install failed; undoing")
-    undo.run()
+    undo.close()
     with contextlib.suppress(DeployError):
         sd.daemon_reload()
     prev = st.active_backend
@@ -524,6 +547,8 @@ def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: Sta
     name = _backend_to_start(cfg, st)
     target = cfg.backends[name]
     log(f"release {rid} is already installed but no backend is running; starting {name}")
+    if sd.unit_path(FRONT_SOCKET).exists():
+        start_front(cfg, sd, None, log=log)
     sd.reset_failed(target.unit)
     queue_start(sd, target.unit, restart=True)
     try:
@@ -540,13 +565,35 @@ def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: Sta
     store.save(replace(store.load(), active_backend=name,
                        previous_backend=st.previous_backend if st.active_backend == name else st.active_backend))
     store.record("install", ok=True, release=rid, backend=name, action="started")
-    from deploy_tool.box.liveness import arm
+    from deploy_tool.box.probe.liveness import arm
 
     arm(cfg, sd, log=log)
     return InstallResult(True, "started", rid, str(final), name, seconds=time.monotonic() - t0,
                          steps=[{"step": "healthy", "ready_s": round(gate.ready_s, 2)}],
                          message=f"release {rid} is already installed; {name} was not running and now serves "
                                  f"{cfg.serve.model_name!r} on port {cfg.serve.port}")
+
+
+def start_front(cfg: Config, sd: systemd_mod.Systemd, undo: _Undo | None, *, log: Log) -> None:
+    """The front's socket enabled and started (the public port, held by systemd from now on) and its service
+    started, or restarted without waiting when it runs (the new release's launch/front.py and unit take over; the
+    socket keeps every connection meanwhile, requests in flight finish first). `undo`: how to take it back down,
+    when it was not up before."""
+    sd.enable(FRONT_SOCKET, reload=False)
+    sd.start(FRONT_SOCKET)
+    if undo is not None:
+        def down() -> None:
+            sd.stop(FRONT_SERVICE)
+            sd.stop(FRONT_SOCKET)
+            sd.disable(FRONT_SOCKET, reload=False)
+
+        undo.add(f"stop and disable {FRONT_SOCKET}", down)
+    if sd.show(FRONT_SERVICE).active_state in ("active", "activating"):
+        sd.restart(FRONT_SERVICE, no_block=True)
+    else:
+        sd.start(FRONT_SERVICE, no_block=True)
+    log(f"the public port {cfg.serve.host}:{cfg.serve.port} is held by {FRONT_SOCKET}; requests wait for a backend "
+        f"at most {cfg.hold_timeout_s:g} s")
 
 
 def _units_match(cfg: Config, root: Path) -> bool:
@@ -559,8 +606,8 @@ def _units_match(cfg: Config, root: Path) -> bool:
 
 
 class _Install:
-    """One install under the lock, walking its plan: a handler per step, each journaled (and a fault point)
-    once done; every change it makes registers its undo."""
+    """One install under the lock: what each step of its plan runs (install_plan binds them), each journaled
+    (and a fault point) once done; every change it makes registers its undo."""
 
     def __init__(self, cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, vb: bundle_mod.VerifiedBundle,
                  final: Path, *, rebuild: bool, undo: _Undo, log: Log, progress,
@@ -572,14 +619,15 @@ class _Install:
         self.stage = final.parent / f".staging-{self.rid}"
         self.target = cfg.backends[cfg.default_backend]
         self.started = False
-        self.marks: list[dict[str, Any]] = []
+        self.front_before: dict | None = None
+        # the verification ran before the plan: its end is the first mark, so every step's time is between marks
+        self.marks: list[dict[str, Any]] = [{"step": "verified", "t": round(time.monotonic(), 3)}]
         self.tool: Future[None] | None = None
-
-    # the plan's steps after the verification (the failure step aside) and the method that runs each
-    HANDLERS = {"venv-ready": "venv", "native-libs-checked": "native_libs", "tool-ready": "tool_venv",
-                "release-laid-down": "lay_down", "release-kept": "keep", "units-written": "write_units",
-                "current-flipped": "flip_current", "pinned": "pin", "daemon-reloaded": "daemon_reload",
-                "started": "start", "healthy": "gate", "committed": "commit"}
+        # the files this install hashed as it wrote them (the verified bundle copy, the unpacked venv), by their
+        # path in the release and their stat then: the native library check and the pin read none of them again
+        self.written = fingerprint.HashCache()  # in memory: only values computed in this process
+        if vb.extracted:
+            self._note_written(vb.root, {f.path: f.sha256 for f in vb.manifest.files}, "")
 
     def run(self, steps: list[Step]) -> InstallResult:
         # deploytool's own venv needs only the (verified) tool wheels: it is built on this pool while the backend
@@ -588,7 +636,9 @@ class _Install:
             for step in steps:
                 if step.when or step.name == "verified":  # verified: done before the plan; the failure step: above
                     continue
-                kw: dict[str, Any] = getattr(self, self.HANDLERS[step.name])()
+                assert step.run is not None, step.name
+                with waiting(f"install: {step.does}"):  # unpacking, pinning, the tool venv, the gate: each shown
+                    kw: dict[str, Any] = step.run()
                 if step.name in JOURNALED:
                     self.marks.append({"step": step.name, "t": round(time.monotonic(), 3), **kw})
                     self.log(step.name + "".join(f" {k}={v}" for k, v in kw.items()))
@@ -598,6 +648,20 @@ class _Install:
                              message=f"release {self.rid} installed" + (
                                  f"; {name} is serving {self.cfg.serve.model_name!r} on port {self.cfg.serve.port}"
                                  if self.started else ""))
+
+    def _note_written(self, root: Path, digests: dict[str, str], under: str) -> None:
+        """Record the files under `root` whose bytes were hashed as they were written (`digests`, by relative
+        path), with their stat now: a file changed or replaced after this (relocated, a mode fixed) has another
+        stat, so the pin's cache misses it and reads it; one changed in the same clock tick is racy and read too."""
+        at = time.time_ns()
+        final = str(self.final) + "/" + under
+        for rel, sha in digests.items():
+            try:
+                st = os.lstat(root / rel)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                self.written.put(final + rel, st, "sha256", sha, at)
 
     def venv(self) -> dict[str, Any]:
         cfg, stage, venv_final = self.cfg, self.stage, self.final / "venv"
@@ -619,15 +683,26 @@ class _Install:
             venv.compile_venv(stage / "venv", cfg.paths.current, self.log)  # the same .pyc the archive carries
             venv.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
         else:
-            archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=self.progress)
+            t0 = time.monotonic()
+            # the Python writer hashes each file as it writes it, for the checks after; through the system's tar
+            # the data never enters this process (splice) and they read the files back from the page cache
+            digests: dict[str, str] | None = None if archive.unpack_tools() else {}
+            archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=self.progress,
+                                    digests=digests)
+            if digests:
+                self._note_written(stage / "venv", digests, "venv/")
+            t1 = time.monotonic()
             venv.finish_venv(cfg.bundle.python, stage / "venv")
+            t2 = time.monotonic()
             venv.relocate_venv(stage / "venv", (self.vb.manifest.inputs.get("venv_placeholder", venv.VENV_PLACEHOLDER),
                                                 str(stage / "venv")), str(venv_final))
-        return {"mode": "rebuild" if self.rebuild else "unpack"}
+            return {"mode": "unpack", "unpack_s": round(t1 - t0, 3), "finish_s": round(t2 - t1, 3),
+                    "relocate_s": round(time.monotonic() - t2, 3)}
+        return {"mode": "rebuild"}
 
     def native_libs(self) -> dict[str, Any]:
         check_os_libraries(self.cfg, self.stage)
-        got = hash_native_libs(self.stage / "venv", progress=self.progress)
+        got = hash_native_libs(self.stage / "venv", progress=self.progress, known=self.written.get_same_file)
         want = dict(self.vb.manifest.native_libs)
         bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
         if bad:
@@ -646,7 +721,6 @@ class _Install:
             os.rename(self.stage, self.final)
         except OSError as exc:
             raise os_error(exc, f"cannot move release into {self.final}") from None
-        self.undo.actions.pop()  # the staging dir no longer exists
         final = self.final
         self.undo.add(f"remove release {final}", lambda: shutil.rmtree(final, ignore_errors=True))
         server_modes(final)
@@ -690,7 +764,9 @@ class _Install:
 
     def pin(self) -> dict[str, Any]:
         pins_dir = Path(self.cfg.paths.state_dir) / "pins"
-        fresh = fingerprint.HashCache()  # the backends share the release: it is read once for all their pins
+        # the backends share the release: it is read once for all their pins, and what this install hashed as it
+        # wrote it (same path, same stat, not racy) is not read at all
+        fresh = self.written
         for name in sorted(self.cfg.backends):
             _backup_file(pins_dir / f"{name}.json", self.undo)
             fingerprint.pin(self.cfg, self.cfg.backends[name], f"install of release {self.rid}", release=self.rid,
@@ -703,11 +779,17 @@ class _Install:
 
     def start(self) -> dict[str, Any]:
         sd, target = self.sd, self.target
-        for o in self.cfg.other_backends(target.name):
+        front_was_up = sd.show(FRONT_SOCKET).active_state == "active"
+        self.front_before = frontctl.stats(self.cfg)  # what clients see from here goes into the history event
+        # a box upgraded from a deploytool without the front: the serving backend holds the public port itself,
+        # so it stops before the front's socket can take that port (its clients wait from then on)
+        stop = self.cfg.other_backends(target.name) + ([] if front_was_up else [target])
+        for o in stop:
             if sd.show(o.unit).active_state in ("active", "activating"):
                 sd.stop(o.unit)
                 self.undo.add(f"restart {o.unit}", functools.partial(sd.start, o.unit, no_block=True,
                                                                      past_start_limit=True))
+        start_front(self.cfg, sd, self.undo if not front_was_up else None, log=self.log)
         sd.reset_failed(target.unit)
         self.undo.add(f"stop {target.unit}", lambda: sd.stop(target.unit))
         queue_start(sd, target.unit, restart=True)
@@ -730,19 +812,23 @@ class _Install:
                       active_backend=name if self.started else st.active_backend,
                       previous_backend=st.active_backend if st.active_backend != name else st.previous_backend)
         if self.seq is not None:  # the highest of its name, once the install is committed (box.sequence)
-            sequence.record(self.cfg.paths.state_dir, self.seq, rid, now_iso())
+            sequence.record(self.cfg.paths.state_dir, self.seq, rid, iso_utc(micro=True))
         self.store.save(new)
-        self.undo.actions.clear()
+        self.undo.pop_all()  # committed: nothing is undone
         extra: dict[str, Any] = {"key_id": self.vb.key_id}
         if self.seq is not None:
             extra.update(bundle_name=self.seq.name, sequence=self.seq.number)
         if self.downgrade is not None:
             extra["downgrade"] = self.downgrade.to_json()
             extra["reason"] = f"downgrade: {self.downgrade.reason}"
+        if self.started:
+            seen = frontctl.delta(self.front_before, frontctl.stats(self.cfg))
+            if seen is not None:
+                extra["clients"] = seen
         self.store.record("install", ok=True, release=rid, backend=name if self.started else None,
                           previous_release=st.release, mode="rebuild" if self.rebuild else "unpack", **extra)
         if self.started:
-            from deploy_tool.box.liveness import arm
+            from deploy_tool.box.probe.liveness import arm
 
             arm(self.cfg, self.sd, log=self.log)
         from deploy_tool.box import releases  # keep supervision.keep_releases, under this install's lock
@@ -814,8 +900,8 @@ def _bootstrap_tool(cfg: Config, stage: Path, final: Path, log: Log) -> None:
 
 # ---------------------------------------------------------------------------------------------------- recover
 
-def recover_steps(cfg: Config, st: State, *, sd: systemd_mod.Systemd) -> list[Step]:
-    """The plan that undoes the interrupted install in `st`, from what the box reports."""
+def recover_steps(cfg: Config, st: State, *, sd: systemd_mod.Systemd, run: _UndoInstall | None = None) -> list[Step]:
+    """The plan that undoes the interrupted install in `st`, from what the box reports (bound to `run`)."""
     op = st.operation
     assert op is not None
     prev = op.previous_release
@@ -823,7 +909,7 @@ def recover_steps(cfg: Config, st: State, *, sd: systemd_mod.Systemd) -> list[St
     started_new = op.step in ("started", "healthy")
     b = cfg.backends.get(op.from_backend or "")
     running = b is not None and bool(prev) and not started_new and sd.show(b.unit).is_active
-    return recover_plan(cfg, st, prev_laid_down=laid_down, prev_running=running)
+    return recover_plan(cfg, st, prev_laid_down=laid_down, prev_running=running, run=run)
 
 
 def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Systemd, log: Log) -> None:
@@ -832,17 +918,13 @@ def recover_install(cfg: Config, store: Store, st: State, *, sd: systemd_mod.Sys
 
     Runs under the state lock, so no other install is using releases/.verify-* or .staging-* right now."""
     run = _UndoInstall(cfg, store, st, sd=sd, log=log)
-    for step in recover_steps(cfg, st, sd=sd):
-        getattr(run, run.HANDLERS[step.name])()
+    for step in recover_steps(cfg, st, sd=sd, run=run):
+        assert step.run is not None, step.name
+        step.run()
 
 
 class _UndoInstall:
-    """Undoing one interrupted install, walking its plan: a handler per step."""
-
-    HANDLERS = {"clean-staging": "clean_staging", "restore-release": "restore_release", "repin": "repin",
-                "stop-target": "stop_target", "stop-new": "stop_target", "remove-units": "remove_units",
-                "remove-release": "remove_release", "daemon-reload": "daemon_reload",
-                "restart-previous": "restart_previous", "undone": "undone"}
+    """Undoing one interrupted install: what each step of its plan runs (recover_plan binds them)."""
 
     def __init__(self, cfg: Config, store: Store, st: State, *, sd: systemd_mod.Systemd, log: Log) -> None:
         assert st.operation is not None and st.operation.kind == "install"

@@ -5,6 +5,11 @@ it to `paths.metrics_file` after every install, switch, rollback and recover (be
 cannot be written is a warning, never a failed operation); `deploytool metrics` prints or writes it on demand
 (a timer can run `deploytool metrics --write` to keep the serving gauge fresh between operations).
 
+After an operation, the report is made from what the operation itself learned (`Learned`: which backend passed
+its health gate last and serves, which backends' fingerprints it verified or pinned), state.json, the history,
+and for a backend it did not verify, the drift the file said before; only an operation whose outcome says
+nothing of the kind (a refusal, a no-op, an undone install) gets a whole `status` collection instead.
+
 The file is written atomically (a temp file `.NAME.tmp-PID` beside it, fsynced, renamed over it), so the
 collector never reads a partial file, and the temp name does not end in `.prom`, so the collector never reads
 it either. When the file's directory does not exist nothing is written: with the default path that means
@@ -25,10 +30,14 @@ import datetime as _dt
 import logging
 import math
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy_tool.box import status
+from deploy_tool.box.state import Store
 from deploy_tool.config import DEFAULT_METRICS_FILE, Config
 from deploy_tool.errors import DeployError, ExitCode
 from deploy_tool.fsutil import atomic_write
@@ -113,9 +122,16 @@ def epoch(iso: object) -> float | None:
 def counts(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """What the history says: the last gate (ok, time), failovers (ok / failed), liveness failures and restarts."""
     c: dict[str, Any] = {"failovers": 0, "failover_failures": 0, "liveness_failures": 0, "liveness_restarts": 0,
-                         "last_gate_ok": None, "last_gate_time": None}
+                         "last_gate_ok": None, "last_gate_time": None, "clients": {}}
     for e in events:
         what = e.get("event")
+        seen = e.get("clients")
+        if isinstance(seen, dict) and isinstance(what, str):
+            mine = c["clients"].setdefault(what, {"held_s": 0.0, "waited": 0, "failed": 0})
+            for k in mine:
+                v = seen.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+                    mine[k] += v
         if what == "failover" and isinstance(e.get("ok"), bool):
             c["failovers" if e["ok"] else "failover_failures"] += 1
         elif what == "liveness":
@@ -166,16 +182,76 @@ def render(cfg: Config, rep: dict[str, Any], events: Iterable[dict[str, Any]]) -
                [({}, c["liveness_failures"])])
     out.family("liveness_restarts_total", "counter", "restarts of the active backend by the liveness probe",
                [({}, c["liveness_restarts"])])
+    clients = c["clients"]
+    if clients:
+        ops = sorted(clients)
+        out.family("operation_held_seconds_total", "counter", "seconds the front held new requests during "
+                   "deploytool's operations, by kind (switch, rollback, failover, ...)",
+                   [({"operation": k}, float(clients[k]["held_s"])) for k in ops])
+        out.family("operation_requests_waited_total", "counter", "client requests that waited at the front for a "
+                   "backend during deploytool's operations, by kind", [({"operation": k}, clients[k]["waited"])
+                                                                      for k in ops])
+        out.family("operation_requests_failed_total", "counter", "client requests the front could not answer "
+                   "from a backend (503 past serve.hold_timeout_s, or an answer cut off) during deploytool's "
+                   "operations, by kind", [({"operation": k}, clients[k]["failed"]) for k in ops])
+    front = rep.get("front") or {}
+    counters = front.get("counters") if isinstance(front.get("counters"), dict) else None
+    if counters is not None:
+        out.family("front_requests_total", "counter", "requests the front answered from a backend since it "
+                   "started", [({}, int(counters.get("requests", 0)))])
+        out.family("front_requests_waited_total", "counter", "of those and the failed, the requests that waited "
+                   "for a backend", [({}, int(counters.get("waited", 0)))])
+        out.family("front_requests_failed_total", "counter", "requests answered 503 past the hold bound or cut "
+                   "off mid-answer since the front started", [({}, int(counters.get("failed", 0)))])
+        out.family("front_held_seconds_total", "counter", "seconds the front held new requests for deploytool "
+                   "since it started", [({}, float(counters.get("held_s", 0.0)))])
     return out.text()
 
 
 def collect_text(cfg: Config, *, sd: Any = None) -> tuple[str, dict[str, Any]]:
     """(the metrics text, the status report it was made from)."""
-    from deploy_tool.box import status
-    from deploy_tool.box.state import Store
-
     rep = status.collect(cfg, sd=sd, boot=False)
     return render(cfg, rep, Store(cfg.paths.state_dir).history()), rep
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What an operation found out on its way: `serving`, the backend whose health gate passed last and that
+    serves now (None: nothing serves); `verified`, each backend whose fingerprints it compared or pinned, with
+    whether they matched."""
+
+    serving: str | None
+    verified: Mapping[str, bool] = field(default_factory=dict)
+
+
+_DRIFT_LINE = re.compile(r'^deploytool_drift\{backend="((?:[^"\\]|\\.)*)"\} ([01])$', re.M)
+
+
+def _previous_drift(path: str) -> dict[str, bool]:
+    """backend -> drifted, as the metrics file at `path` says (empty when there is none)."""
+    try:
+        text = Path(path).read_text("utf-8", errors="replace")
+    except OSError:
+        return {}
+    return {re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), m.group(1)): m.group(2) == "1"
+            for m in _DRIFT_LINE.finditer(text)}
+
+
+def learned_report(cfg: Config, learned: Learned, *, previous_drift: Mapping[str, bool]) -> dict[str, Any]:
+    """The part of a status report the metrics show, from state.json and what the operation learned."""
+    st = Store(cfg.paths.state_dir).load()
+    drift = {n: d for n, d in previous_drift.items() if n in cfg.backends}
+    drift.update({n: not ok for n, ok in learned.verified.items()})
+    serves = learned.serving is not None and learned.serving == st.active_backend
+    rep: dict[str, Any] = {
+        "installed": True, "active_backend": st.active_backend, "release": st.release,
+        "interrupted": st.operation.__dict__ if st.operation else None, "operation_running": False,
+        "units": {}, "health": {"ok": serves, "detail": "its health gate passed" if serves else "not gated"},
+        "fingerprints": {n: {"ok": not d} for n, d in sorted(drift.items())},
+    }
+    code, reasons = status.verdict(rep)
+    rep["verdict"] = {"exit_code": int(code), "state": status.STATES[code], "reasons": reasons}
+    return rep
 
 
 def write(path: str | os.PathLike[str], text: str) -> Path:
@@ -185,11 +261,12 @@ def write(path: str | os.PathLike[str], text: str) -> Path:
     return p
 
 
-def refresh(cfg: Config, *, sd: Any = None, quiet: bool = False) -> Path | None:
-    """After an operation: rewrite paths.metrics_file if it is on and its directory exists. Never raises: a
-    failure is logged as a warning (the operation's own result stands). A missing directory is worth a warning
-    only for a path the config names, and not with `quiet` (after a failed operation, whose own error is the
-    message: an install refused before it laid anything down leaves no state directory)."""
+def refresh(cfg: Config, *, sd: Any = None, quiet: bool = False, learned: Learned | None = None) -> Path | None:
+    """After an operation: rewrite paths.metrics_file if it is on and its directory exists, from what the
+    operation `learned` (else from a whole status collection). Never raises: a failure is logged as a warning
+    (the operation's own result stands). A missing directory is worth a warning only for a path the config names,
+    and not with `quiet` (after a failed operation, whose own error is the message: an install refused before it
+    laid anything down leaves no state directory)."""
     path = cfg.paths.metrics_file
     if not path:
         return None
@@ -198,7 +275,11 @@ def refresh(cfg: Config, *, sd: Any = None, quiet: bool = False) -> Path | None:
             log.warning("metrics: not written: the directory of paths.metrics_file %s does not exist", path)
         return None
     try:
-        text, _ = collect_text(cfg, sd=sd)
+        if learned is None:
+            text, _ = collect_text(cfg, sd=sd)
+        else:
+            rep = learned_report(cfg, learned, previous_drift=_previous_drift(path))
+            text = render(cfg, rep, Store(cfg.paths.state_dir).history())
         return write(path, text)
     except DeployError as exc:
         log.warning("metrics: %s not written: %s", path, exc.message.splitlines()[0])

@@ -29,7 +29,6 @@ not one; a removed one is retired).
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import os
 import shutil
 import uuid
@@ -41,12 +40,13 @@ from typing import Any
 from deploy_tool import faults
 from deploy_tool.box import metrics
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.state import Operation, State, Store, now_iso
+from deploy_tool.box.state import Operation, State, Store
+from deploy_tool.clock import iso_utc
 from deploy_tool.config import Config
 from deploy_tool.errors import InputError, StateError
 from deploy_tool.fsutil import os_error
 from deploy_tool.manifest import Manifest
-from deploy_tool.render import API_KEY_FILE, FAILOVER_TEMPLATE, LEGACY_SECRETS_ENV, LIVENESS_UNIT
+from deploy_tool.render import API_KEY_FILE, FAILOVER_TEMPLATE, FRONT_UNITS, LEGACY_SECRETS_ENV, LIVENESS_UNIT
 
 Log = Callable[[str], None]
 REMOVING = ".removing-"
@@ -157,7 +157,7 @@ def releases(cfg: Config, st: State | None = None, events: list[dict[str, Any]] 
                 r.last_active = e.get("time")
         if r.installed is None:  # history lost or older than the release: when it was laid down
             with contextlib.suppress(OSError):
-                r.installed = _dt.datetime.fromtimestamp(p.stat().st_mtime, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                r.installed = iso_utc(p.stat().st_mtime, micro=True)
         out.append(r)
     return sorted(out, key=lambda r: (r.installed or "", r.id))
 
@@ -288,8 +288,9 @@ UNINSTALL_STEPS = ("units-stopped", "units-removed", "env-removed", "releases-re
 
 
 def units(cfg: Config) -> list[str]:
-    """The unit files deploytool writes for this config."""
-    return sorted({b.unit for b in cfg.backends.values()} | {LIVENESS_UNIT, FAILOVER_TEMPLATE})
+    """The unit files deploytool writes for this config, in the order they are stopped: the front's socket first
+    (no connection starts its service again), then its service, then the rest."""
+    return [*FRONT_UNITS, *sorted({b.unit for b in cfg.backends.values()} | {LIVENESS_UNIT, FAILOVER_TEMPLATE})]
 
 
 def uninstall_plan(cfg: Config, *, purge: bool) -> list[dict[str, Any]]:
@@ -324,6 +325,16 @@ def uninstall(cfg: Config, *, purge: bool = False, dry_run: bool = False, wait: 
     """`deploytool uninstall`: the box as before the first install, but its config and keys (all with --purge)."""
     if dry_run:
         return UninstallResult(True, uninstall_plan(cfg, purge=purge), _kept(cfg, purge), dry_run=True)
+    from deploy_tool.box import journal
+
+    with journal.operation(cfg, "uninstall", "uninstall" + (" --purge" if purge else "")) as ev:
+        res = _uninstall(cfg, purge=purge, wait=wait, sd=sd, log=ev.tee(log))
+        ev.result(True, "uninstalled" if res.steps else "nothing installed, nothing to do")
+        return res
+
+
+def _uninstall(cfg: Config, *, purge: bool, wait: float, sd: systemd_mod.Systemd | None,
+               log: Log) -> UninstallResult:
     sd = sd or systemd_mod.for_config(cfg)
     store = Store(cfg.paths.state_dir)
     if not Path(cfg.paths.state_dir).exists() and not Path(cfg.paths.releases_dir).exists():
@@ -334,7 +345,7 @@ def uninstall(cfg: Config, *, purge: bool = False, dry_run: bool = False, wait: 
         if st.operation is not None and st.operation.kind != "uninstall":
             _refuse_pending(st, "uninstall")
         if st.operation is None:
-            st = store.begin(st, Operation(kind="uninstall", op_id=uuid.uuid4().hex[:12], started=now_iso(),
+            st = store.begin(st, Operation(kind="uninstall", op_id=uuid.uuid4().hex[:12], started=iso_utc(micro=True),
                                            step="units-stopped", from_backend=st.active_backend, to_backend=None,
                                            release=st.release, previous_release=st.previous_release,
                                            pid=os.getpid()))

@@ -9,7 +9,6 @@ An operation's plan is a list of `Step`s: what `--dry-run` shows is what the ope
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import errno
 import fcntl
 import json
@@ -21,14 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from deploy_tool import faults
+from deploy_tool.clock import iso_utc
 from deploy_tool.errors import LockedError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 
 STATE_FORMAT = 1
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)
@@ -48,12 +44,16 @@ class Operation:
 
 @dataclass(frozen=True)
 class Step:
-    """One step of an operation's plan, built before acting: `--dry-run` prints it, the operation runs it."""
+    """One step of an operation's plan, built before acting: `--dry-run` prints it, the operation runs it.
+
+    `run` is what the step does, bound to the operation's run object when the plan is built for running (a plan
+    built for --dry-run has none); it is not part of the step's data (text, JSON, equality)."""
 
     name: str  # what the operation calls it (where it journals steps: state.json's operation.step, a fault point)
     does: str  # what it does, in words
     touches: tuple[str, ...] = ()  # the units and paths it changes
     when: str = ""  # empty: always, in order; else the condition it runs under ("on failure")
+    run: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
 
     def text(self) -> str:
         return f"{self.when}: {self.does}" if self.when else self.does
@@ -124,7 +124,7 @@ class Store:
 
     def save(self, st: State) -> State:
         self.ensure()
-        st = replace(st, updated=now_iso())
+        st = replace(st, updated=iso_utc(micro=True))
         atomic_write(self.state_path, (json.dumps(st.to_json(), indent=2, sort_keys=True) + "\n").encode(), 0o644)
         return st
 
@@ -165,7 +165,7 @@ class Store:
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event line to history.jsonl (O_APPEND, one write, fsync)."""
         self.ensure()
-        entry = {"time": now_iso(), "event": event, **fields}
+        entry = {"time": iso_utc(micro=True), "event": event, **fields}
         line = (json.dumps(entry, sort_keys=True, default=str) + "\n").encode()
         try:
             fd = os.open(self.history_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -198,18 +198,16 @@ class Store:
         """Hold the exclusive lock for the operation `what`; wait up to `wait` seconds, else fail (exit 12)
         naming the holder's operation and pid.
 
-        The lock is a flock on the file `lock`, whose content is the holder's record (JSON: operation, pid,
-        since). The record is written atomically: the holder writes a new file, locks it, and renames it over
-        the lock file while still holding the old one, so a reader only ever sees a complete record, and a
-        process that locked the replaced file notices (its inode is no longer the lock file's) and tries again.
-        (Only the very first lock on a box creates an empty file, replaced by its holder's record at once.)
-        """
+        The lock is a flock on the file `lock`. Once it holds the flock, the holder writes its record (JSON:
+        operation, pid, since) into that file, and empties it again when it lets go. The record is for messages
+        only: the flock is the lock (a killed holder releases it with its process)."""
         self.ensure()
         deadline = time.monotonic() + wait
         while True:
             fd = self._open(self.lock_path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
             except OSError as exc:
                 os.close(fd)
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
@@ -217,15 +215,16 @@ class Store:
                 if time.monotonic() >= deadline:
                     raise self._locked_error(what) from None
                 time.sleep(0.05)
-                continue
-            if _same_file(fd, self.lock_path):
-                break
-            os.close(fd)  # we locked a file the previous holder had already replaced: take the new one
         try:
-            fd = self._replace_record(fd, what)
+            rec = json.dumps({"operation": what, "pid": os.getpid(), "since": iso_utc(micro=True)}, sort_keys=True) + "\n"
+            with contextlib.suppress(OSError):  # without a record, a refused caller names no holder
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, rec.encode(), 0)
             yield
         finally:
-            os.close(fd)  # closing releases the flock; a killed holder releases it too
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing releases the flock
 
     def _open(self, path: Path, flags: int) -> int:
         try:
@@ -233,58 +232,27 @@ class Store:
         except OSError as exc:
             raise os_error(exc, f"cannot open lock {path}") from None
 
-    def _replace_record(self, old_fd: int, what: str) -> int:
-        """Put a lock file holding this process's record in place of the one `old_fd` locks; return its fd
-        (locked). On any failure the old lock is kept (the record is only for messages)."""
-        rec = json.dumps({"operation": what, "pid": os.getpid(), "since": now_iso()}, sort_keys=True) + "\n"
-        tmp = self.dir / ".lock.new"  # only the lock holder writes it
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError:
-            return old_fd
-        try:
-            os.write(fd, rec.encode())
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can have it open yet
-            os.rename(tmp, self.lock_path)
-        except OSError:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            return old_fd
-        os.close(old_fd)
-        return fd
-
     def holder(self) -> dict[str, Any] | None:
-        """The record of the process holding the lock ({"operation", "pid", "since"}), None when it is free.
+        """The record of the process holding the lock ({"operation", "pid", "since"}), None when it is free (or
+        was taken a moment ago and has no record yet).
 
-        The pid is the kernel's (/proc/locks); the operation comes from the record, used only when its pid is
-        that holder's (a new holder replaces the record right after taking the lock: wait a moment for it).
-        """
-        rec: dict[str, Any] = {}
-        pids: list[int] = []
-        for _ in range(100):
+        A record left by a holder that was killed is told from a live one by the flock itself: only when a
+        record is there, a shared flock is tried, which the holder's exclusive one refuses."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            rec = _parse_record(os.pread(fd, 4096, 0))
+            if not rec:
+                return None
             try:
-                fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError:
-                return None
-            try:
-                st = os.fstat(fd)
-                raw = os.pread(fd, 4096, 0)
-            finally:
-                os.close(fd)
-            rec = _parse_record(raw)
-            found = _flock_holders(st)
-            if found is None or 0 in found:  # no /proc/locks, or a holder outside our pid namespace
-                return rec or None
-            pids = found
-            if not pids:
-                return None
-            if rec.get("pid") in pids:
-                return rec
-            time.sleep(0.005)
-        return {"operation": None, "pid": pids[0], "since": None}
+                return rec  # held
+            return None  # free: the record is a killed holder's
+        finally:
+            os.close(fd)
 
     def _locked_error(self, what: str) -> LockedError:
         h = self.holder()
@@ -299,14 +267,6 @@ class Store:
                            hint="wait for it to finish, or pass --wait SECONDS", details={"holder": h})
 
 
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 def _parse_record(raw: bytes) -> dict[str, Any]:
     try:
         d = json.loads(raw.decode("utf-8"))
@@ -316,20 +276,3 @@ def _parse_record(raw: bytes) -> dict[str, Any]:
         return {}
     return {"operation": str(d.get("operation") or "") or None, "pid": d["pid"],
             "since": str(d["since"]) if d.get("since") else None}
-
-
-def _flock_holders(st: os.stat_result) -> list[int] | None:
-    """PIDs holding a flock on the file `st` describes, from /proc/locks (`1: FLOCK ADVISORY WRITE 4242
-    fe:00:2146450 0 EOF`; blocked waiters are `1: -> FLOCK ...`); None when /proc/locks cannot be read."""
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    out = []
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
-                    with contextlib.suppress(ValueError):
-                        out.append(int(parts[4]))
-    except OSError:
-        return None
-    return out

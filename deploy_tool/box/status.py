@@ -23,13 +23,14 @@ from typing import Any
 import click
 
 from deploy_tool import gpu, proc, strictmodes
-from deploy_tool.box import fingerprint, health, runtime
+from deploy_tool.box import fingerprint, frontctl, runtime
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.gate import api_key, base_url, host_pid, runtime_truth
+from deploy_tool.box.probe import health
+from deploy_tool.box.probe.gate import api_key, base_url, host_pid, runtime_truth
 from deploy_tool.box.state import State, Store
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError, ExitCode
-from deploy_tool.render import visible_gpus
+from deploy_tool.render import FRONT_SOCKET, visible_gpus
 
 # a unit whose server runs while its readiness wait (ExecStartPost) has not ended yet
 STARTING_SERVER = ("activating", "start-post")
@@ -68,6 +69,7 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
                                       "restarts": u.n_restarts}
             except DeployError as exc:
                 rep["units"][name] = {"error": exc.message}
+        rep["front"] = _front(cfg, sd, store)
     except DeployError as exc:
         rep["systemd_error"] = exc.message
     rep["health"] = _health(cfg, st.active_backend)
@@ -121,6 +123,10 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
             degraded.append(f"{name}: {u['error']}")
         elif name != active and u.get("active") == "failed":
             degraded.append(f"{name} is failed ({u.get('result')}): it cannot take over")
+    front = rep.get("front")
+    if front and front.get("installed") and front.get("socket") != "active" and rep.get("installed"):
+        degraded.append(f"the public port is not held: {FRONT_SOCKET} is {front.get('socket')} (clients are refused "
+                        f"while no backend is ready; `systemctl start {FRONT_SOCKET}`)")
     for name, fp in sorted((rep.get("fingerprints") or {}).items()):
         if not fp.get("ok"):
             what = fp.get("error") or ", ".join(d.get("label", "?") for d in fp.get("drift") or []) or "drifted"
@@ -137,6 +143,22 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
     code = (ExitCode.NOT_SERVING if down else ExitCode.PENDING if pending else ExitCode.DEGRADED if degraded
             else ExitCode.OK)
     return code, down + pending + degraded
+
+
+def _front(cfg: Config, sd: Any, store: Store) -> dict[str, Any]:
+    """The public port: whether its socket unit is installed and active, the front's counters since it started,
+    and what the clients saw in the last operation that recorded them (its history event's `clients`)."""
+    installed = sd.unit_path(FRONT_SOCKET).exists()
+    out: dict[str, Any] = {"installed": installed, "port": cfg.serve.port, "backend_port": cfg.backend_port,
+                           "hold_timeout_s": cfg.hold_timeout_s}
+    if not installed:
+        return out
+    out["socket"] = sd.show(FRONT_SOCKET).active_state
+    out["counters"] = frontctl.stats(cfg)
+    last = next((e for e in reversed(store.history(50)) if isinstance(e.get("clients"), dict)), None)
+    if last is not None:
+        out["last_operation"] = {"event": last.get("event"), "time": last.get("time"), **last["clients"]}
+    return out
 
 
 def _holder_alive(store: Store) -> bool:
@@ -165,7 +187,7 @@ def boot_enablement(sd: Any, unit: str) -> str:
     backend as enabled. `systemctl is-enabled` asks the manager's GetUnitFileState, which reads the unit
     directories' symlinks (the *.wants/ links that boot acts on, masks in /etc and /run) afresh on every call,
     with systemd's own install logic: true without a reload (status must not reload the manager), and one
-    ~10 ms call per backend.
+    call per backend.
     """
     try:
         return str(sd.is_enabled(unit))

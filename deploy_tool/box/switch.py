@@ -3,20 +3,21 @@
 The state machine (intent is written before every step, so a kill at any point is detected next time):
 
     lock -> intent -> preflight (config checks + fingerprints, the current backend still serving)
-         -> draining (wait, bounded, until the current backend has no request in flight; deploy_tool.box.drain)
+         -> draining (wait, bounded, until the current backend has no request in flight; deploy_tool.box.probe.drain)
          -> stopping-current -> starting-target -> gate (unit watched, readiness, smoke completion)
          -> committing (enable target, disable the others, state, history)
     on failure after preflight: rolling-back (target's journal tail kept, target stopped, previous backend
     started through the same gate) -> exit 10 (rolled back) or 11 (rollback failed).
 
 Each operation first builds its plan (`switch_plan`, `recover_plan`: a list of `Step`s from the config, the
-state and what systemd reports); `--dry-run` prints it and the run walks it, one handler per step.
+state and what systemd reports); `--dry-run` prints it; built for running, each step carries what it runs (a
+method of the run object: `SwitchRun`, `_RecoverRun`) and the run walks it.
 `Switcher.recover_locked` finishes an interrupted switch or rollback: one killed while committing is completed
 if the target is healthy, anything else is rolled back to the backend that served before. An interrupted
 install is finished by whoever hands `finish` in (deploy_tool.box.operations).
 
-Imports: the gate (HTTP client, TLS, retry library: ~30 ms; its performance step included) is imported while
-systemctl starts the target; everything else is imported here.
+Every systemctl call is made in turn: a start is queued (--no-block) and systemd runs it while the gate waits,
+which is the overlap that matters.
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deploy_tool import checks, strictmodes
-from deploy_tool.box import fingerprint
+from deploy_tool.box import fingerprint, frontctl
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.state import Operation, State, Step, Store, now_iso
+from deploy_tool.box.probe.drain import DrainReport, drain
+from deploy_tool.box.probe.gate import GateReport, await_start_job, perf_gate, run_gate
+from deploy_tool.box.state import Operation, State, Step, Store
+from deploy_tool.clock import iso_utc
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import (
     CheckFailed,
@@ -50,27 +52,11 @@ from deploy_tool.errors import (
     SystemdError,
 )
 
-if TYPE_CHECKING:
-    from deploy_tool.box.drain import DrainReport
-    from deploy_tool.box.gate import GateReport
-
 STEPS = ("intent", "preflight", "draining", "stopping-current", "starting-target", "gate", "committing", "rolling-back")
 # a failure up to here is a refusal, a kill an operation that changed nothing: the current backend kept serving
 CHANGES_NOTHING = ("intent", "preflight", "draining")
 
 Log = Callable[[str], None]
-
-
-def _load_gate() -> None:
-    """Import the gate (HTTP client, TLS, retry library: ~30 ms) while systemctl waits for the target to start,
-    instead of before the switch starts."""
-    import deploy_tool.box.gate  # noqa: F401
-
-
-def _run_gate(cfg: Config, sd: systemd_mod.Systemd, b: Backend, **kw: Any) -> GateReport:
-    from deploy_tool.box.gate import run_gate  # lazy: see the module's docstring
-
-    return run_gate(cfg, sd, b, **kw)
 
 
 @dataclass
@@ -131,21 +117,6 @@ def runs(st: systemd_mod.UnitState) -> bool:
     return st.is_active or (st.active_state == "activating" and st.sub_state in ("start", "start-post"))
 
 
-def together(pool: ThreadPoolExecutor, first: Callable[[], object], *others: Callable[[], object]) -> None:
-    """Run the calls at the same time (the first on this thread: their waits release the GIL, so two systemctl
-    round trips cost about one); once all have finished, raise the first error in argument order."""
-    jobs = [pool.submit(fn) for fn in others]
-    err: BaseException | None = None
-    try:
-        first()
-    except BaseException as exc:  # noqa: BLE001 - raised below, after the others finished
-        err = exc
-    wait_all(jobs)
-    for e in [err, *(j.exception() for j in jobs)]:
-        if e is not None:
-            raise e
-
-
 # ---------------------------------------------------------------------------------------------------- plans
 
 @dataclass(frozen=True)
@@ -173,35 +144,40 @@ def drain_seconds(cfg: Config, drain_s: float | None) -> float:
 
 
 def switch_plan(cfg: Config, st: State, target: Backend, facts: SwitchFacts, *, action: str = "switch",
-                drain_s: float | None = None) -> list[Step]:
-    """The steps of a switch (or rollback) to `target`, after the lock; run by `Switcher.switch_locked`.
-    `drain_s`: how long the current backend may take to finish its requests in flight (None: the config's
-    supervision.drain_timeout_s; 0: no draining step, it is stopped at once)."""
+                drain_s: float | None = None, run: SwitchRun | None = None) -> list[Step]:
+    """The steps of a switch (or rollback) to `target`, after the lock, each with what it runs when `run` (the
+    switch under way) is given; run by `Switcher.switch_locked`. `drain_s`: how long the current backend may
+    take to finish its requests in flight (None: the config's supervision.drain_timeout_s; 0: no draining step,
+    it is stopped at once). The failure step runs `run.roll_back` with the error."""
     if facts.noop:
         return [Step("noop", f"nothing to do: {target.name} is already active")]
-    cur, port, state = facts.cur, cfg.serve.port, str(Store(cfg.paths.state_dir).state_path)
+    cur, port, state = facts.cur, cfg.backend_port, str(Store(cfg.paths.state_dir).state_path)
     others = tuple(o.unit for o in cfg.other_backends(target.name))
-    steps = [Step("intent", f"record intent: {action} {st.active_backend or '(none)'} -> {target.name}", (state,)),
+    steps = [Step("intent", f"record intent: {action} {st.active_backend or '(none)'} -> {target.name}", (state,),
+                  run=run.intent if run else None),
              Step("preflight", f"preflight {target.name}: config checks, fingerprints "
-                               f"(deploytool verify {target.name})")]
+                               f"(deploytool verify {target.name})", run=run.check if run else None)]
     drain = drain_seconds(cfg, drain_s)
     if cur is not None and drain > 0:
-        steps.append(Step("draining", f"drain {cur.unit}: wait until no request is in flight on port {port} "
-                                      f"(its TCP connections), at most {drain:g}s"))
+        steps.append(Step("draining", f"drain {cur.unit}: the front holds new requests; wait until no request is in "
+                                      f"flight on port {port} "
+                                      f"(its TCP connections), at most {drain:g}s", run=run.drain if run else None))
     if cur is not None:
-        steps.append(Step("stopping-current", f"stop {cur.unit} (it serves until here)", (cur.unit,)))
+        steps.append(Step("stopping-current", f"stop {cur.unit} (it serves until here)", (cur.unit,),
+                          run=run.stop_current if run else None))
     if facts.overlap:
         start = (f"start {target.unit}: its ExecStartPre checks the fingerprints while the current backend exits, "
                  "then waits until it is gone and the port is free")
     else:
         start = f"start {target.unit} once nothing answers on port {port}"
-    steps.append(Step("starting-target", start, (target.unit,)))
+    steps.append(Step("starting-target", start, (target.unit,), run=run.start_target if run else None))
     gate = f"health gate: {target.kind} readiness on port {port}, smoke completion as {cfg.serve.model_name!r}"
     if cfg.health.perf_gate_fraction is not None and st.release:
         gate += f", throughput at least {cfg.health.perf_gate_fraction:.0%} of its baseline"
-    steps += [Step("gate", gate),
-              Step("committing", f"commit: enable {target.unit}, disable the others, write state and history",
-                   (target.unit, *others, state))]
+    gate += f"; meanwhile {target.unit} enabled for boot, the others disabled"
+    steps += [Step("gate", gate, (target.unit, *others), run=run.run_gate if run else None),
+              Step("committing", "commit: write state and history (refused if the enablement failed)", (state,),
+                   run=run.commit if run else None)]
     if cur is not None:
         steps.append(Step("rolling-back", f"stop {target.unit}, start {cur.unit} through the same gate, exit 10",
                           (target.unit, cur.unit, state), when="on failure"))
@@ -211,9 +187,10 @@ def switch_plan(cfg: Config, st: State, target: Backend, facts: SwitchFacts, *, 
     return steps
 
 
-def recover_plan(cfg: Config, st: State, *, target_running: bool) -> list[Step]:
-    """The steps that finish an interrupted switch or rollback (`target_running`: its target's unit is active);
-    run by `Switcher.recover_locked`."""
+def recover_plan(cfg: Config, st: State, *, target_running: bool, run: _RecoverRun | None = None) -> list[Step]:
+    """The steps that finish an interrupted switch or rollback (`target_running`: its target's unit is active),
+    each with what it runs when `run` is given; run by `Switcher.recover_locked`: the first step whose action
+    returns a result ends it."""
     op = st.operation
     assert op is not None and op.kind != "install"
     target = _recover_target(cfg, op)
@@ -222,19 +199,22 @@ def recover_plan(cfg: Config, st: State, *, target_running: bool) -> list[Step]:
     state = str(Store(cfg.paths.state_dir).state_path)
     if op.step in CHANGES_NOTHING:
         return [Step("nothing-changed", f"clear the interrupted {op.kind} (step {op.step}): it had changed nothing",
-                     (state,))]
+                     (state,), run=run.nothing_changed if run else None)]
     steps, when = [], ""
     if op.step == "committing" and target_running:
         steps.append(Step("finish-commit", f"health gate of {target.name}; if it passes, commit: enable "
-                          f"{target.unit}, disable the others, write state", (target.unit, state)))
+                          f"{target.unit}, disable the others, write state", (target.unit, state),
+                          run=run.finish_commit if run else None))
         when = "if the gate fails"
-    steps.append(Step("stop-target", f"stop {target.unit}", (target.unit,), when=when))
+    steps.append(Step("stop-target", f"stop {target.unit}", (target.unit,), when=when, run=run.stop_target if run else None))
     if prev is None:
         why = f"{op.from_backend} had failed" if op.kind == "failover" else "no backend served before"
-        steps.append(Step("leave-stopped", f"{why}: leave none running", (state,), when=when))
+        steps.append(Step("leave-stopped", f"{why}: leave none running", (state,), when=when,
+                          run=run.leave_stopped if run else None))
     else:
         steps.append(Step("restart-previous", f"start {prev.unit} through the health gate, enable it for boot "
-                          "(the others disabled), write state", (prev.unit, state), when=when))
+                          "(the others disabled), write state", (prev.unit, state), when=when,
+                          run=run.restart_previous if run else None))
     return steps
 
 
@@ -264,17 +244,41 @@ def rollback_target(cfg: Config, st: State) -> str:
 
 # ---------------------------------------------------------------------------------------------------- runs
 
+Preflight = Callable[[Config, Backend], None]
+
+
+def run_preflight(cfg: Config, target: Backend, *,
+                  run_checks: Callable[..., list[checks.Finding]] = checks.run_checks,
+                  verify: Callable[[Config, Backend], fingerprint.VerifyReport] = fingerprint.verify) -> None:
+    """The preflight of a switch's target: its config checks (CheckFailed) and fingerprints (DriftError), and the
+    modes its ExecStartPre would refuse (UnsafePathError). `run_checks` and `verify` are the seams a test hands
+    in (Switcher(preflight=functools.partial(run_preflight, ...)))."""
+    strictmodes.require(cfg, [target], f"preflight of {target.name}")  # its ExecStartPre would refuse
+    errs = [f for f in run_checks(cfg, backends=[target.name])
+            if f.severity == "error" and f.backend in (None, target.name)]
+    if errs:
+        raise CheckFailed(f"preflight of {target.name}: {errs[0].id}: {errs[0].message}",
+                          hint=errs[0].fix, details=[f.to_json() for f in errs])
+    rep = verify(cfg, target)
+    if not rep.ok:
+        rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {r.expected[:16]}, actual {r.actual[:16]}"
+                         for r in rep.rows[:5])
+        raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}",
+                         hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ...")
+
+
 class Switcher:
     """Switch, rollback and recover of one box. `finish` finishes an operation found interrupted under the lock
     (default: `recover_locked`, which knows switches and rollbacks only)."""
 
     def __init__(self, cfg: Config, *, log: Log = lambda s: None, sd: systemd_mod.Systemd | None = None,
-                 finish: Callable[[State], object] | None = None) -> None:
+                 finish: Callable[[State], object] | None = None, preflight: Preflight | None = None) -> None:
         self.cfg = cfg
         self.log = log
         self.sd = sd or systemd_mod.for_config(cfg)
         self.store = Store(cfg.paths.state_dir)
         self.finish = finish or self.recover_locked
+        self._preflight = preflight or run_preflight
 
     # ------------------------------------------------------------------ the operations, each under the lock
     def switch(self, name: str, *, dry_run: bool = False, wait: float = 0.0, reason: str | None = None,
@@ -311,47 +315,36 @@ class Switcher:
     def plan(self, st: State, target: Backend, *, action: str = "switch", drain_s: float | None = None) -> list[Step]:
         return switch_plan(self.cfg, st, target, self.facts(st, target), action=action, drain_s=drain_s)
 
-    def recover_steps(self, st: State) -> list[Step]:
+    def recover_steps(self, st: State, run: _RecoverRun | None = None) -> list[Step]:
         op = st.operation
         assert op is not None
         running = op.step == "committing" and runs(self.sd.show(_recover_target(self.cfg, op).unit))
-        return recover_plan(self.cfg, st, target_running=running)
+        return recover_plan(self.cfg, st, target_running=running, run=run)
 
     # ------------------------------------------------------------------ switch
     def switch_locked(self, st: State, target: Backend, *, reason: str | None = None,
                       action: str = "switch", drain_s: float | None = None) -> SwitchResult:
         """Switch to `target` along its plan; the caller holds the lock and nothing is left interrupted."""
         facts = self.facts(st, target)
-        drain = drain_seconds(self.cfg, drain_s)
-        steps = switch_plan(self.cfg, st, target, facts, action=action, drain_s=drain)
-        if steps[0].name == "noop":
+        if facts.noop:
             return SwitchResult(True, "noop", st.active_backend, target.name,
                                 message=f"{target.name} is already active; nothing to do")
+        drain = drain_seconds(self.cfg, drain_s)
+        run = SwitchRun(self, st, target, facts, action=action, reason=reason, drain_s=drain)
         if st.active_backend == target.name:
             self.log(f"{target.name} is recorded active but {target.unit} is not running: starting it")
-        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="switch") as pool:
-            return _SwitchRun(self, pool, st, target, facts, action=action, reason=reason,
-                              drain_s=drain).run(steps)
+        return run.run(switch_plan(self.cfg, st, target, facts, action=action, drain_s=drain, run=run))
 
-    def _preflight(self, target: Backend) -> None:
-        strictmodes.require(self.cfg, [target], f"preflight of {target.name}")  # its ExecStartPre would refuse
-        errs = [f for f in checks.run_checks(self.cfg) if f.severity == "error" and f.backend in (None, target.name)]
-        if errs:
-            raise CheckFailed(f"preflight of {target.name}: {errs[0].id}: {errs[0].message}",
-                              hint=errs[0].fix, details=[f.to_json() for f in errs])
-        rep = fingerprint.verify(self.cfg, target)
-        if not rep.ok:
-            rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {r.expected[:16]}, actual {r.actual[:16]}"
-                             for r in rep.rows[:5])
-            raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}",
-                             hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ...")
+    # ------------------------------------------------------------------ what the runs do (SwitchRun, failover)
+    def preflight(self, target: Backend) -> None:
+        """The target's config checks and fingerprints, the current backend still serving (the seam handed in,
+        else `run_preflight`)."""
+        self._preflight(self.cfg, target)
 
-    def _perf_gate(self, target: Backend, release: str | None) -> None:
+    def perf_gate(self, target: Backend, release: str | None) -> None:
         frac = self.cfg.health.perf_gate_fraction
         if frac is None or not release:
             return
-        from deploy_tool.box.gate import await_start_job, perf_gate  # lazy: see the module's docstring
-
         # the unit's own readiness wait ends moments after the gate: not measured alongside it
         await_start_job(self.sd, target.unit, timeout=10.0, interval=self.cfg.health.interval_s)
         ok, figures, message = perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
@@ -360,14 +353,19 @@ class Switcher:
             raise PerformanceError(f"{target.name} is below {frac:.0%} of its baseline: {message}",
                                    details={"reason": "performance", "figures": figures})
 
-    def _start_and_gate(self, b: Backend) -> GateReport:
+    def start_and_gate(self, b: Backend, *, enable: bool = False) -> GateReport:
+        """Start `b` and gate it; with `enable`, its boot-time enablement is set while it starts (an error there
+        is left alone: boot-time only)."""
         self.sd.reset_failed(b.unit)
         since = time.time()
         # queued, not waited for: the job ends when the unit's ExecStartPost sees the server ready, while the gate
         # watches the unit itself (a crash is seen at once, its own diagnostics kept); the gate takes the
         # invocation it first sees run
         self.sd.start(b.unit, no_block=True, past_start_limit=True)
-        return _run_gate(self.cfg, self.sd, b, invocation=None, since=since, on_event=self.log)
+        if enable:
+            with contextlib.suppress(DeployError):
+                self.set_enabled(b)
+        return run_gate(self.cfg, self.sd, b, invocation=None, since=since, on_event=self.log)
 
     def _awaits_port(self, b: Backend) -> bool:
         """Whether b's installed unit waits for the served port in its ExecStartPre (units rendered by this
@@ -379,37 +377,32 @@ class Switcher:
         return any(ln.startswith("ExecStartPre=") and " verify " in ln and "--await-port" in ln
                    for ln in text.splitlines())
 
-    def _quiet_reset(self, unit: str) -> None:
+    def quiet_reset(self, unit: str) -> None:
         with contextlib.suppress(DeployError):  # only an optimisation: start() gets past a start limit anyway
             self.sd.reset_failed(unit)
 
-    def _set_enabled(self, b: Backend, pool: ThreadPoolExecutor) -> None:
+    def set_enabled(self, b: Backend) -> None:
         """Enable `b` for boot and disable the other backends (idempotent)."""
         # --no-reload: enabling only places [Install] symlinks; no need to reload the manager for that
         # one `disable` for the others whose unit files are installed (a no-op for a disabled one): cheaper
-        # than asking `is-enabled` about each first; it runs alongside the `enable` (different symlinks)
+        # than asking `is-enabled` about each first
         others = [o.unit for o in self.cfg.other_backends(b.name) if self.sd.unit_path(o.unit).exists()]
-        together(pool, lambda: self.sd.enable(b.unit, reload=False),
-                 *([lambda: self.sd.disable(*others, reload=False)] if others else []))
+        self.sd.enable(b.unit, reload=False)
+        if others:
+            self.sd.disable(*others, reload=False)
 
-    def _commit_state(self, st: State, target: Backend) -> None:
+    def commit_state(self, st: State, target: Backend) -> None:
         prev = st.active_backend if st.active_backend != target.name else st.previous_backend
         self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
 
-    def _restore(self, st: State, prev: Backend, pool: ThreadPoolExecutor, *, enable: bool = True) -> DeployError | None:
-        """Start `prev` through the gate, with `enable` its boot-time enablement flipped back meanwhile (it is
-        what served, whether or not it comes back); the error if it did not come back. The state says which."""
-        restoring = pool.submit(self._set_enabled, prev, pool) if enable else None
+    def restore(self, st: State, prev: Backend, *, enable: bool = True) -> DeployError | None:
+        """Start `prev` through the gate, with `enable` its boot-time enablement flipped back while it starts (it
+        is what served, whether or not it comes back); the error if it did not come back. The state says which."""
         try:
-            self._start_and_gate(prev)
+            self.start_and_gate(prev, enable=enable)
         except DeployError as exc:
-            if restoring is not None:
-                wait_all([restoring])
             self.store.save(replace(st, operation=None, active_backend=None))
             return exc
-        if restoring is not None:
-            with contextlib.suppress(DeployError):  # boot-time only: the backend itself is back
-                restoring.result()
         self.store.save(replace(st, operation=None, active_backend=prev.name))
         return None
 
@@ -421,25 +414,28 @@ class Switcher:
         if op.kind == "install":
             raise StateError("an interrupted install is found: it is finished by `deploytool recover`",
                              hint="run deploytool recover")
-        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="recover") as pool:
-            run = _RecoverRun(self, pool, st)
-            for step in self.recover_steps(st):
-                res = getattr(run, run.HANDLERS[step.name])()
+        run = _RecoverRun(self, st)
+        try:
+            for step in self.recover_steps(st, run):
+                assert step.run is not None, step.name
+                res = step.run()
                 if res is not None:
                     return res
+        finally:
+            # a switch killed while the front held new requests left the hold on (it would end by itself at the
+            # hold bound): the requests go on to whichever backend the recovery left serving
+            frontctl.release(self.cfg)
         raise AssertionError(f"the plan to recover {op.kind} at {op.step} has no final step")
 
 
 class _RecoverRun:
-    """Finishing one interrupted switch or rollback, walking its plan: a handler per step; the first that
-    returns a result ends it (a failed gate at finish-commit goes on to the steps "if the gate fails")."""
+    """Finishing one interrupted switch or rollback: what each step of its plan runs (recover_plan binds them);
+    the first that returns a result ends it (a failed gate at finish-commit goes on to the steps "if the gate
+    fails")."""
 
-    HANDLERS = {"nothing-changed": "nothing_changed", "finish-commit": "finish_commit", "stop-target": "stop_target",
-                "leave-stopped": "leave_stopped", "restart-previous": "restart_previous"}
-
-    def __init__(self, sw: Switcher, pool: ThreadPoolExecutor, st: State) -> None:
+    def __init__(self, sw: Switcher, st: State) -> None:
         assert st.operation is not None
-        self.sw, self.pool, self.st, self.op = sw, pool, st, st.operation
+        self.sw, self.st, self.op = sw, st, st.operation
         self.store = sw.store
         self.target = _recover_target(sw.cfg, self.op)
 
@@ -454,9 +450,9 @@ class _RecoverRun:
 
     def finish_commit(self) -> SwitchResult | None:
         try:
-            _run_gate(self.sw.cfg, self.sw.sd, self.target, on_event=self.sw.log)
-            self.sw._set_enabled(self.target, self.pool)
-            self.sw._commit_state(self.st, self.target)
+            run_gate(self.sw.cfg, self.sw.sd, self.target, on_event=self.sw.log)
+            self.sw.set_enabled(self.target)
+            self.sw.commit_state(self.st, self.target)
         except DeployError:
             return None  # roll back to what served before
         self.record(True, "committed", to_backend=self.target.name)
@@ -477,7 +473,7 @@ class _RecoverRun:
 
     def restart_previous(self) -> SwitchResult:
         prev = self.sw.cfg.backends[str(self.op.from_backend)]
-        exc = self.sw._restore(self.st, prev, self.pool)  # a switch flips the enablement during its gate: back
+        exc = self.sw.restore(self.st, prev)  # a switch flips the enablement during its gate: back
         if exc is not None:
             self.record(False, "rollback-failed", reason=exc.message.splitlines()[0])
             raise RollbackFailed(f"recovering the interrupted {self.op.kind}: {prev.name} did not come back: "
@@ -487,12 +483,20 @@ class _RecoverRun:
                             message=f"rolled the interrupted {self.op.kind} back: {prev.name} is serving")
 
 
-class _SwitchRun:
-    """One switch or rollback under the lock, walking its plan: a handler per step, the failure step last."""
+class SwitchRun:
+    """One switch, rollback or failover under the lock: what each step of its plan runs (switch_plan binds them),
+    walked in order, and the failure step.
 
-    def __init__(self, sw: Switcher, pool: ThreadPoolExecutor, st: State, target: Backend, facts: SwitchFacts, *,
-                 action: str, reason: str | None, drain_s: float = 0.0) -> None:
-        self.sw, self.pool, self.st, self.target, self.facts = sw, pool, st, target, facts
+    A failover is a switch run with its own history event and its own failure step (deploy_tool.box.failover):
+    `record(run, **fields)` writes the event instead of `record`'s, `roll_back(run, exc)` is the failure step
+    instead of `roll_back`'s."""
+
+    def __init__(self, sw: Switcher, st: State, target: Backend, facts: SwitchFacts, *,
+                 action: str, reason: str | None, drain_s: float = 0.0,
+                 record: Callable[..., None] | None = None,
+                 roll_back: Callable[[SwitchRun, DeployError], SwitchResult] | None = None) -> None:
+        self.sw, self.st, self.target, self.facts = sw, st, target, facts
+        self._record, self._roll_back = record, roll_back
         self.drain_s = drain_s
         self.drained: DrainReport | None = None
         self.cfg, self.sd, self.store, self.log = sw.cfg, sw.sd, sw.store, sw.log
@@ -500,16 +504,33 @@ class _SwitchRun:
         self.cur = facts.cur
         self.cur_name = st.active_backend
         self.since: float | None = None  # set once the target was started: its journal tail is that invocation's
-        self.preflight: Future[None] | None = None
-        self.enabling: Future[None] | None = None
+        self.enabling: bool = False  # the boot-time enablement was flipped to the target (a rollback flips it back)
+        self.enable_error: DeployError | None = None  # why flipping it failed: the commit fails with it
         self.gate: GateReport | None = None
         self.t0 = time.monotonic()
-
-    # the plan's steps (the failure step aside) and the method that runs each
-    HANDLERS = {"intent": "intent", "preflight": "check", "draining": "drain", "stopping-current": "stop_current",
-                "starting-target": "start_target", "gate": "run_gate", "committing": "commit"}
+        # the front's counters before: what clients saw during this operation goes into its history event
+        self.front_before = frontctl.stats(self.cfg)
+        self.holding = False
 
     def run(self, steps: list[Step]) -> SwitchResult:
+        try:
+            return self._run(steps)
+        finally:
+            self._release()
+
+    def _hold(self) -> None:
+        """From the moment the current backend starts draining: the front holds new requests (they wait, and go
+        to whichever backend is ready next); the hold ends after the gate, or by itself past the hold bound."""
+        if not self.holding and frontctl.hold(self.cfg) is not None:
+            self.holding = True
+            self.log(f"the front holds new requests (at most {self.cfg.hold_timeout_s:g} s)")
+
+    def _release(self) -> None:
+        if self.holding:
+            self.holding = False
+            frontctl.release(self.cfg)
+
+    def _run(self, steps: list[Step]) -> SwitchResult:
         changed = False
         try:
             for step in steps:
@@ -518,16 +539,16 @@ class _SwitchRun:
                 changed = changed or step.name not in CHANGES_NOTHING
                 if step.name != "intent":  # the intent journals the operation itself
                     self.st = self.store.advance(self.st, step.name)
-                getattr(self, self.HANDLERS[step.name])()
+                assert step.run is not None, step.name
+                step.run()
         except DeployError as exc:
-            if self.preflight is not None:
-                wait_all([self.preflight])
             if not changed:  # nothing was changed yet: the current backend keeps serving
                 self.store.save(replace(self.st, operation=None))
                 self.record(ok=False, from_backend=self.cur_name, to_backend=self.target.name,
                             outcome="refused", reason=exc.message, release=self.st.release)
                 raise
-            return self.roll_back(refused_by_check(exc, self.target.unit))  # a blocking start's error: its own tail
+            exc = refused_by_check(exc, self.target.unit)  # a blocking start's error: its own tail
+            return self._roll_back(self, exc) if self._roll_back is not None else self.roll_back(exc)
         assert self.gate is not None
         secs = time.monotonic() - self.t0
         self.record(ok=True, from_backend=self.cur_name, to_backend=self.target.name,
@@ -541,45 +562,53 @@ class _SwitchRun:
     def _drain_fields(self) -> dict[str, Any]:
         return {"drain": self.drained.to_json()} if self.drained is not None else {}
 
+    def clients(self) -> dict[str, Any]:
+        """What the front's clients saw so far in this operation: requests answered, waited, failed, seconds held."""
+        seen = frontctl.delta(self.front_before, frontctl.stats(self.cfg))
+        return {"clients": seen} if seen is not None else {}
+
     def record(self, **fields: Any) -> None:
         """The operation's one history event (a failover writes its own: see deploy_tool.box.failover)."""
-        self.store.record(self.action, **fields)
+        if self._record is not None:
+            self._record(self, **fields)
+        else:
+            self.store.record(self.action, **fields, **self.clients())
 
     def intent(self) -> None:
-        op = Operation(kind=self.action, op_id=uuid.uuid4().hex[:12], started=now_iso(), step="intent",
+        op = Operation(kind=self.action, op_id=uuid.uuid4().hex[:12], started=iso_utc(micro=True), step="intent",
                        from_backend=self.cur_name, to_backend=self.target.name, release=self.st.release,
                        pid=os.getpid())
-        # the preflight only reads: it runs while the intent and its step are written (and fsynced), unless the
-        # caller started it earlier still (a failover, while it reads the failed unit's journal)
-        if self.preflight is None:
-            self.preflight = self.pool.submit(self.sw._preflight, self.target)
         self.st = self.store.begin(self.st, op)
 
     def check(self) -> None:
-        assert self.preflight is not None
-        self.preflight.result()
+        self.sw.preflight(self.target)
 
     def drain(self) -> None:
         assert self.cur is not None
-        from deploy_tool.box.drain import drain  # lazy: urllib for /slots (the gate loads it anyway)
-
+        self._hold()
         self.drained = drain(self.cfg, self.cur, self.drain_s, log=self.log)
 
     def stop_current(self) -> None:
         assert self.cur is not None
+        self._hold()
         cur = self.cur
         self.log(f"stopping {cur.unit}")
         # with the target's unit waiting for the other backends itself (verify --await-port), the stop is only
         # queued: the target's start below runs its fingerprint check while the current backend exits, and its
         # server execs the moment the last process of the current one is gone (GPU memory and port free).
-        # Meanwhile: clear the target's failed state and start-limit counter (a refused start and its retry
-        # would cost more than this round trip).
-        together(self.pool, lambda: self.sd.stop(cur.unit, no_block=self.facts.overlap),
-                 lambda: self.sw._quiet_reset(self.target.unit))
+        # Then: clear the target's failed state and start-limit counter (a refused start and its retry would cost
+        # more than this round trip).
+        try:
+            self.sd.stop(cur.unit, no_block=self.facts.overlap)
+        finally:
+            self.sw.quiet_reset(self.target.unit)
 
     def start_target(self) -> None:
-        port = self.cfg.serve.port
-        if not self.facts.overlap and port_owner_answers(self.cfg.serve.host, port):
+        # held from here too where nothing drained (a failover, a first start): the requests that waited for a
+        # backend go to the target after its gate, not into its smoke test as it comes up
+        self._hold()
+        port = self.cfg.backend_port
+        if not self.facts.overlap and port_owner_answers(self.cfg.backend_host, port):
             raise HealthError(f"port {port} is taken by another process after stopping "
                               f"{self.cur_name or 'the backends'}; {self.target.name} cannot bind it",
                               hint=f"find it with `ss -ltnp 'sport = :{port}'` and stop it",
@@ -587,24 +616,28 @@ class _SwitchRun:
         self.log(f"starting {self.target.unit}" + (f" (it takes the port once {self.cur.name} has exited)"
                                                    if self.facts.overlap and self.cur is not None else ""))
         if self.cur is None:  # else reset while the current backend was stopped
-            self.sw._quiet_reset(self.target.unit)
+            self.sw.quiet_reset(self.target.unit)
         self.since = time.time()
         # queued, not waited for: the start job lasts until the unit's ExecStartPost sees the server ready; the gate
         # watches the unit meanwhile (its ExecStartPre, then the server's process through a pidfd)
-        together(self.pool, lambda: self.sd.start(self.target.unit, no_block=True, past_start_limit=True),
-                 _load_gate)
+        self.sd.start(self.target.unit, no_block=True, past_start_limit=True)
 
     def run_gate(self) -> None:
-        # the boot-time enablement (symlinks only) is flipped while the gate waits; a rollback, or a recover
-        # after a crash, flips it back
-        self.enabling = self.pool.submit(self.sw._set_enabled, self.target, self.pool)
-        self.gate = _run_gate(self.cfg, self.sd, self.target, invocation=None, since=self.since, on_event=self.log)
-        self.sw._perf_gate(self.target, self.st.release)
+        # the boot-time enablement (symlinks only) is flipped while the target starts; a rollback, or a recover
+        # after a crash, flips it back; a failure to flip it fails the commit, after the gate
+        self.enabling = True
+        try:
+            self.sw.set_enabled(self.target)
+        except DeployError as exc:
+            self.enable_error = exc
+        self.gate = run_gate(self.cfg, self.sd, self.target, invocation=None, since=self.since, on_event=self.log)
+        self.sw.perf_gate(self.target, self.st.release)
+        self._release()  # the held requests go to the target, which passed its gate
 
     def commit(self) -> None:
-        assert self.enabling is not None
-        self.enabling.result()
-        self.sw._commit_state(self.st, self.target)
+        if self.enable_error is not None:
+            raise self.enable_error
+        self.sw.commit_state(self.st, self.target)
 
     def refused(self, exc: DeployError, inv: str | None, journal: str) -> DeployError:
         """The ExecStartPre's own error line for a start it refused, read again once the journal has settled
@@ -621,9 +654,7 @@ class _SwitchRun:
         """The failure step: the target's journal tail kept, the target stopped, the previous backend started
         through the same gate (exit 10), or none when none served (exit 9); exit 11 when it does not come back."""
         target, cur, st = self.target, self.cur, self.st
-        restore_enablement = self.enabling is not None
-        if self.enabling is not None:
-            wait_all([self.enabling])
+        restore_enablement = self.enabling
         inv = None
         if self.since is not None:  # it was started: its journal tail is that invocation's
             with contextlib.suppress(DeployError):
@@ -650,7 +681,7 @@ class _SwitchRun:
                         reason=reason, journal_tail=journal[-4000:])
             raise HealthError(f"{target.name} did not become healthy: {exc.message}", hint=exc.hint)
         # the previous backend is enabled for boot again (if the gate had flipped it): it is what served
-        exc2 = self.sw._restore(st, cur, self.pool, enable=restore_enablement)
+        exc2 = self.sw.restore(st, cur, enable=restore_enablement)
         if exc2 is not None:
             self.record(ok=False, from_backend=cur.name, to_backend=target.name,
                         outcome="rollback-failed", reason=reason, rollback_error=exc2.message.splitlines()[0],

@@ -5,13 +5,13 @@ config), so a rehearsal or a test points them at a sandbox (`Sandbox.systemctl_p
 the machine's own systemd. Unit files are installed atomically (temp file, fsync, rename) and `<unit>.d/`
 drop-in directories, where the user's own edits live, are never touched.
 
-The one wait here (a failed unit's journal tail settling) goes through deploy_tool.retry, imported on that
-failure path only: tenacity costs ~22 ms to import, on every switch's critical path if imported at the top.
+The one wait here (a failed unit's journal tail settling) goes through deploy_tool.retry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy_tool import proc
+from deploy_tool import proc, retry
 from deploy_tool.errors import InputError, MissingTool, OSFailure, SystemdError
 from deploy_tool.fsutil import atomic_write
 
@@ -135,8 +135,7 @@ class Systemd:
 
     def _ctl(self, *args: str, ok: Sequence[int] = (0,), timeout: float | None = None) -> proc.Result:
         # Every call is bounded (queries by QUERY_TIMEOUT_S, job-waiting verbs by self.timeout). A bounded call runs
-        # through plain subprocess, not `sh`: on a switch's critical path `sh` would cost ~0.1-0.2 s to import
-        # (it pulls in asyncio and logging) and ~5 ms more per call, over 15-25 calls per switch.
+        # through deploy_tool.proc, the one runner of external programs
         try:
             return proc.run([*self.systemctl, "--no-pager", "--no-ask-password", *args], ok=ok,
                             timeout=timeout if timeout is not None else QUERY_TIMEOUT_S)
@@ -438,8 +437,6 @@ def _invocation_window(ents: list[dict[str, object]], inv: str) -> list[dict[str
 
 def _format_entry(e: dict[str, object]) -> str:
     """One journal entry (journalctl -o json) as `Mon DD HH:MM:SS.ffffff ident[pid]: message`."""
-    import datetime
-
     try:
         ts = datetime.datetime.fromtimestamp(int(str(e.get("__REALTIME_TIMESTAMP"))) / 1e6)
         when = ts.strftime("%b %d %H:%M:%S.%f")
@@ -480,8 +477,6 @@ def _inside(sandbox_unit_dir: Path) -> bool:
 def _settled(read: Callable[[], str]) -> str:
     """What `read()` returns once the unit's own processes have a line in and nothing new arrived for 0.1 s (the
     retry.journal_settle policy: at most ~2 s; then the last read)."""
-    from deploy_tool import retry  # the failure path only (see the module doc)
-
     seen: list[str] = []
 
     def again() -> bool:

@@ -11,9 +11,6 @@ re-moded or re-owned is a difference.
                                               fifo 0644, socket ..., chardev ..., blockdev ...
                                             with the owner after the mode when it is not root's
                                             (`file 0644 1000:1000 <sha256>`, `link 0:5 -> <target>`)
-    prefetch(root) / prefetched(root)       the same walk in a forked child, started before the rest of the tool
-                                            is imported (entry.py, the units' ExecStartPre): on two cores the
-                                            lstat of every entry runs beside the imports instead of after them
     snapshot_key(walk) -> str               every entry's (ino, ctime_ns, mode, dev) and a CRC of the names:
                                             equal keys mean no entry was added, removed, renamed, written,
                                             chmod-ed or retargeted since (ctime moves on every change to an inode;
@@ -27,7 +24,6 @@ outside it (a backend's or deploytool's own).
 from __future__ import annotations
 
 import binascii
-import fcntl
 import os
 import stat
 from array import array
@@ -38,20 +34,18 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Walk:
-    """Entries in walk order: rels[i] (relative to root, "/"-separated) has lstat stats[i].
-
-    A plain class, not a dataclass: this module is imported before anything else on the ExecStartPre path."""
+    """Entries in walk order: rels[i] (relative to root, "/"-separated) has lstat stats[i]."""
 
     __slots__ = ("root", "rels", "stats", "errors", "files", "keys", "key")
 
     def __init__(self, root: str) -> None:
         self.root = root
         self.rels: list[str] = []
-        self.stats: list[os.stat_result] = []  # empty in a prefetched walk (only its key and names came back)
+        self.stats: list[os.stat_result] = []
         self.errors: dict[str, str] = {}  # rel of a directory that could not be listed: why
         self.files = 0  # how many entries are regular files
         self.keys = array("q")  # (ino, ctime_ns, mode, dev) of every entry
-        self.key: str | None = None  # snapshot_key(), when it came from a prefetch
+        self.key: str | None = None  # snapshot_key(), once computed
 
     def path(self, rel: str) -> str:
         return self.root if rel == ROOT else os.path.join(self.root, rel)
@@ -109,8 +103,7 @@ def snapshot_key(w: Walk) -> str:
     """The walk's (st_ino, st_ctime_ns, st_mode, st_dev) of every entry in walk order, with a CRC of the names
     and the listing errors, as one string: equal keys mean no entry changed. ctime moves on every change to an
     inode (content, size, mtime, mode, owner, links) and cannot be set by a user; a replaced file has another
-    inode; an entry added, removed or renamed changes its directory's ctime. The stat data is compared whole,
-    not hashed: no hashlib on the fast path (see the module doc)."""
+    inode; an entry added, removed or renamed changes its directory's ctime. The stat data is compared whole."""
     if w.key is not None:
         return w.key
     names = "\0".join(w.rels).encode("utf-8", "surrogateescape")
@@ -149,85 +142,3 @@ def read_link(w: Walk, rel: str) -> str:
 def inside(path: str, root: str) -> bool:
     """Whether `path` (both real paths) is `root` or below it."""
     return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-# ------------------------------------------------------------------------------------------------ prefetch
-# A cached verify is the lstat of every entry (the key) plus the interpreter's imports and the config; each is
-# about half of the time. prefetch() forks before the imports and walks in the child, which sends back the key
-# and the names; prefetched() hands them over as a Walk without stats, good for one thing only: comparing the
-# key with the last run's snapshot. On any other use, or any failure, the caller walks itself (walk()).
-
-_PENDING: dict[str, tuple[int, int]] = {}  # root -> (child pid, read end of its pipe)
-
-
-def prefetch(root: str) -> None:
-    """Start walk(root) in a forked child (nothing happens if one is running for root or fork fails)."""
-    if root in _PENDING:
-        return
-    try:
-        r, wfd = os.pipe()
-    except OSError:
-        return
-    for size in (4 << 20, 1 << 20):  # room for the whole answer: the child writes once, the parent reads once
-        try:
-            fcntl.fcntl(wfd, fcntl.F_SETPIPE_SZ, size)
-            break
-        except OSError:
-            continue
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(r)
-        os.close(wfd)
-        return
-    if pid == 0:  # the child: walk, write, leave without running any of the parent's exit handlers
-        code = 1
-        try:
-            os.close(r)
-            w = walk(root)
-            data = snapshot_key(w).encode("ascii") + b"\n" + str(w.files).encode() + b"\n" + "\0".join(
-                w.rels).encode("utf-8", "surrogateescape")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(wfd, view):]
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(wfd)
-    _PENDING[root] = (pid, r)
-
-
-def prefetched(root: str) -> Walk | None:
-    """The walk prefetch(root) started (its key and names, no stats), or None if there is none or it failed."""
-    pid, r = _PENDING.pop(root, (0, -1))
-    if not pid:
-        return None
-    chunks = []
-    try:
-        while chunk := os.read(r, 4 << 20):
-            chunks.append(chunk)
-    except OSError:
-        chunks = []
-    finally:
-        os.close(r)
-    try:
-        _, status = os.waitpid(pid, 0)
-    except ChildProcessError:
-        return None
-    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
-        return None
-    try:
-        key, files, names = b"".join(chunks).split(b"\n", 2)
-        w = Walk(root)
-        w.key = key.decode("ascii")
-        w.files = int(files)
-        w.rels = names.decode("utf-8", "surrogateescape").split("\0") if names else []
-    except ValueError:
-        return None
-    return w
-
-
-def forget() -> None:
-    """Reap every child prefetch() started that nobody asked for (their walks are dropped)."""
-    for root in list(_PENDING):
-        prefetched(root)

@@ -21,9 +21,9 @@ DEFAULT_DIR = Path(__file__).resolve().parents[2] / "units"
 
 def render_golden(example: str = GOLDEN_EXAMPLE) -> dict[str, str]:
     """File name -> content of every unit and env file the example renders."""
-    from deploy_tool import config, render
+    from deploy_tool import config, render, yamlread
 
-    raw = config.parse_yaml(config.example_text(example), name=example)
+    raw = yamlread.read(config.example_text(example), source=example)
     cfg = config.from_dict(raw, source_path=BOX_CONFIG_PATH)
     return {f.name: f.content for f in render.render_all(cfg)}
 

@@ -25,11 +25,18 @@ from typing import Any
 import deploy_tool
 from deploy_tool import archive, bundle, proc, render
 from deploy_tool.binaries import arch_supported, read_fatbin
-from deploy_tool.config import BUNDLED_ENV_LAUNCHER_DIR, BUNDLED_FTLLM_LAUNCHER, SEQUENCE, Config
+from deploy_tool.config import (
+    BUNDLED_ENV_LAUNCHER_DIR,
+    BUNDLED_FRONT,
+    BUNDLED_FTLLM_LAUNCHER,
+    SEQUENCE,
+    Config,
+)
 from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
 from deploy_tool.manifest import hash_file, hash_files, hash_native_libs, source_date_epoch
 from deploy_tool.proc import run_tool
+from deploy_tool.progress import waiting
 from deploy_tool.render import resolved_config_json
 from deploy_tool.venv import (
     VENV_PLACEHOLDER,
@@ -107,7 +114,8 @@ def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntr
         argv = [python or b.python, "-m", "pip", "download", "--only-binary=:all:", "-d", tmp, "-r", str(req)]
         if b.lock_mode == "exact":
             argv.append("--no-deps")
-        run_tool(argv, env=pip_env(), timeout=3600)
+        with waiting(f"pip to download the wheels of {req.name}", limit=3600):
+            run_tool(argv, env=pip_env(), timeout=3600)
         entries = []
         for fn in sorted(os.listdir(tmp)):
             name, version = parse_wheel_name(fn)
@@ -138,15 +146,17 @@ def lock_tool(cfg: Config, *, python: str | None = None) -> list[Path]:
             # wheel would leave those behind, and a build/ left from an earlier run carries modules deleted since
             # into the next wheel. A clean copy of what the wheel is made of is built instead.
             copy = _wheel_sources(src, Path(tmp) / "src")
-            run_tool([py, "-m", "pip", "wheel", "--no-deps", "-w", str(Path(tmp) / "out"),
-                      str(copy)], env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
+            with waiting("pip to build deploytool's own wheel", limit=1200):
+                run_tool([py, "-m", "pip", "wheel", "--no-deps", "-w", str(Path(tmp) / "out"),
+                          str(copy)], env=pip_env({"SOURCE_DATE_EPOCH": "315532800"}), timeout=1200)
             whl = next((Path(tmp) / "out").glob("deploytool-*.whl"))
         else:
             whl = installed_wheel(Path(tmp) / "out")
         for old in out.glob("deploytool-*.whl"):
             old.unlink()
-        run_tool([py, "-m", "pip", "download", "--only-binary=:all:", "-d", str(out), str(whl)], env=pip_env(),
-                 timeout=1200)
+        with waiting("pip to download deploytool's dependencies' wheels", limit=1200):
+            run_tool([py, "-m", "pip", "download", "--only-binary=:all:", "-d", str(out), str(whl)],
+                     env=pip_env(), timeout=1200)
     return sorted(out.glob("*.whl"))
 
 
@@ -334,11 +344,14 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         for p in wheels.values():
             os.link(p, wheel_dir / p.name) if _same_fs(p, wheel_dir) else shutil.copy2(p, wheel_dir / p.name)
         try:
-            build_venv(cfg.bundle.python, lock_path, wheel_dir, venv, run=run_tool)
+            with waiting(f"pip to build the venv from {len(wheels)} wheels"):
+                build_venv(cfg.bundle.python, lock_path, wheel_dir, venv, run=run_tool)
         except proc.CommandFailed as exc:
             raise BundleError(f"building the venv from the locked wheels failed: {exc.message}",
                               hint="is the lock complete (every dependency pinned)? is bundle.python right?") from None
-        if compile_venv(venv, cfg.paths.current, log):
+        with waiting("the venv to byte-compile"):
+            compiled = compile_venv(venv, cfg.paths.current, log)
+        if compiled:
             log("venv: byte-compiled (checked-hash .pyc, paths under "
                 f"{cfg.paths.current}/venv)")
         relocate_venv(venv, str(venv), VENV_PLACEHOLDER)
@@ -382,6 +395,8 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         script = render.launcher_script(cfg, launcher("env_launch.py"))
         for name in sorted({render.launcher_name(b) for b in cfg.backends.values()}):
             ents.append(bundle.Entry(f"{BUNDLED_ENV_LAUNCHER_DIR}/{name}", script, 0o755))
+        # what the front's unit runs: the public port, held while no backend is ready (render.render_front)
+        ents.append(bundle.Entry(BUNDLED_FRONT, launcher("front.py"), 0o644))
         # the deploytool.fleet collection: `ansible-galaxy collection install BUNDLE/ansible` on a controller
         ents += [bundle.Entry(f"ansible/{rel}", data, 0o644) for rel, data in collection_files()]
         log("bundle: hashing, signing and archiving")

@@ -3,13 +3,13 @@
 Errors are mapped at this one edge: a DeployError becomes one red line plus a hint and its own exit code;
 anything else is a bug (exit 70), shown with its traceback only under --debug.
 
-The config loader (~30 ms to import) is imported when a command loads the config, not at every start.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -18,14 +18,16 @@ import click
 
 from deploy_tool import __version__
 from deploy_tool.cli.context import Ctx
+from deploy_tool.cli.names import SuggestingGroup
 from deploy_tool.errors import DeployError, ExitCode
 
 ENV_CONFIG = "DEPLOYTOOL_CONFIG"
+COLOR_MODES = ("auto", "always", "never")
 
 
 
 
-class Group(click.Group):
+class Group(SuggestingGroup):
     """Maps DeployError to a one-line message with a hint and its exit code; shows tracebacks only with --debug."""
 
     def invoke(self, ctx: click.Context):
@@ -65,9 +67,11 @@ class Group(click.Group):
 @click.option("--dry-run", "-n", is_flag=True, help="Show what would change, change nothing.")
 @click.option("--verbose", "-v", is_flag=True, help="Log every external command (+ argv).")
 @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.option("--color", "color", type=click.Choice(COLOR_MODES), default=None, metavar="[auto|always|never]",
+              help="Colors in text output: auto (default) colors a terminal unless NO_COLOR is set; always; never.")
 @click.pass_context
 def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: bool, verbose: bool,
-         debug: bool) -> None:
+         debug: bool, color: str | None) -> None:
     """deploytool: run self-hosted LLM inference servers as systemd services.
 
     \b
@@ -91,12 +95,37 @@ def main(ctx: click.Context, config_path: Path | None, json_out: bool, dry_run: 
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     _set_logging(verbose, debug)  # only ours: the `sh` library logs every line at DEBUG
-    ctx.obj = Ctx(config_path=config_path, json=json_out, dry_run=dry_run, verbose=verbose, debug=debug)
+    ctx.obj = Ctx(config_path=config_path, json=json_out, dry_run=dry_run, verbose=verbose, debug=debug,
+                  color=color or "auto")
+    apply_color(ctx, ctx.obj.color)
+    from deploy_tool import progress
+
+    obj = ctx.obj
+    progress.enable_waits(when=lambda: not obj.json)  # a wait's line on a terminal, never with --json
+
+
+
+def color_setting(mode: str) -> bool | None:
+    """click's color for `--color MODE`: True always, False never, None (a terminal only) for auto, which NO_COLOR
+    (https://no-color.org: set and not empty) turns off."""
+    if mode == "always":
+        return True
+    if mode == "never" or os.environ.get("NO_COLOR"):
+        return False
+    return None
+
+
+def apply_color(ctx: click.Context, mode: str) -> None:
+    """Set the color of `ctx` and every context above it (the error edge prints from the root's)."""
+    c: click.Context | None = ctx
+    while c is not None:
+        c.color = color_setting(mode)
+        c = c.parent
 
 
 # main's parameter name -> the Ctx field it sets
 _GLOBAL_FIELDS = {"config_path": "config_path", "json_out": "json", "dry_run": "dry_run", "verbose": "verbose",
-                  "debug": "debug"}
+                  "debug": "debug", "color": "color"}
 
 
 def _set_logging(verbose: bool, debug: bool) -> None:
@@ -113,16 +142,18 @@ def _global_callback(field: str):
         setattr(obj, field, value)
         if field in ("verbose", "debug"):
             _set_logging(obj.verbose, obj.debug)
+        if field == "color":
+            apply_color(ctx, str(value))
 
     return set_field
 
 
 def share_global_options(cmd: click.Command) -> None:
-    """Accept every global option (--config, --json, --dry-run, --verbose, --debug) after `cmd` too, and after
-    each of its subcommands: `deploytool status --json` is `deploytool --json status`.
+    """Accept every global option (--config, --json, --dry-run, --verbose, --debug, --color) after `cmd` too, and
+    after each of its subcommands: `deploytool status --json` is `deploytool --json status`.
 
-    A command's own option of the same long name is kept (it sets the same Ctx field); a short name the
-    command already uses for something else (history's -n) is left to it. A command that passes unknown
+    A command's own option of the same long name is kept (it sets the same Ctx field). A short option has one
+    meaning everywhere (-n is --dry-run, -c --config, -v --verbose; tests/test_cli_names.py holds it). A command that passes unknown
     options through (sandbox exec CMD...) reads its own options only before its first argument, so CMD's
     options stay CMD's.
     """
@@ -138,17 +169,17 @@ def share_global_options(cmd: click.Command) -> None:
         opts = [o for o in gp.opts if o not in taken]
         cmd.params.append(click.Option(opts, type=None if gp.is_flag else gp.type, is_flag=gp.is_flag or None,
                                        expose_value=False, callback=_global_callback(_GLOBAL_FIELDS[gp.name]),
-                                       help=gp.help))
+                                       help=gp.help, metavar=gp.metavar))
     if cmd.ignore_unknown_options or cmd.context_settings.get("ignore_unknown_options"):
         cmd.context_settings["allow_interspersed_args"] = False
 
 
 def _register() -> None:
     # the command modules import Ctx and pass_ctx from this package: they are imported once those exist
-    from deploy_tool.cli import basic, bench, bundle, keys, ops, releases, sandbox, verify
+    from deploy_tool.cli import basic, bench, bundle, keys, logs, ops, releases, sandbox, verify
 
     for cmd in (*basic.COMMANDS, *ops.COMMANDS, *releases.COMMANDS, sandbox.sandbox, keys.keygen, bundle.bundle, verify.verify,
-                verify.pin, verify.await_ready, bench.bench):
+                verify.pin, verify.await_ready, bench.bench, logs.logs):
         main.add_command(cmd)
     for cmd in main.commands.values():
         share_global_options(cmd)

@@ -1,7 +1,7 @@
 """init, check, render, config-reference.
 
-The library modules a command needs are imported when it runs: at the top, every start of the CLI
-(`deploytool --help` too) would load the config loader, the checks and the renderer (~120 ms).
+The library modules a command needs are imported when it runs: the renderer pulls in jinja2, which the units'
+ExecStartPre verify (the same CLI) must not depend on.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
+from deploy_tool.cli.names import EXAMPLE
 from deploy_tool.errors import CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
 
 
 @click.command()
-@click.option("--example", "-e", default="two-2080ti", show_default=True,
+@click.option("--example", "-e", type=EXAMPLE, default="two-2080ti", show_default=True,
               help="Which embedded example: two-2080ti (the real box) or cpu-demo (both backends on CPU).")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("deploytool.yaml"), show_default=True,
               help="Where to write the config.")

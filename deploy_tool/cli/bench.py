@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
+from deploy_tool.cli.names import BACKEND
 from deploy_tool.errors import ExitCode, InputError
 from deploy_tool.progress import progress_for
 
@@ -34,7 +35,7 @@ def _lengths(value: str | None) -> list[int]:
 
 
 @click.command("bench")
-@click.argument("backend", required=False)
+@click.argument("backend", required=False, type=BACKEND)
 @click.option("--kinds", default=None, help="Prompt kinds to run, comma-separated (default: all of the set: "
                                             "code,math,prose).")
 @click.option("--runs", type=int, default=3, show_default=True, help="Requests per kind (the median is reported).")
@@ -71,8 +72,8 @@ def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_token
     BACKEND (default: the active one) and the release label the figures: baselines are kept per
     (release, backend) in the state dir.
     """
-    from deploy_tool.box import perf
-    from deploy_tool.box.gate import endpoint_for
+    from deploy_tool.box.probe import perf
+    from deploy_tool.box.probe.gate import endpoint_for
     from deploy_tool.box.state import Store
     from deploy_tool.rehearsal import bench as b
     from deploy_tool.rehearsal.pngchart import write_bar_chart

@@ -1,7 +1,7 @@
 """`deploytool bundle verify`: check a bundle's signature, manifest and every file before trusting it.
 
-The bundle code (archive, manifest, cryptography: ~40 ms) is imported when the command runs, not at every
-start of the CLI.
+The bundle code (archive, manifest, cryptography) is imported when the command runs: the units' ExecStartPre
+verify (the same CLI) must not depend on cryptography.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx
+from deploy_tool.cli.names import SuggestingGroup
 from deploy_tool.progress import progress_for
 
 
-@click.group()
+@click.group(cls=SuggestingGroup)
 def bundle() -> None:
     """Inspect and verify signed bundles."""
 

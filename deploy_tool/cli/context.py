@@ -1,4 +1,4 @@
-"""What every command gets: the global options (--config, --json, --dry-run, -v, --debug) and the config they
+"""What every command gets: the global options (--config, --json, --dry-run, -v, --debug, --color) and the config they
 name, and how a result is printed (JSON with --json, else text)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ class Ctx:
     dry_run: bool
     verbose: bool
     debug: bool
+    color: str = "auto"  # --color: auto, always, never (NO_COLOR turns auto off)
 
     def load_config(self):
         """The config: --config, else ./deploytool.yaml, else /etc/deploytool/deploytool.yaml."""

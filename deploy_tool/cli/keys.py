@@ -1,7 +1,7 @@
 """`deploytool keygen`: an Ed25519 key pair for signing bundles.
 
-The key code (manifest, cryptography: ~35 ms) is imported when the command runs, not at every start of the
-CLI.
+The key code (manifest, cryptography) is imported when the command runs: the units' ExecStartPre verify (the
+same CLI) must not depend on cryptography.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
+from deploy_tool.cli.names import BACKEND
 
 
 def _log(ctx: Ctx):
@@ -129,7 +130,7 @@ def _drain_s(drain_timeout: float | None, no_drain: bool) -> float | None:
 
 
 @click.command()
-@click.argument("backend")
+@click.argument("backend", type=BACKEND)
 @click.option("--wait", type=float, default=0.0, help="Wait this long for another switch's lock (else fail fast).")
 @click.option("--reason", default=None, help="Why (kept in history).")
 @_drain_options
@@ -147,6 +148,7 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None, drain_timeou
 
     drain_s = _drain_s(drain_timeout, no_drain)
     cfg = ctx.load_config()
+    cfg.backend(backend)  # the name first: an unknown one fails (exit 3, did-you-mean) before systemd is probed
     _emit_switch(ctx, operations.switch(cfg, backend, dry_run=ctx.dry_run, wait=wait, reason=reason, log=_log(ctx),
                                         drain_s=drain_s))
 
@@ -175,7 +177,7 @@ def recover(ctx: Ctx) -> None:
 
 
 @click.command()
-@click.option("--from", "from_backend", required=True, metavar="BACKEND",
+@click.option("--from", "from_backend", required=True, metavar="BACKEND", type=BACKEND,
               help="The backend that failed (the failover unit passes its instance, %i).")
 @pass_ctx
 def failover(ctx: Ctx, from_backend: str) -> None:
@@ -192,6 +194,7 @@ def failover(ctx: Ctx, from_backend: str) -> None:
     from deploy_tool.box import operations
 
     cfg = ctx.load_config()
+    cfg.backend(from_backend)  # the name first, before systemd is probed
     # systemd hands the OnFailure= unit the run that failed
     unit = os.environ.get("MONITOR_UNIT", "")
     inv = os.environ.get("MONITOR_INVOCATION_ID") if unit.removesuffix(".service") == from_backend else None
@@ -283,7 +286,8 @@ def _write_metrics(target: Path, text: str) -> None:
 
 
 @click.command()
-@click.option("--limit", "-n", type=int, default=20, show_default=True, help="How many events (0: all).")
+@click.option("--limit", "-l", type=click.IntRange(0, None), default=20, show_default=True, metavar="N",
+              help="How many events (0: all).")
 @pass_ctx
 def history(ctx: Ctx, limit: int) -> None:
     """Installs, switches, rollbacks, recoveries and pins, with their reasons."""
@@ -323,7 +327,7 @@ def liveness(ctx: Ctx, watch: bool) -> None:
     Busy (requests in flight, the server using CPU) is not hung. Failures in a row, restarts and give-ups are
     recorded in history as "liveness" events; see supervision.liveness in the config.
     """
-    from deploy_tool.box import liveness as lv
+    from deploy_tool.box.probe import liveness as lv
 
     cfg = ctx.load_config()
     if watch and not ctx.dry_run:

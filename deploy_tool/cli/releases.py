@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
+from deploy_tool.cli.names import SuggestingGroup
 
 
 def _log(ctx: Ctx):
@@ -35,7 +36,7 @@ def _table(rels: list) -> str:
     return "\n".join(lines)
 
 
-@click.group("releases", invoke_without_command=True)
+@click.group("releases", cls=SuggestingGroup, invoke_without_command=True)
 @pass_ctx
 @click.pass_context
 def releases(cctx: click.Context, ctx: Ctx) -> None:

@@ -1,7 +1,6 @@
 """deploytool sandbox up|down|status|exec: a real systemd manager in private namespaces, for rehearsals.
 
-The sandbox module and proc (~25 ms with subprocess) are imported when a command runs, not at every start
-of the CLI.
+The sandbox module is imported when a command runs: it is rehearsal machinery, never needed on a box.
 """
 
 from __future__ import annotations
@@ -12,9 +11,10 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
+from deploy_tool.cli.names import SuggestingGroup
 
 
-@click.group()
+@click.group(cls=SuggestingGroup)
 def sandbox() -> None:
     """A real systemd in private namespaces, to rehearse installs and switches.
 

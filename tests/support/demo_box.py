@@ -35,6 +35,7 @@ def dt(cfg: Path, *args: str, env: dict[str, str] | None = None, timeout: float 
        wrap: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     """`deploytool --config cfg ARGS` in a child process, as a user runs it (cwd: the config's directory)."""
     e = dict(os.environ)
+    e.pop("DEPLOYTOOL_JOURNAL_SOCKET", None)  # the box's own journal (its sandbox's), as on a box (tests/conftest.py)
     e.update(env or {})
     e["PYTHONPATH"] = str(REPO)
     return subprocess.run([*(wrap or []), *DT, "--config", str(cfg), *args], capture_output=True, text=True,

@@ -213,6 +213,16 @@ class Call:
     method: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    step: str | None = None  # the step state.json's operation was at when deploytool made the call (None: none)
+
+    def units_changed(self) -> tuple[str, ...]:
+        """The units this call changes: started, stopped, killed, enabled or disabled, their files written or
+        removed. Queries and `reset-failed` (a counter, no change to what runs or boots) change none."""
+        if self.method in ("enable", "disable"):
+            return tuple(self.args)
+        if self.method in ("start", "restart", "stop", "kill", "install_file", "remove_file"):
+            return (self.args[0],)
+        return ()
 
 
 # ------------------------------------------------------------------------------------------------ the world
@@ -223,10 +233,15 @@ class World:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
         self.host = "127.0.0.1"
-        self.port = int(cfg.serve.port)
+        self.port = int(cfg.backend_port)  # the backends' own port, behind the front
         self.model_name = cfg.serve.model_name
         self.unit_dir = Path(cfg.paths.unit_dir)
         self.units = {b.unit: Unit(b.unit, b.name, b.kind) for b in cfg.backends.values()}
+        # the front's socket and service: units that start and stop, with no process of their own here (the real
+        # front is tested on its own, and in the sandbox)
+        from deploy_tool.render import FRONT_UNITS
+
+        self.units.update({n: Unit(n, "front", "front") for n in FRONT_UNITS})
         self.lock = threading.RLock()
         self.now = 1000.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -245,6 +260,14 @@ class World:
         #: run at a kill point before Killed unwinds the killed deploytool's stack (e.g. to freeze the files as
         #: the kill left them: a SIGKILLed process runs none of its `except` and `finally` blocks)
         self.on_kill: Callable[[str], None] | None = None
+
+    def step_now(self) -> str | None:
+        """The step of the operation in progress as state.json journals it (what a kill there would leave)."""
+        try:
+            op = json.loads((Path(self.cfg.paths.state_dir) / "state.json").read_bytes()).get("operation")
+        except (OSError, ValueError):
+            return None
+        return op.get("step") if isinstance(op, dict) else None
 
     # ------------------------------------------------------------------ setting up
 
@@ -396,12 +419,17 @@ class World:
                     if u.name in units and u.proc is not None and u.proc.alive}
 
     def active(self) -> set[str]:
-        return {u.name for u in self.units.values() if u.active_state == "active"}
+        """The backends' units that are active (the front's socket and service: `front`)."""
+        return {u.name for u in self.units.values() if u.active_state == "active" and u.kind != "front"}
+
+    def front(self) -> dict[str, tuple[str, bool]]:
+        """The front's units: name -> (ActiveState, enabled)."""
+        return {u.name: (u.active_state, u.enabled) for u in self.units.values() if u.kind == "front"}
 
     def ready(self) -> set[str]:
         """The units whose process is up and ready (serving)."""
         return {u.name for u in self.units.values() if u.active_state == "active" and u.proc and u.proc.alive
-                and u.proc.ready_at is not None and u.proc.ready_at <= self.now}
+                and u.proc.ready_at is not None and u.proc.ready_at <= self.now and u.kind != "front"}
 
     def healthy(self) -> set[str]:
         """The units that would pass a gate now: ready, serving the configured name, answering completions."""
@@ -409,7 +437,8 @@ class World:
                 and p.behaviour.smoke == "ok"}
 
     def enabled(self) -> set[str]:
-        return {u.name for u in self.units.values() if u.enabled}
+        """The backends' units enabled for boot (the front's: `front`)."""
+        return {u.name for u in self.units.values() if u.enabled and u.kind != "front"}
 
     def listening(self) -> str | None:
         """The unit whose process holds the port now."""
@@ -428,6 +457,9 @@ class World:
             self.advance(max(0.0, u.stop_done - self.now))
         if u.active_state in ("active", "activating", "deactivating") and u.proc is not None and u.proc.alive:
             return None  # already running (or starting: the job joins the one running): a start job is a no-op
+        if u.kind == "front":
+            self._set(u, "active", "running" if u.name.endswith(".service") else "listening")
+            return None
         text = self.unit_text(u)
         for line in text.splitlines():  # Conflicts=: the other unit is stopped, in parallel (not waited for)
             if line.startswith("Conflicts="):
@@ -445,7 +477,7 @@ class World:
         pre_pid = next(self._pids)
         refusal = b.refused
         if refusal is None and " --await-port" in text:
-            siblings = [o for o in self.units if o != u.name]
+            siblings = [o for o, x in self.units.items() if o != u.name and x.kind != "front"]
             try:
                 portwait.await_port(self.host, self.port, siblings=siblings, timeout=AWAIT_PORT_S if wait else 0.0,
                                     sibling_pids=lambda: self.sibling_pids(siblings))
@@ -660,7 +692,7 @@ def _cursor_seq(cursor: str) -> int:
 
 
 def _handler(world: World, u: Unit, proc: Process) -> type[BaseHTTPRequestHandler]:
-    """HTTP as the two servers answer it (see deploy_tool.box.health), scripted by the process's behaviour."""
+    """HTTP as the two servers answer it (see deploy_tool.box.probe.health), scripted by the process's behaviour."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
@@ -748,7 +780,7 @@ class FakeSystemd(Systemd):
     def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
         if self.dead:
             raise Killed(f"{method} after the kill")
-        self.world.calls.append(Call(self.handle, method, args, kwargs))
+        self.world.calls.append(Call(self.handle, method, args, kwargs, self.world.step_now()))
         why = self.world.failing.get((method, args[0] if args else None))
         if why is not None:
             raise SystemdError(f"systemctl {method} {' '.join(map(str, args))} failed (exit 1): {why}")

@@ -17,6 +17,8 @@ from ansible.module_utils.parsing.convert_bool import boolean
 from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
+    Entry,
+    Manifest,
     ShipError,
     parse_manifest,
     parse_stats,
@@ -24,9 +26,28 @@ from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import 
 
 from ansible.plugins.action import ActionBase
 
+try:  # deploytool's own MANIFEST reader, where deploytool is installed on the controller (it wrote the MANIFEST)
+    from deploy_tool.errors import DeployError
+    from deploy_tool.manifest import Manifest as PackageManifest
+except ImportError:  # the collection's own (ship_core's, which the host runs too)
+    PackageManifest = None
+
 MODULE = "deploytool.fleet.ship"
 DEFAULT_DEST = "/var/lib/deploytool/bundles"
 MAX_BASIS = 20  # rsync takes at most 20 --copy-dest directories
+
+
+def read_manifest_bytes(raw):
+    """The MANIFEST's bytes as ship_core's Manifest (raw, bundle_id, files), read by deploytool's own reader where
+    deploytool is importable here (it refuses all that ship_core's does, and a MANIFEST not in canonical form too),
+    else by ship_core's; ShipError naming what is wrong."""
+    if PackageManifest is None:
+        return parse_manifest(raw)
+    try:
+        m = PackageManifest.from_bytes(raw)
+    except DeployError as exc:
+        raise ShipError("%s" % exc, getattr(exc, "reason", "manifest-malformed")) from None
+    return Manifest(raw, m.bundle_id, [Entry(f.path, f.size, f.mode, f.sha256) for f in m.files])
 
 
 class ActionModule(ActionBase):
@@ -144,7 +165,7 @@ class ActionModule(ActionBase):
             raise AnsibleActionFail("%s has no readable MANIFEST (%s): is it a deploytool bundle directory?"
                                     % (src, exc.strerror)) from None
         try:
-            manifest = parse_manifest(raw)
+            manifest = read_manifest_bytes(raw)
         except ShipError as exc:
             raise AnsibleActionFail("bundle %s: %s" % (src, exc)) from None
         sig = None

@@ -16,20 +16,16 @@ failed, inactive, exited or restarting ends the wait at once with the journal ta
 status 0 on an unsupported model architecture: that is a failure too, whatever the exit status.
 
 The retry policy is `retry.ready` (deploytool's tenacity policies, in one place), with an injectable clock
-and sleep so tests drive it with a fake clock and never wait for real time. HTTP uses the standard library
-only, with a timeout on every request and no proxy (servers bind 127.0.0.1).
+and sleep so tests drive it with a fake clock and never wait for real time. HTTP goes through the probes' one
+client (deploy_tool.box.probe.http: the standard library only, a timeout on every request, no proxy: servers bind
+127.0.0.1).
 
 Every failure is a `HealthError` whose `details["reason"]` names what went wrong (see `REASONS`).
 """
 
 from __future__ import annotations
 
-import http.client
-import json
-import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -38,6 +34,7 @@ if TYPE_CHECKING:
     from deploy_tool.config import Config
 
 from deploy_tool import retry
+from deploy_tool.box.probe import http
 from deploy_tool.errors import HealthError
 
 Kind = Literal["ftllm", "llamacpp"]
@@ -123,11 +120,17 @@ class SmokeReport:
 
 
 def base_url(cfg: Config) -> str:
-    """The served endpoint as a client on this box reaches it (a wildcard bind is probed on 127.0.0.1)."""
+    """The backends' own endpoint, behind the front (loopback, serve.internal_port): what the gate, the smoke test,
+    the perf gate, liveness and drain probe, so that nothing passes because the front answered."""
+    return f"http://{cfg.backend_host}:{cfg.backend_port}"
+
+
+def public_url(cfg: Config) -> str:
+    """The public endpoint (the front) as a client on this box reaches it (a wildcard bind on 127.0.0.1)."""
     host = cfg.serve.host
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    return f"http://{host}:{cfg.serve.port}"
+    return f"http://[{host}]:{cfg.serve.port}" if ":" in host else f"http://{host}:{cfg.serve.port}"
 
 
 def api_key(cfg: Config) -> str | None:
@@ -155,67 +158,7 @@ def _fail(reason: str, message: str, *, hint: str | None = None, **extra: object
     return HealthError(message, hint=hint, details=details)
 
 
-# --------------------------------------------------------------------------------------------- HTTP
-
-@dataclass(frozen=True)
-class _Response:
-    status: int
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body.decode("utf-8", "replace"))
-
-    def text(self, limit: int = 200) -> str:
-        return self.body.decode("utf-8", "replace").strip()[:limit]
-
-
-class _Unreachable(Exception):
-    """No HTTP answer at all: `reason` is connection-refused or timeout (or another named network fault)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-# Servers bind 127.0.0.1: never route probes through an http_proxy from the environment.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _request(method: str, url: str, *, timeout: float, api_key: str | None = None,
-             body: Mapping[str, Any] | None = None) -> _Response:
-    headers = {"Accept": "application/json"}
-    data = None
-    if body is not None:
-        data = json.dumps(body).encode()
-        headers["Content-Type"] = "application/json"
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(url, data=data, headers=headers, method=method)
-    try:
-        with _OPENER.open(req, timeout=max(timeout, 0.001)) as resp:
-            return _Response(resp.status, resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            payload = exc.read()
-        except OSError:
-            payload = b""
-        return _Response(exc.code, payload)
-    except urllib.error.URLError as exc:
-        raise _classify(exc.reason, url) from exc
-    except (OSError, http.client.HTTPException) as exc:
-        raise _classify(exc, url) from exc
-
-
-def _classify(exc: object, url: str) -> _Unreachable:
-    if isinstance(exc, ConnectionRefusedError):
-        return _Unreachable("connection-refused", f"connection refused: {url}")
-    if isinstance(exc, socket.timeout | TimeoutError):
-        return _Unreachable("timeout", f"no answer in time: {url}")
-    if isinstance(exc, ConnectionResetError | ConnectionAbortedError | BrokenPipeError):
-        return _Unreachable("connection-reset", f"connection reset: {url}")
-    return _Unreachable("connection-error", f"{url}: {exc}")
-
+# --------------------------------------------------------------------------------------------- answers
 
 def _served_names(payload: Any) -> tuple[str, ...]:
     """Model names from an OpenAI-style /v1/models answer (ids plus llama.cpp's aliases)."""
@@ -302,12 +245,12 @@ def _probe(kind: str, base: str, model_name: str, *, api_key: str | None, timeou
     `on_unreachable` runs when nothing answers (a dead server is named at once, not at the deadline)."""
     try:
         if kind == "llamacpp":
-            health = _request("GET", f"{base}/health", timeout=timeout, api_key=api_key)
+            health = http.request("GET", f"{base}/health", timeout=timeout, api_key=api_key)
             if health.status == 503:
                 raise _NotReady(f"/health 503 {health.text(80)}")
             _reject_status(kind, base, "/health", health, ok=(200,))
-        models = _request("GET", f"{base}/v1/models", timeout=timeout, api_key=api_key)
-    except _Unreachable as exc:
+        models = http.request("GET", f"{base}/v1/models", timeout=timeout, api_key=api_key)
+    except http.Unreachable as exc:
         on_unreachable()
         raise _NotReady(exc.detail) from exc
     if models.status == 503 or models.status >= 500:
@@ -343,7 +286,8 @@ def wait_ready(
 
     `unit_state()` is polled on every attempt (every `interval` seconds): a dead unit ends the wait at
     once. `journal_tail()` is called only on failure and its text is added to the error. `clock` and `sleep`
-    default to the real ones (retry.ready, which a test mode replaces).
+    default to the real ones (retry.ready, which a test mode replaces). `timeout=0` asks once, each request
+    bounded by `request_timeout`.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown backend kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -362,8 +306,11 @@ def wait_ready(
             with attempt:
                 attempts += 1
                 check_unit()
+                # timeout=0 is one look (status): its requests get their whole request_timeout, not what is left
+                # of a deadline that has already passed
                 served = _probe(kind, base, model_name, api_key=api_key, on_unreachable=check_unit,
-                                timeout=max(0.05, min(request_timeout, poll.left())))
+                                timeout=request_timeout if timeout == 0 else
+                                max(0.05, min(request_timeout, poll.left())))
     except _NotReady as exc:
         # deadline passed: one last look at the unit gives the better message if it died meanwhile
         _check_unit(kind, base, unit_state, journal_tail, not_started_yet=False)
@@ -376,7 +323,7 @@ def wait_ready(
                        attempts=attempts, served_models=served)
 
 
-def _reject_status(kind: str, base: str, path: str, resp: _Response, *, ok: tuple[int, ...]) -> None:
+def _reject_status(kind: str, base: str, path: str, resp: http.Response, *, ok: tuple[int, ...]) -> None:
     if resp.status in ok:
         return
     if resp.status in (401, 403):
@@ -414,8 +361,8 @@ def smoke_completion(
             "temperature": 0, "max_tokens": max_tokens, "stream": False}
     t0 = clock()
     try:
-        resp = _request("POST", url, timeout=timeout, api_key=api_key, body=body)
-    except _Unreachable as exc:
+        resp = http.request("POST", url, timeout=timeout, api_key=api_key, body=body)
+    except http.Unreachable as exc:
         raise _fail(exc.reason, f"chat completion failed: {exc.detail}",
                     hint="is the server running and bound to this address?", url=url) from None
     seconds = clock() - t0

@@ -16,7 +16,9 @@ A tick:
      not ready yet on a start that was never seen ready, within its start timeout -> "starting", not a failure;
      no answer while requests are in flight on the port (deploy_tool.procfs: ESTABLISHED connections, the
      probe's own not counted) and the unit's CPU time advanced during the probe -> "busy", not a failure (a
-     stopped or deadlocked server with a client waiting uses no CPU: that is a failure);
+     stopped or deadlocked server with a client waiting uses no CPU: that is a failure), for at most
+     `busy_max_s` in a row: past it each such tick is a failure too (a GPU server's host thread can spin on a
+     hung kernel, using CPU for ever);
      anything else -> one failure; `failures` in a row -> restart;
   5. act: restart = SIGKILL to the unit's processes (`systemctl kill`), so that Restart=on-failure starts it again
      after RestartSec= and the start counts against the unit's start limit like any crash. When `restarts`
@@ -34,6 +36,7 @@ change).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import time
 from collections.abc import Callable
@@ -41,12 +44,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from deploy_tool import procfs, retry
+from deploy_tool.box import runtime
 from deploy_tool.box import systemd as systemd_mod
+from deploy_tool.box.probe import gate, health
 from deploy_tool.box.state import Store
 from deploy_tool.config import Backend, Config, LivenessCfg
 from deploy_tool.errors import DeployError, HealthError, LockedError
 from deploy_tool.fsutil import atomic_write
-from deploy_tool.render import visible_gpus
+from deploy_tool.render import LIVENESS_UNIT, visible_gpus
 
 STATE_FILE = "liveness.json"
 DROPIN = "zz-deploytool-liveness-gave-up.conf"  # the runtime drop-in of a give-up (removed once the unit failed)
@@ -65,9 +71,14 @@ class LiveState:
     first_seen: float = 0.0  # when this invocation was first seen (epoch seconds)
     seen_ready: bool = False  # it answered a probe at least once
     failures: int = 0  # failed probes in a row
-    busy: bool = False  # the last tick found it busy (a "busy" event is recorded once per streak)
+    busy_since: float = 0.0  # when its busy streak began (epoch seconds; 0: none), bounded by busy_max_s
     last_completion: float = 0.0  # when the last tiny completion passed
     restarts: tuple[float, ...] = field(default_factory=tuple)  # liveness restarts of this backend (epoch seconds)
+
+    @property
+    def busy(self) -> bool:
+        """It is in a busy streak (a "busy" event is recorded once per streak)."""
+        return self.busy_since > 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -100,28 +111,36 @@ class Verdict:
 def decide(cfg: LivenessCfg, start_timeout_s: float, st: LiveState, obs: Observation, now: float) -> Verdict:
     """The tick's verdict from the kept state and what it observed; the new state to keep."""
     if obs.invocation != st.invocation:  # a new start (by us, by Restart=, by an operator): counts start afresh
-        st = replace(st, invocation=obs.invocation, first_seen=now, seen_ready=False, failures=0, busy=False)
+        st = replace(st, invocation=obs.invocation, first_seen=now, seen_ready=False, failures=0, busy_since=0.0)
     window = [t for t in st.restarts if now - t < cfg.restart_window_s]
     st = replace(st, restarts=tuple(window))
     if obs.answered:
-        st = replace(st, seen_ready=True, failures=0, busy=False,
+        st = replace(st, seen_ready=True, failures=0, busy_since=0.0,
                      last_completion=now if obs.completion_done else st.last_completion)
         return Verdict(st, "ok")
     up = obs.up_s if obs.up_s is not None else now - st.first_seen
     if not st.seen_ready and not obs.gated and up < start_timeout_s:
-        return Verdict(replace(st, busy=False), "starting", f"not ready yet ({obs.detail})")
-    if obs.in_flight > 0 and obs.cpu_advanced is not False:
-        return Verdict(replace(st, busy=True), "busy",
+        return Verdict(replace(st, busy_since=0.0), "starting", f"not ready yet ({obs.detail})")
+    working = obs.in_flight > 0 and obs.cpu_advanced is not False
+    since = (st.busy_since or now) if working else 0.0
+    if working and (not cfg.busy_max_s or now - since < cfg.busy_max_s):
+        return Verdict(replace(st, busy_since=since), "busy",
                        f"{obs.detail}; {obs.in_flight} request(s) in flight and the server is working")
+    # not working, or busy past its bound: the streak's start is kept, so each tick past the bound counts
+    st = replace(st, busy_since=since)
     failures = st.failures + 1
-    detail = obs.detail + (f"; {obs.in_flight} request(s) in flight but no CPU time used: stuck"
-                           if obs.in_flight > 0 else "")
+    detail = obs.detail
+    if working:
+        detail += (f"; busy for {now - since:.0f}s without answering a probe (past supervision.liveness.busy_max_s "
+                   f"{cfg.busy_max_s:g})")
+    elif obs.in_flight > 0:
+        detail += f"; {obs.in_flight} request(s) in flight but no CPU time used: stuck"
     if failures < cfg.failures:
-        return Verdict(replace(st, failures=failures, busy=False), "failure", detail)
+        return Verdict(replace(st, failures=failures), "failure", detail)
     if len(window) >= cfg.restarts:
-        return Verdict(replace(st, failures=failures, busy=False), "gave-up",
+        return Verdict(replace(st, failures=failures), "gave-up",
                        f"{detail}; {len(window)} restart(s) in the last {cfg.restart_window_s:g}s did not help")
-    return Verdict(replace(st, failures=0, busy=False, restarts=(*window, now)), "restart", detail)
+    return Verdict(replace(st, failures=0, restarts=(*window, now)), "restart", detail)
 
 
 # ------------------------------------------------------------------------------------------------ the tick
@@ -143,7 +162,7 @@ def load_state(path: Path) -> LiveState:
         d = json.loads(path.read_bytes())
         return LiveState(backend=d.get("backend"), invocation=str(d.get("invocation") or ""),
                          first_seen=float(d.get("first_seen") or 0.0), seen_ready=bool(d.get("seen_ready")),
-                         failures=int(d.get("failures") or 0), busy=bool(d.get("busy")),
+                         failures=int(d.get("failures") or 0), busy_since=float(d.get("busy_since") or 0.0),
                          last_completion=float(d.get("last_completion") or 0.0),
                          restarts=tuple(float(t) for t in d.get("restarts") or ()))
     except (OSError, ValueError, TypeError, AttributeError):
@@ -213,8 +232,6 @@ class Prober:
         """Probe `b`; `committed`: when state.json was last written (epoch seconds): after this process
         started, an operation (switch, install, recover) committed it behind its health gate, so it has no
         start-up grace left (only a start by Restart= or by hand has)."""
-        from deploy_tool.box import drain  # the connection count
-
         inv = props.get("InvocationID", "")
         cpu0 = _cpu_ns(props)
         started = props.get("ExecMainStartTimestampMonotonic", "")
@@ -224,7 +241,9 @@ class Prober:
         try:
             loading = self._probe(b, completion=due)
         except HealthError as exc:
-            n = drain.in_flight(self.cfg)
+            # requests the server took (accepted) count as its work; the front's tries waiting in a hung
+            # server's backlog do not
+            n = procfs.connections_in(self.cfg.backend_port, accepted=True)
             cpu1 = _cpu_ns(self.sd.properties(b.unit, "CPUUsageNSec")) if n else None
             advanced = None if cpu0 is None or cpu1 is None else cpu1 > cpu0
             return Observation(inv, False, exc.message.splitlines()[0], in_flight=n, cpu_advanced=advanced, up_s=up,
@@ -241,7 +260,6 @@ class Prober:
         GPUs' nodes (deploy_tool.gpu); None when it holds them, for a cpu backend, or when it cannot be read."""
         if b.device != "cuda" or not main_pid.isdigit() or int(main_pid) <= 0:
             return None
-        from deploy_tool.box import gate, runtime  # the sandbox's PID mapping, the process tree
 
         try:
             res = runtime.gpu_residency(gate.host_pid(self.cfg, int(main_pid)), visible_gpus(self.cfg, b))
@@ -252,8 +270,6 @@ class Prober:
     def _probe(self, b: Backend, *, completion: bool) -> bool:
         """One readiness probe within timeout_s (and a 1-token completion when due); True when the server says
         it is still loading; HealthError when it does not answer as it should."""
-        from deploy_tool.box import health  # the HTTP client
-
         base = health.base_url(self.cfg)
         t = self.lcfg.timeout_s
         key = health.api_key(self.cfg)
@@ -308,7 +324,6 @@ class Prober:
         try:
             self.sd.daemon_reload()
             self.sd.kill(b.unit, "SIGKILL", who="all")
-            from deploy_tool import retry
 
             clock, sleep = retry.clock_for(), retry.sleep_for()
             deadline = clock() + 10.0
@@ -342,9 +357,7 @@ def _nothing() -> None:
 
 
 def _epoch(iso: str | None) -> float | None:
-    """state.json's `updated` (now_iso: 2026-12-01T13:00:00.123456Z) as epoch seconds."""
-    import datetime as dt
-
+    """state.json's `updated` (clock.iso_utc(micro=True): 2026-12-01T13:00:00.123456Z) as epoch seconds."""
     if not iso:
         return None
     try:
@@ -362,8 +375,6 @@ def arm(cfg: Config, sd: systemd_mod.Systemd, *, log: Log = lambda s: None) -> N
     """After an install started a backend: the liveness probe's unit enabled and (re)started when
     supervision.liveness is on (the release's deploytool and config take effect), stopped and disabled when off
     (an installed box only; a failure here is logged, the install stands)."""
-    from deploy_tool.render import LIVENESS_UNIT
-
     if not sd.unit_path(LIVENESS_UNIT).exists():
         return
     try:
@@ -383,8 +394,6 @@ def watch(cfg: Config, *, sd: systemd_mod.Systemd | None = None, log: Log = lamb
     """`deploytool liveness --watch`: a tick every interval_s (from the start of one to the next), `ticks` of them
     or for ever. A tick that fails (systemd unreachable, the state dir unwritable) is logged and the next one
     runs; with liveness off, it returns at once (its unit is stopped then anyway)."""
-    from deploy_tool import retry
-
     p = Prober(cfg, sd=sd, log=log, now=now, mono=mono)
     every = cfg.supervision.liveness.interval_s
     clock, sleep = retry.clock_for(), retry.sleep_for()

@@ -21,19 +21,16 @@ Time goes through deploy_tool.retry's clock and sleep, so the fast tests drive a
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from deploy_tool import procfs, retry
-from deploy_tool.box import health
+from deploy_tool.box.probe import health, http
 from deploy_tool.config import Backend, Config
 
 POLL_S = 0.2  # how often the connections are counted while draining (a /proc read: ~0.1 ms)
 SLOTS_IDLE_S = 0.5  # llama-server: /slots must say idle this far apart, twice, to end a drain with connections open
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 Log = Callable[[str], None]
 
@@ -51,8 +48,9 @@ class DrainReport:
 
 
 def in_flight(cfg: Config) -> int:
-    """Client connections to the served port now (this process's own not counted)."""
-    return procfs.connections_in(cfg.serve.port)
+    """Connections to the backends' port now (the front opens one per request in flight; this process's own not
+    counted)."""
+    return procfs.connections_in(cfg.backend_port)
 
 
 def slots_idle(cfg: Config, b: Backend, *, timeout: float = 1.0) -> bool | None:
@@ -60,14 +58,10 @@ def slots_idle(cfg: Config, b: Backend, *, timeout: float = 1.0) -> bool | None:
     (another kind, the endpoint off or unreachable, an answer of another shape)."""
     if b.kind != "llamacpp":
         return None
-    req = urllib.request.Request(f"{health.base_url(cfg)}/slots")
-    key = health.api_key(cfg)
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
     try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            slots = json.loads(resp.read())
-    except (OSError, ValueError):
+        resp = http.request("GET", f"{health.base_url(cfg)}/slots", timeout=timeout, api_key=health.api_key(cfg))
+        slots = resp.json() if resp.ok else None
+    except (http.Unreachable, ValueError):
         return None
     if not isinstance(slots, list) or not all(isinstance(s, dict) and "is_processing" in s for s in slots):
         return None
@@ -82,7 +76,7 @@ def drain(cfg: Config, b: Backend, timeout: float, *, log: Log = lambda s: None,
     readings."""
     count = count or (lambda: in_flight(cfg))
     slots = slots or (lambda: slots_idle(cfg, b))
-    sending = sending or (lambda: procfs.connections_in(cfg.serve.port, sending=True))
+    sending = sending or (lambda: procfs.connections_in(cfg.backend_port, sending=True))
     clock, sleep = retry.clock_for(), retry.sleep_for()
     t0 = clock()
     first = n = count()

@@ -21,13 +21,12 @@ import json
 import re
 import statistics
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy_tool.box.probe import http
 from deploy_tool.errors import HealthError, InputError, StateError
 from deploy_tool.fsutil import os_error
 
@@ -63,8 +62,6 @@ PROMPTS: dict[str, tuple[str, ...]] = {
         "dinner next week.",
     ),
 }
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 Clock = Callable[[], float]
 OnEvent = Callable[[str], None]
@@ -180,11 +177,8 @@ class RequestResult:
         return d
 
 
-def _headers(ep: Endpoint) -> dict[str, str]:
-    h = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if ep.api_key:
-        h["Authorization"] = f"Bearer {ep.api_key}"
-    return h
+#: What every request of the client sends (the API key goes with it as a bearer token).
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
 
 def _int(v: Any) -> int | None:
@@ -220,10 +214,8 @@ def stream_chat(ep: Endpoint, messages: list[dict[str, str]], *, kind: str = "",
     res = RequestResult(kind=kind, index=index)
     body = {"model": ep.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(ep.chat_url, data=json.dumps(body).encode(), headers=_headers(ep),
-                                 method="POST")
     t_send = clock()
-    resp = _send(ep, req, res, t_send, clock)
+    resp = _send(ep, body, res, t_send, clock)
     if resp is None:
         return res
     seen = _Stream()
@@ -250,28 +242,31 @@ class _Stream:
     done: bool = False
 
 
-def _send(ep: Endpoint, req: urllib.request.Request, res: RequestResult, t_send: float, clock: Clock) -> Any:
+def _send(ep: Endpoint, body: dict[str, Any], res: RequestResult, t_send: float, clock: Clock) -> Any:
     """The open response; None when no stream came (`res` says why); HealthError for what fails every request."""
     try:
-        return _OPENER.open(req, timeout=ep.timeout)
-    except urllib.error.HTTPError as exc:
-        text = exc.read(500).decode("utf-8", "replace").strip()
-        fatal = _fatal_http(ep, exc.code, text)
-        if fatal:
-            raise fatal from None
-        res.error = f"HTTP {exc.code}: {text[:200]}"
-        res.total_s = clock() - t_send
-        return None
-    except TimeoutError:
-        res.error = f"no answer within {ep.timeout:g}s (timeout)"
-        res.partial = True
-        res.total_s = clock() - t_send
-        return None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise HealthError(f"cannot reach the service at {ep.base_url}: {reason}",
-                          hint="is the backend running and bound to serve.host/serve.port? "
+        resp = http.send("POST", ep.chat_url, timeout=ep.timeout, api_key=ep.api_key, body=body, headers=_HEADERS)
+    except http.Unreachable as exc:
+        if exc.reason == "timeout" and exc.sent:  # connected and sent, then no answer in time
+            res.error = f"no answer within {ep.timeout:g}s (timeout)"
+            res.partial = True
+            res.total_s = clock() - t_send
+            return None
+        raise HealthError(f"cannot reach the service at {ep.base_url}: {exc.cause}",
+                          hint="is the backend running and bound to its internal port (serve.internal_port)? "
                                "(`deploytool status`)") from None
+    if http.ok(resp.status):
+        return resp
+    try:
+        text = resp.read(500).decode("utf-8", "replace").strip()
+    finally:
+        resp.close()
+    fatal = _fatal_http(ep, resp.status, text)
+    if fatal:
+        raise fatal from None
+    res.error = f"HTTP {resp.status}: {text[:200]}"
+    res.total_s = clock() - t_send
+    return None
 
 
 def _read_events(resp: Any, ep: Endpoint, res: RequestResult, seen: _Stream, t_send: float, clock: Clock) -> None:
@@ -365,12 +360,14 @@ _SPEC_METRICS = {"llamacpp:spec_decode_num_draft_tokens_total": "draft_tokens",
 def read_spec_metrics(ep: Endpoint, *, timeout: float = 5.0) -> dict[str, float] | None:
     """llama-server's speculative-decoding counters from `/metrics` (started with --metrics); None when the
     server has no such endpoint or reports no such counters (ftllm, llama-server without --metrics)."""
-    req = urllib.request.Request(ep.base_url.rstrip("/") + "/metrics", headers=_headers(ep))
     try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            text = resp.read(1 << 20).decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError):
+        resp = http.request("GET", ep.base_url.rstrip("/") + "/metrics", timeout=timeout, api_key=ep.api_key,
+                            headers=_HEADERS, limit=1 << 20)
+    except http.Unreachable:
         return None
+    if not resp.ok:
+        return None
+    text = resp.body.decode("utf-8", "replace")
     out: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")

@@ -6,8 +6,9 @@ readiness as the health gate probes it (llama-server's /health, then /v1/models 
 with the API key when one is configured). The unit's TimeoutStartSec= bounds the whole start: a server that
 never gets ready fails the start when it runs out, and Restart=on-failure takes over as for any failed start.
 
-The server's main process is watched through a pidfd (its PID is $MAINPID, which systemd sets for the control
-processes it runs while the main process is known): when it exits, this exits at once, non-zero, naming it.
+The server's main process is watched through a pidfd (deploy_tool.procfs.ProcessWatch; its PID is $MAINPID,
+which systemd sets for the control processes it runs while the main process is known): when it exits, this exits
+at once, non-zero, naming it.
 systemd would otherwise wait for this control process before it fails the start. The switch's own gate does
 not wait for this: it watches the unit itself and keeps its own checks (smoke completion, runtime truth).
 """
@@ -15,14 +16,15 @@ not wait for this: it watches the unit itself and keeps its own checks (smoke co
 from __future__ import annotations
 
 import os
-import select
 import time
 from collections.abc import Callable
 
-from deploy_tool import gpu
-from deploy_tool.box import health, runtime
+from deploy_tool import gpu, procfs
+from deploy_tool.box import runtime
+from deploy_tool.box.probe import health
 from deploy_tool.config import Backend, Config
 from deploy_tool.errors import GpuError
+from deploy_tool.progress import waiting
 from deploy_tool.render import visible_gpus
 
 
@@ -33,34 +35,20 @@ def main_pid_from_env(environ: dict[str, str] | None = None) -> int | None:
 
 
 class MainProcess:
-    """The server's process watched through a pidfd: `state()` for health.wait_ready's unit_state (a dead
-    snapshot the moment it exited), `sleep()` for its sleep (it wakes when the process exits)."""
+    """The server's process watched until it ends (deploy_tool.procfs.ProcessWatch: a pidfd where there are
+    pidfds): `state()` for health.wait_ready's unit_state (a dead snapshot the moment it exited), `sleep()` for its
+    sleep (it wakes when the process exits)."""
 
     def __init__(self, pid: int | None, label: str) -> None:
         self.pid, self.label = pid, label
-        self.fd: int | None = None
-        self.gone = False
-        if pid is not None:
-            try:
-                self.fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                self.gone = True  # it exited before we looked
-            except (AttributeError, OSError):
-                self.fd = None  # no pidfd here: fall back to checking /proc
+        self.watch = procfs.ProcessWatch(pid) if pid is not None else None
 
     def _exited(self, timeout: float) -> bool:
-        if self.gone:
-            return True
-        if self.fd is not None:
-            p = select.poll()
-            p.register(self.fd, select.POLLIN)
-            self.gone = bool(p.poll(max(0, int(timeout * 1000))))
-            return self.gone
-        if timeout > 0:
-            time.sleep(timeout)
-        if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
-            self.gone = True
-        return self.gone
+        if self.watch is None:
+            if timeout > 0:
+                time.sleep(timeout)
+            return False
+        return self.watch.gone(timeout)
 
     def state(self) -> health.UnitSnapshot | None:
         if self.pid is None or not self._exited(0):
@@ -72,9 +60,8 @@ class MainProcess:
         self._exited(seconds)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if self.watch is not None:
+            self.watch.close()
 
 
 def await_ready(cfg: Config, b: Backend, *, main_pid: int | None, timeout: float | None = None,
@@ -85,12 +72,12 @@ def await_ready(cfg: Config, b: Backend, *, main_pid: int | None, timeout: float
     `timeout` defaults to the backend's start timeout (what the unit's TimeoutStartSec= is rendered from, so
     systemd's own timeout, counted from the start of the job, normally ends the start first)."""
     watch = MainProcess(main_pid, b.unit)
+    limit = timeout if timeout is not None else (b.start_timeout_s or cfg.health.start_timeout_s)
     try:
-        rep = health.wait_ready(b.kind, health.base_url(cfg), cfg.serve.model_name, api_key=health.api_key(cfg),
-                                timeout=timeout if timeout is not None else (b.start_timeout_s
-                                                                             or cfg.health.start_timeout_s),
-                                interval=cfg.health.interval_s, unit_state=watch.state, sleep=watch.sleep,
-                                clock=clock)
+        with waiting(f"{b.name} to be ready ({health.base_url(cfg)})", limit=limit):  # a terminal only, not systemd
+            rep = health.wait_ready(b.kind, health.base_url(cfg), cfg.serve.model_name, api_key=health.api_key(cfg),
+                                    timeout=limit, interval=cfg.health.interval_s, unit_state=watch.state,
+                                    sleep=watch.sleep, clock=clock)
     finally:
         watch.close()
     check_gpus(cfg, b, main_pid, proc=proc)
