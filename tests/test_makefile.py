@@ -125,14 +125,18 @@ _SCRATCH = {".venv", ".cache", ".git", ".pytest_cache", ".hypothesis", ".mypy_ca
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
-    """Every entry of the checkout (but venv, caches, VCS, bytecode) with its size and mtime."""
+    """Every entry of the checkout (but venv, caches, VCS, bytecode) with its size and mtime; a directory with
+    neither: what it gains or loses shows as entries of its own, and its mtime also moves when any process of the
+    suite writes a __pycache__ into it (a test's subprocess with a clean environment does)."""
     out = {}
     for top, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _SCRATCH]
-        for n in dirs + files:
+        for n in dirs:
+            out[os.path.relpath(os.path.join(top, n), root)] = (0, 0)
+        for n in files:
             p = os.path.join(top, n)
             st = os.lstat(p)
-            out[os.path.relpath(p, root)] = (st.st_size if not os.path.isdir(p) else 0, st.st_mtime_ns)
+            out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns)
     return out
 
 
