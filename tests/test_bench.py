@@ -428,7 +428,7 @@ def test_perf_gate_catches_a_real_speculation_regression(models: dict[str, Path]
     """Baseline from plain llama-server; the same server passes the gate (at 0.4, medians of 3, in one of up to
     three tries: this 2-core machine is noisy while the suite runs);
     llama-server with a useless draft model (about 1 in 300 drafted tokens accepted, a fifth of the speed when
-    the machine is idle) falls below 0.8 of it and the gate says so with figures."""
+    the machine is idle) falls below 0.8 of it and the gate says so with figures, naming the kinds that fell."""
     state = tmp_path / "state"
     cfg = cfg_at(tmp_path / "c1", llama.port, state)  # plain llama-server: the module's
     base = bench.run_bench(gate.endpoint_for(cfg), backend="llamacpp-tensor", release="r1", runs=3,
@@ -462,10 +462,13 @@ def test_perf_gate_catches_a_real_speculation_regression(models: dict[str, Path]
                 break
     show("perf gate:", [msg, *bad_tries])
     assert not bad_ok
-    assert bad_msg.startswith("performance gate failed (below 0.80 of baseline: ")
+    # the gate fails on any kind below the fraction and names exactly those (idle, all three are at about a fifth;
+    # under the suite's load one may sit near 0.8): the named kinds are the figures' kinds below 0.8
+    low = sorted(k for k, c in bad["kinds"].items() if c["ratio"] is not None and c["ratio"] < 0.8)
+    assert low, bad
+    assert bad_msg.startswith(f"performance gate failed (below 0.80 of baseline: {', '.join(low)}"), bad_msg
     for kind in ("code", "math", "prose"):
         assert f"{kind} " in bad_msg and "tok/s vs baseline" in bad_msg
-        assert bad["kinds"][kind]["ratio"] < 0.8
     assert bad["fraction"] == 0.8 and bad["release"] == "r1"
 
 

@@ -142,7 +142,12 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
 
 
 def tick(box: Box, **over: Any) -> liveness.TickResult:
+    """One probe tick, then the interval (virtual). The probe's timeout is real time: 0.3 s (LC) while a fake
+    process the test stopped or blocked hangs the probe, 30 s while every process answers (an answering fake
+    answers within milliseconds; a shorter bound only measures the load of a busy CI machine)."""
     cfg = box.cfg
+    hung = any(u.proc is not None and u.proc.unresponsive() for u in box.world.units.values())
+    over.setdefault("timeout_s", LC.timeout_s if hung else 30.0)
     if over:
         lc = dataclasses.replace(cfg.supervision.liveness, **over)
         cfg = dataclasses.replace(cfg, supervision=dataclasses.replace(cfg.supervision, liveness=lc))
@@ -188,7 +193,8 @@ def client(box: Box) -> Iterator[Any]:
 def test_a_well_server_is_probed_and_nothing_is_recorded(box: Box) -> None:
     box.installed(F)
     for _ in range(5):
-        assert tick(box).action == "ok"
+        res = tick(box)
+        assert res.action == "ok", res
     assert events(box) == []
     st = liveness.load_state(Path(box.cfg.paths.state_dir) / liveness.STATE_FILE)
     assert st.backend == F and st.seen_ready and st.failures == 0
