@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from deploy_tool import proc  # noqa: E402
-from deploy_tool.box.probe.health import wait_ready  # noqa: E402
+from deploy_tool.box.probe.health import UnitSnapshot, wait_ready  # noqa: E402
 from deploy_tool.box.systemd import Systemd  # noqa: E402
 from deploy_tool.rehearsal.sandbox import Sandbox  # noqa: E402
 from tests.support.demo_box import Box, active_units, dt, make_demo  # noqa: E402
@@ -70,11 +70,21 @@ def direct_ready(box: Box, backend: str, model_name: str) -> tuple[float, float]
     # the launcher reads the env file systemd hands it as a credential (%d/environment): here, the file itself
     argv = [str(box.env_dir / f"{backend}.env") if a == "%d/environment" else a for a in argv]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", **env_file(box.env_dir / f"{backend}.env")}
+    log = tempfile.TemporaryFile()
     t0 = time.monotonic()
-    p = proc.spawn(argv, env=env)
+    p = proc.spawn(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def exited() -> UnitSnapshot | None:  # a server that died ends the wait at once, its own output the reason
+        return None if p.poll() is None else UnitSnapshot(
+            "failed", "failed", "exit-code", p.returncode, "exited", name=f"{backend} (run directly)")
+
+    def output() -> str:
+        log.seek(0)
+        return log.read()[-2000:].decode(errors="replace")
+
     try:
         wait_ready(UNITS[backend], f"http://127.0.0.1:{port}", model_name, timeout=120, interval=0.02,
-                   unit_state=None)
+                   unit_state=exited, journal_tail=output)
         ready = time.monotonic() - t0
         t1 = time.monotonic()
         os.killpg(p.pid, 15)
@@ -88,6 +98,7 @@ def direct_ready(box: Box, backend: str, model_name: str) -> tuple[float, float]
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
                 p.wait()
+        log.close()
 
 
 def installed_cli(cfg: Path) -> list[str]:

@@ -543,7 +543,9 @@ def test_split_buffer_across_install(llama_bin: Path, llama_copy: Path) -> None:
     """Counting over the executable plus its lib*.so files finds libllama's 1 hit per copy; aliases count once."""
     counts = {Path(k).name: v for k, v in count_strings_with_libraries(llama_bin, b"split_buffer").items()}
     assert counts["llama-server"] == 0
-    assert {k: v for k, v in counts.items() if v} == {"libllama.so": 1, "libllama.so.0": 1, "libllama.so.0.1.0": 1}
+    libllama = {q.name: 1 for q in llama_bin.parent.glob("libllama.so*")}  # libllama.so, .so.0, .so.0.x.y
+    assert len(libllama) == 3
+    assert {k: v for k, v in counts.items() if v} == libllama
     d = llama_copy.parent
     (d / "libalias.so").symlink_to(d / "libllama.so.0")  # same file as libllama.so.0: skipped
     (d / "libgone.so").symlink_to(d / "no-such-file")  # dangling: skipped

