@@ -70,35 +70,34 @@ def direct_ready(box: Box, backend: str, model_name: str) -> tuple[float, float]
     # the launcher reads the env file systemd hands it as a credential (%d/environment): here, the file itself
     argv = [str(box.env_dir / f"{backend}.env") if a == "%d/environment" else a for a in argv]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", **env_file(box.env_dir / f"{backend}.env")}
-    log = tempfile.TemporaryFile()
-    t0 = time.monotonic()
-    p = proc.spawn(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with tempfile.TemporaryFile() as log:
+        t0 = time.monotonic()
+        p = proc.spawn(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    def exited() -> UnitSnapshot | None:  # a server that died ends the wait at once, its own output the reason
-        return None if p.poll() is None else UnitSnapshot(
-            "failed", "failed", "exit-code", p.returncode, "exited", name=f"{backend} (run directly)")
+        def exited() -> UnitSnapshot | None:  # a server that died ends the wait at once, its own output the reason
+            return None if p.poll() is None else UnitSnapshot(
+                "failed", "failed", "exit-code", p.returncode, "exited", name=f"{backend} (run directly)")
 
-    def output() -> str:
-        log.seek(0)
-        return log.read()[-2000:].decode(errors="replace")
+        def output() -> str:
+            log.seek(0)
+            return log.read()[-2000:].decode(errors="replace")
 
-    try:
-        wait_ready(UNITS[backend], f"http://127.0.0.1:{port}", model_name, timeout=120, interval=0.02,
-                   unit_state=exited, journal_tail=output)
-        ready = time.monotonic() - t0
-        t1 = time.monotonic()
-        os.killpg(p.pid, 15)
-        p.wait(30)
-        return ready, time.monotonic() - t1
-    finally:
-        if p.poll() is None:  # only the process this function started, by its own group
+        try:
+            wait_ready(UNITS[backend], f"http://127.0.0.1:{port}", model_name, timeout=120, interval=0.02,
+                       unit_state=exited, journal_tail=output)
+            ready = time.monotonic() - t0
+            t1 = time.monotonic()
             os.killpg(p.pid, 15)
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
-                p.wait()
-        log.close()
+            p.wait(30)
+            return ready, time.monotonic() - t1
+        finally:
+            if p.poll() is None:  # only the process this function started, by its own group
+                os.killpg(p.pid, 15)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, 9)
+                    p.wait()
 
 
 def installed_cli(cfg: Path) -> list[str]:
