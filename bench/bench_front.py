@@ -56,6 +56,7 @@ READY_PATH = {"llamacpp": "/health", "ftllm": "/v1/models"}  # as deploy_tool.bo
 PROXYD = Path("/usr/lib/systemd/systemd-socket-proxyd")
 ACTIVATE = shutil.which("systemd-socket-activate")
 MAX_TOKENS = 64
+EXTRA: dict[str, list[str]] = {"llamacpp": [], "ftllm": []}  # --server-arg: more of the servers' own flags
 
 
 # --------------------------------------------------------------------------------------------- HTTP by hand
@@ -304,7 +305,8 @@ def part_release(kind: str, model: Path, tmp: Path, reps: int, k: int) -> dict:
             time.sleep(0.05)  # they are in the front's retry loop
             poller = Poller(bport, READY_PATH[kind])
             poller.start()
-            srv = backends.start(kind, model, model_name="tiny", log_dir=tmp / "logs", port=bport)
+            srv = backends.start(kind, model, model_name="tiny", log_dir=tmp / "logs", port=bport,
+                                 extra=EXTRA[kind])
             try:
                 for c in clients:
                     c.join(90)
@@ -405,7 +407,8 @@ def part_proxyd(model: Path, tmp: Path) -> dict:
         t = threading.Thread(target=lambda: res.append(_one_request(pport, READY_PATH["llamacpp"])), daemon=True)
         t.start()
         time.sleep(0.5)
-        with backends.running("llamacpp", model, model_name="tiny", log_dir=tmp / "logs", port=bport):
+        with backends.running("llamacpp", model, model_name="tiny", log_dir=tmp / "logs", port=bport,
+                              extra=EXTRA["llamacpp"]):
             t.join(30)
             ready("llamacpp", bport)
             out["proxyd_backend_late"] = {"outcome": res[0][0], "ms": res[0][1] * 1000, "detail": res[0][2]}
@@ -429,7 +432,8 @@ def part_proxyd(model: Path, tmp: Path) -> dict:
                              daemon=True)
         t.start()
         time.sleep(0.5)
-        with backends.running("llamacpp", model, model_name="tiny", log_dir=tmp / "logs", port=bport):
+        with backends.running("llamacpp", model, model_name="tiny", log_dir=tmp / "logs", port=bport,
+                              extra=EXTRA["llamacpp"]):
             t.join(60)
         out["front_backend_late"] = {"outcome": res[0][0], "ms": res[0][1] * 1000, "detail": res[0][2]}
     # the front with no server at all, past its bound
@@ -452,8 +456,20 @@ def main() -> int:
     ap.add_argument("--held", type=int, default=3, help="requests held at once in the release and hold parts")
     ap.add_argument("--part", action="append", choices=("stream", "release", "hold", "proxyd"))
     ap.add_argument("--size", choices=("tiny", "24m"), default="tiny")
+    ap.add_argument("--kind", action="append", choices=KINDS, help="only this backend (repeatable; default both)")
+    ap.add_argument("--model", type=Path, help="serve this GGUF instead of writing one of --size (a machine without "
+                                               "the gguf package, e.g. the GPU machine)")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="KIND=ARG",
+                    help="one more flag for that backend's server, e.g. llamacpp=-ngl --server-arg llamacpp=99 "
+                         "(DEPLOYTOOL_LLAMA_SERVER picks the llama-server binary)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    for sa in a.server_arg:
+        k, sep, v = sa.partition("=")
+        if not sep or k not in EXTRA:
+            ap.error(f"--server-arg {sa!r}: give KIND=ARG with KIND one of {', '.join(KINDS)}")
+        EXTRA[k].append(v)
+    kinds = tuple(a.kind or KINDS)
     # a SIGTERM (`timeout`, make) unwinds like Ctrl-C: the servers run in their own sessions and are stopped by PID
     # in the `finally` blocks, which a default SIGTERM would skip
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -462,13 +478,14 @@ def main() -> int:
     reps_release, reps_hold = (2, 5) if a.quick else (8, 20)
     t_start = time.monotonic()
     load0 = os.getloadavg()[0]
-    res: dict[str, dict] = {kind: {} for kind in KINDS}
+    res: dict[str, dict] = {kind: {} for kind in kinds}
     with tempfile.TemporaryDirectory(prefix="bench-front-") as td:
         tmp = Path(td)
-        model = write_model(tmp / f"{a.size}-f16.gguf", size=a.size, f16=True)
-        for kind in KINDS:
+        model = a.model.resolve() if a.model else write_model(tmp / f"{a.size}-f16.gguf", size=a.size, f16=True)
+        for kind in kinds:
             if "stream" in parts or "hold" in parts:
-                with backends.running(kind, model, model_name="tiny", log_dir=tmp / "logs") as srv:
+                with backends.running(kind, model, model_name="tiny", log_dir=tmp / "logs",
+                                     extra=EXTRA[kind]) as srv:
                     ready(kind, srv.port)
                     with front(tmp, srv.port) as fr:
                         if "stream" in parts:
@@ -482,17 +499,17 @@ def main() -> int:
     wall = time.monotonic() - t_start
     load1 = os.getloadavg()[0]
     if a.json:
-        print(json.dumps({"model": a.size, "load": [load0, load1], "wall_s": wall, "results": res,
+        print(json.dumps({"model": str(a.model or a.size), "extra": EXTRA, "load": [load0, load1], "wall_s": wall, "results": res,
                           "proxyd": proxyd}, indent=2, default=str))
         return 0
-    print(f"the front vs straight to the server, {a.size} F16 model, CPU, 127.0.0.1; load {load0:.2f} -> {load1:.2f}, "
+    print(f"the front vs straight to the server, {a.model or a.size} F16 model, {EXTRA}, 127.0.0.1; load {load0:.2f} -> {load1:.2f}, "
           f"{wall:.0f} s")
     if "stream" in parts:
         print(f"\nstreamed chat completion, {MAX_TOKENS} tokens, median of {runs} each way (interleaved); "
               "goal: TTFT +2 ms and tok/s -2% at most; front CPU per completion:")
         print(f"  {'backend':9} {'TTFT direct':>11} {'front':>8} {'+ms':>6} {'(paired)':>8}   "
               f"{'tok/s direct':>12} {'front':>8} {'-%':>6} {'(paired)':>8}   {'decode tok/s d/f':>17} {'front CPU ms':>12}")
-        for kind in KINDS:
+        for kind in kinds:
             s = res[kind]["stream"]
             d, f = s["direct"], s["front"]
             goal = "yes" if s["ttft_more_ms"] <= 2 and s["tok_s_less_pct"] <= 2 else "NO"
@@ -504,7 +521,7 @@ def main() -> int:
     if "release" in parts:
         print(f"\nheld while no backend listens ({a.held} requests), then the server started; "
               f"from its first ready answer (polled every 1 ms) to the first held answer:")
-        for kind in KINDS:
+        for kind in kinds:
             r = res[kind]["release"]
             goal = "yes" if r["ready_to_first_ms_max"] <= 50 else "NO"
             print(f"  {kind:9} median {r['ready_to_first_ms']:6.1f} ms, max {r['ready_to_first_ms_max']:6.1f} ms "
@@ -513,7 +530,7 @@ def main() -> int:
                   f"{statistics.median(x['open_to_ready_ms'] for x in r['runs']):.1f} ms)  goal (<=50 ms): {goal}")
     if "hold" in parts:
         print(f"\nheld by `hold 30` ({a.held} requests), then `release`; from `release` sent to the first answer:")
-        for kind in KINDS:
+        for kind in kinds:
             h = res[kind]["hold"]
             print(f"  {kind:9} median {h['release_to_first_ms']:6.2f} ms, max {h['release_to_first_ms_max']:6.2f} ms "
                   f"(all answered: median {h['release_to_last_ms']:.2f} ms; not 200: {h['not_200']}; "
