@@ -135,7 +135,10 @@ def test_no_drain_cuts_the_stream(installed, systemd_sandbox):
     them in the stop instead.)"""
     env = systemd_sandbox
     serving(installed, env, "llamacpp-tensor")
-    s = Stream(port_of(installed), READ_DELAY["llamacpp"], **STREAM["llamacpp"])  # ~19 s for this reader
+    # ~19 s for this reader; 400 alternatives a token make the stream (about 54 MB) larger than all the socket
+    # buffers between the server and the reader, so the server is still sending when it is stopped, however fast
+    # the build generates (one does the 1900 tokens in 2 s, before the switch's stop)
+    s = Stream(port_of(installed), READ_DELAY["llamacpp"], **dict(STREAM["llamacpp"], n_probs=400))
     s.start()
     assert s.first.wait(60) and not s.error, s.error
     r = dt(installed, "switch", "ftllm", "--no-drain")
