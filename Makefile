@@ -7,7 +7,8 @@ PYTEST_ARGS ?=
 # workers side by side (pytest-xdist): most of the suite waits on real servers and systemd, not on the CPU;
 # tests/support/groups.py keeps what shares a box, a fleet or a module's fixtures on one worker. 0: one process
 TEST_WORKERS ?= 3
-# make check: what needs no sandbox, no real backend and no fleet, and is not `slow` (docs/development/tests.md);
+# make check: what needs no sandbox, no real backend and no fleet, and is not `slow`, its property tests on a quarter
+# of their examples (DEPLOYTOOL_TEST_QUICK=1: tests/support/examples.py; docs/development/tests.md);
 # one worker per core: unlike make test's, these tests keep the CPU busy (bench/RESULTS.md)
 CHECK_MARKERS := not sandbox and not backends and not fleet and not slow
 CHECK_WORKERS ?= 2
@@ -40,7 +41,7 @@ $(STAMP): setup.cfg scripts/setup.sh tests/requirements.txt deploy_tool/examples
 setup: $(STAMP)
 
 check: setup
-	$(VPY) -m pytest -n $(CHECK_WORKERS) --dist loadgroup -m "$(CHECK_MARKERS)" $(PYTEST_ARGS)
+	DEPLOYTOOL_TEST_QUICK=1 $(VPY) -m pytest -n $(CHECK_WORKERS) --dist loadgroup -m "$(CHECK_MARKERS)" $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory lint
 
 test: setup

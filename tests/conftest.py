@@ -7,6 +7,14 @@ import os
 # sandbox's journald as on a box
 os.environ.setdefault("DEPLOYTOOL_JOURNAL_SOCKET", "")
 
+from hypothesis import settings  # noqa: E402
+
+from tests.support.examples import QUICK, QUICK_DEFAULT  # noqa: E402
+
+if QUICK:  # make check: property tests without a count of their own try fewer examples (tests/support/examples.py)
+    settings.register_profile("quick", max_examples=QUICK_DEFAULT)
+    settings.load_profile("quick")
+
 from tests.support.e2e import demo, installed  # noqa: E402,F401
 from tests.support.groups import pytest_collection_modifyitems  # noqa: E402,F401
 from tests.support.sandbox import *  # noqa: F401,F403

@@ -16,6 +16,7 @@ import zstandard
 from deploy_tool import archive
 from deploy_tool.errors import BundleError, InputError
 from tests.support.bundles import make_venv_tree, member, snapshot, write_members
+from tests.support.examples import examples
 
 
 @pytest.fixture(scope="module", autouse=True, params=["tools", "python"])
@@ -308,7 +309,7 @@ def fuzz_seed(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, bytes]:
     return plain, archive.archive_tree(venv, base / "v.tar.zst").read_bytes()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_archives_fail_cleanly(tmp_path: Path, fuzz_seed: tuple[bytes, bytes], data) -> None:
     """Random byte flips, cuts and splices give a clean result or a named BundleError, never another exception
@@ -380,7 +381,7 @@ def _frames(path: Path) -> list[bytes]:
     return out
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(files=st.dictionaries(_names, st.integers(0, 3 * _BIG), min_size=2, max_size=30),
        pick=st.integers(0, 10_000), at=st.integers(0, 10_000), append=st.booleans())
 def test_one_changed_file_changes_one_frame(tmp_path_factory: pytest.TempPathFactory, files: dict[str, int],

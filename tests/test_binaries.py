@@ -34,6 +34,7 @@ from deploy_tool.binaries import (
 )
 from deploy_tool.errors import InputError
 from tests.support import native
+from tests.support.examples import examples
 
 NCCL_CUBINS = ("sm_60", "sm_61", "sm_70", "sm_80", "sm_90", "sm_100", "sm_120")
 
@@ -336,7 +337,7 @@ def test_unreadable_file(built: dict[str, Path]) -> None:
 # ------------------------------------------------------------------------------------------------ fuzz
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(st.binary(max_size=2048),
                  st.binary(max_size=2048).map(lambda b: b"\x7fELF\x02\x01\x01" + b),
                  st.binary(max_size=2048).map(lambda b: b"\x7fELF\x02\x01\x01" + b"\0" * 33 + b)))
@@ -365,7 +366,7 @@ def real_elf(built: dict[str, Path]) -> tuple[bytes, list[tuple[int, int]]]:
     return data, regions
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_fuzz_mutated_real_elf(real_elf: tuple[bytes, list[tuple[int, int]]], data: st.DataObject) -> None:
@@ -396,7 +397,7 @@ def _naive_count(data: bytes, needle: bytes) -> int:
     return sum(1 for i in range(len(data) - len(needle) + 1) if data[i:i + len(needle)] == needle)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.binary(max_size=300), st.binary(min_size=1, max_size=6), st.integers(1, 17))
 def test_count_strings_across_chunks(body: bytes, needle: bytes, chunk: int) -> None:
     """The chunked count equals a whole-buffer overlapping count for every chunk size, also across boundaries."""

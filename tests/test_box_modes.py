@@ -19,6 +19,7 @@ from deploy_tool import archive
 from deploy_tool.box.install import server_modes
 from tests.support.bundles import make_venv_tree
 from tests.support.demo_box import access_problems
+from tests.support.examples import examples
 from tests.support.sandbox import new_run_dir
 
 
@@ -34,7 +35,7 @@ _modes = st.integers(min_value=0, max_value=0o7777)
 _tree = st.lists(st.tuples(st.sampled_from(["d", "f", "l"]), st.integers(0, 3), _modes), min_size=1, max_size=12)
 
 
-@settings(max_examples=60, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_tree)
 def test_any_modes_become_0755_dirs_and_0644_or_0755_files(run_dir, spec):
     """Whatever modes a tree has (0700 dirs, 0000 files, setuid, world-writable), server_modes leaves dirs 0755 and

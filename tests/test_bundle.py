@@ -30,6 +30,7 @@ from tests.support.bundles import (
     write_members,
     write_sample_bundle,
 )
+from tests.support.examples import examples
 
 
 @pytest.fixture(scope="module")
@@ -556,7 +557,7 @@ def test_staged_directory_is_what_was_verified(world: dict, tmp_path: Path) -> N
         assert (vb.root / f.path).stat().st_mode & 0o7777 == f.mode
 
 
-@settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_byte_of_any_file_flipped_is_refused_staged(world: dict, tmp_path_factory: pytest.TempPathFactory,
                                                          data: st.DataObject) -> None:

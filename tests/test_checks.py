@@ -25,6 +25,7 @@ from deploy_tool.cli import main
 from deploy_tool.config import Config
 from tests.support import native
 from tests.support.configs import DELETE, example_dict, load_dict, set_key
+from tests.support.examples import examples
 
 FT = "backends.ftllm-dflash"
 LL = "backends.llamacpp-tensor"
@@ -653,7 +654,7 @@ def _hidden(cfg_dir: Path, *changes: tuple[str, Any]) -> list[checks.Finding]:
     return _only(_two(cfg_dir, *changes, example="cpu-demo"), "unit-path-hidden")
 
 
-@settings(max_examples=40, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.integers(min_value=0, max_value=0o777), min_size=3, max_size=3))
 def test_dynamic_user_needs_every_directory_on_the_way_open(cpu_demo_files: Path, modes: list[int]) -> None:
     """serve.user dynamic (DynamicUser=yes): whatever modes the directories between the box and the model have,

@@ -19,10 +19,11 @@ from deploy_tool import checks
 from deploy_tool.config import Backend, Config
 from deploy_tool.render import launch_argv
 from tests.support.configs import example_dict, load_dict, set_key
+from tests.support.examples import examples
 
 LL = "llamacpp-tensor"
 FT = "ftllm-dflash"
-SETTINGS = settings(max_examples=150, deadline=2000)
+SETTINGS = settings(max_examples=examples(150), deadline=2000)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_visible_devices_outside_device_allow_are_errors(cfgs, host, env):
 # ------------------------------------------------------------------------------------- threads, context
 
 
-@settings(max_examples=40, deadline=2000)
+@settings(max_examples=examples(40), deadline=2000)
 @given(extra=st.integers(-2, 64))
 def test_threads_beyond_this_machines_cpus(cfgs, extra):
     """A backend that runs here: a warning iff -t exceeds the CPUs this process may use."""
@@ -167,7 +168,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path]:
     return load_dict(d, data), model
 
 
-@settings(max_examples=40, deadline=2000)
+@settings(max_examples=examples(40), deadline=2000)
 @given(ctx_size=st.integers(1, 1 << 20))
 def test_ctx_above_the_gguf_training_context_warns(tiny, ctx_size):
     """-c above the GGUF's <arch>.context_length (2048 for the tiny model): a warning; at or below: nothing."""
@@ -286,7 +287,7 @@ def test_draft_model_without_speculation_warns(cfgs) -> None:
     assert run(checks.check_draft_unused, cfg, b) == []
 
 
-@settings(max_examples=60, deadline=2000)
+@settings(max_examples=examples(60), deadline=2000)
 @given(tokens=st.none() | st.integers(1, 1 << 20), ctx_size=st.none() | st.integers(1, 1 << 20),
        extra_c=st.none() | st.integers(1, 1 << 20))
 def test_context_differs_iff_the_servers_are_told_different_contexts(cfgs, tokens, ctx_size, extra_c):

@@ -12,6 +12,7 @@ import pytest
 
 from deploy_tool import checks, render
 from tests.support.configs import example_dict, load_dict
+from tests.support.examples import examples
 
 GPU_IDS = ("gpu-device-classes", "nvidia-uvm-not-at-boot", "nvidia-modprobe-missing", "nvidia-persistenced-absent")
 
@@ -233,7 +234,7 @@ def test_0660_video_nodes_need_the_group_and_get_it(tmp_path: Path, monkeypatch:
             assert f"SupplementaryGroups={name}" in f2.content.splitlines()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(mode=st.integers(0, 0o777), grant=st.sampled_from([None, "video", "render"]), user=st.sampled_from(["dynamic", "root"]))
 def test_closed_exactly_when_neither_world_nor_a_granted_group_can_read_and_write(
         tmp_path_factory: pytest.TempPathFactory, mode: int, grant: str | None, user: str) -> None:

@@ -22,6 +22,7 @@ from deploy_tool import checks, config, render, yamlread
 from deploy_tool.cli import main
 from deploy_tool.errors import ConfigError, DeployError, ExitCode, InputError
 from tests.support.configs import example_dict
+from tests.support.examples import examples
 
 MIN = "version: 1\ndefault_backend: a\nbackends:\n  a:\n    kind: ftllm\n    model: /m\n"
 
@@ -452,14 +453,14 @@ def _exercise(raw: Any) -> None:
 
 
 @pytest.mark.slow  # 300 examples, 5 s of CPU: make test runs it, make check does not (bench/RESULTS.md)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated_examples())
 def test_fuzz_mutated_examples(raw: Any) -> None:
     """Any mutation of the examples: a Config or a ConfigError/InputError, never another exception."""
     _exercise(raw)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(st.text(max_size=300),
                  st.lists(st.sampled_from(["version: 1\n", "backends:\n", "  a:\n", "    kind: ftllm\n",
                                            "    model: /m\n", "default_backend: a\n", "- x\n", "  - [\n", "{", "}",
@@ -475,7 +476,7 @@ def test_fuzz_yaml_text(text: str) -> None:
     _exercise(raw)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(raw=mutated_examples())
 def test_fuzz_cli_never_traceback(raw: Any, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from deploy_tool import config, yamlread
 from deploy_tool.errors import ConfigError, ExitCode
 from tests.support.configs import example_dict
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 MIN = "version: 1\ndefault_backend: a\nbackends:\n  a:\n    kind: ftllm\n    model: /m\n"
@@ -92,7 +93,7 @@ _FRAGMENTS = ["version: 1\n", "default_backend: a\n", "backends:\n", "  a:\n", "
               "65536", "0.0", "1.0e-400", "true", "False"]
 
 
-@settings(FUZZ, max_examples=250)
+@settings(FUZZ, max_examples=examples(250))
 @given(text=st.one_of(st.text(max_size=400),
                  st.lists(st.sampled_from(_FRAGMENTS), max_size=40).map("".join),
                  st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.text(max_size=8)), max_size=40).map("".join)))
@@ -102,7 +103,7 @@ def test_any_text_gives_a_config_or_a_placed_config_error(text: str, cfg_dir: Pa
     load_bounded(write(cfg_dir, text))
 
 
-@settings(FUZZ, max_examples=25)
+@settings(FUZZ, max_examples=examples(25))
 @given(fragment=st.sampled_from(["[", "{", "- ", "a: 1\n", "&a x\n", "*a ", "'x", "9", "#", "\n", " ", "[a, ", "{a: b, ",
                         "  - x\n", "? x\n: y\n", "k: [1,2,3]\n", "\"\\u0041\"", "x" * 100]),
        n=st.integers(1, 600_000), valid_head=st.booleans())
@@ -153,7 +154,7 @@ def emit(v: Any, indent: str = "") -> str:
     return scalar(v)
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=examples(300))
 @given(doc=st.one_of(_structures, st.builds(lambda extra, base: {**base, **extra},
                                         st.dictionaries(st.sampled_from(TOP), _structures, max_size=3),
                                         st.sampled_from([example_dict("cpu-demo"), example_dict("two-2080ti")]))))
@@ -239,7 +240,7 @@ def _get(cfg: config.Config, path: str) -> Any:
 
 
 @pytest.mark.slow  # 300 examples, 8 s of CPU: make test runs it, make check does not (bench/RESULTS.md)
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=examples(300))
 @given(field=st.sampled_from(NUMERIC),
        value=st.one_of(st.integers(-10**6, 10**8), st.integers(), st.integers(-10**120, 10**120),
                        st.floats(allow_nan=True, allow_infinity=True), st.floats(-1e6, 1e8),
@@ -293,7 +294,7 @@ def test_range_bounds_of_every_field(field: tuple[str, config.Range, bool, bool]
 # ----------------------------------------------------------------------------------------- duplicate keys
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=examples(100))
 @given(keys=st.lists(st.from_regex(r"[A-Z_][A-Z0-9_]{0,8}", fullmatch=True).filter(
            lambda k: k not in ("TRUE", "FALSE", "NULL")), min_size=1, max_size=12, unique=True),
        pick=st.integers(0, 100), at=st.integers(0, 100), where=st.sampled_from(["env", "top", "backend"]))

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from deploy_tool import binaries
 from deploy_tool.errors import InputError
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / ".venv"
@@ -78,7 +79,7 @@ def test_known_needs_of_the_real_backends() -> None:
     assert "libcuda.so.1" not in binaries.read_dynamic(FTLLM / "libfastllm_tools-cpu.so").needed
 
 
-@settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_damaged_elf_files_are_an_input_error_or_a_result(tmp_path_factory: pytest.TempPathFactory,
                                                           data: st.DataObject) -> None:

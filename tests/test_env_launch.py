@@ -24,13 +24,14 @@ from hypothesis import strategies as st
 from deploy_tool import render
 from deploy_tool.box import env_launch
 from deploy_tool.textsafe import unsafe_char
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = st.from_regex(r"\A[A-Za-z_][A-Za-z0-9_]{0,12}\Z")
 PRINTABLE = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30).filter(lambda v: unsafe_char(v) is None)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(env=st.dictionaries(NAME, PRINTABLE, max_size=6))
 def test_every_rendered_env_file_parses_back_to_its_values(env: dict[str, str]) -> None:
     text = "# a comment\n" + "".join(render.env_quote(k, v) + "\n" for k, v in env.items())
@@ -79,7 +80,7 @@ FILE = st.lists(st.tuples(st.sampled_from(["RT_A", "RT_B", "RT_C", " RT_D", "RT_
 
 
 @pytest.mark.sandbox
-@settings(max_examples=80, deadline=30000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(80), deadline=30000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=FILE)
 @example(text="RT_A='\n")  # an unclosed quote at the end of the file: systemd keeps what it holds
 @example(text='RT_B="x\\')

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from deploy_tool import gpu
 from deploy_tool.box import runtime
+from tests.support.examples import examples
 
 
 def _proc(root: Path, tree: dict[int, list[int]], fds: dict[int, list[str]], unreadable: tuple[int, ...] = ()) -> str:
@@ -59,7 +60,7 @@ def test_unreadable_fds_are_unknown_not_a_pass(tmp_path: Path) -> None:
     assert f is not None and f.status == runtime.UNKNOWN and "cannot be read" in f.message
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(gpus=st.sets(st.integers(0, 7), min_size=1, max_size=4),
        held=st.lists(st.sets(st.integers(0, 7), max_size=4), min_size=1, max_size=3))
 def test_resident_exactly_when_the_tree_holds_every_configured_gpu(tmp_path_factory, gpus, held) -> None:  # type: ignore[no-untyped-def]

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from deploy_tool import hashing
 from deploy_tool.hashing import CHUNK, HashCache, NotAFile
+from tests.support.examples import examples
 
 SIZES = st.one_of(st.integers(0, 3 * CHUNK + 7), st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK]))
-FAST = settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FAST = settings(max_examples=examples(40), deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _data(size: int, seed: int) -> bytes:

@@ -14,6 +14,7 @@ from deploy_tool import config
 from deploy_tool.box import install
 from deploy_tool.errors import BundleError
 from deploy_tool.render import resolved_config_json
+from tests.support.examples import examples
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy_tool" / "examples" / "cpu-demo.yaml"
 
@@ -44,7 +45,7 @@ def _leaves(cfg: config.Config) -> list[str]:
         k == p or k.startswith(p + ".") for p in install.PACK_ONLY_KEYS))
 
 
-@settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_box_key_changed_is_named(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
     """Property: any string-valued key the box runs by, changed in the packed config, refuses the install with

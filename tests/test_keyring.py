@@ -21,6 +21,7 @@ from deploy_tool import manifest as mf
 from deploy_tool.box import bootstrap
 from deploy_tool.cli import main
 from deploy_tool.errors import BundleError, DeployError, ExitCode, KeyRefused
+from tests.support.examples import examples
 
 T0 = 1_800_000_000  # 2027-01-15T08:00:00Z
 
@@ -162,7 +163,7 @@ def key_files(draw: st.DrawFn, pem: str) -> str:
     return text.replace("\n", "\r\n") if body == "crlf" else text
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), now=st.sampled_from([0, T0 - 1, T0, T0 + 1, 2e9]))
 def test_deploytool_and_the_bootstrap_agree_on_every_key_file_and_list(tmp_path_factory: pytest.TempPathFactory,
                                                                        data: st.DataObject, now: float) -> None:

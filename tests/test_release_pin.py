@@ -29,11 +29,12 @@ from hypothesis import strategies as st
 
 from deploy_tool.box import fingerprint as fp
 from tests.support import release_tree as rt
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 FT = "ftllm-dflash"
 LL = "llamacpp-tensor"
-EXAMPLES = settings(max_examples=25, deadline=None, derandomize=False,
+EXAMPLES = settings(max_examples=examples(25), deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 NAMES = st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,24}", fullmatch=True).filter(lambda n: n not in (".", ".."))
 HOOK_NAMES = st.sampled_from(["evil.pth", "sitecustomize.py", "usercustomize.py", "sitecustomize.cpython-311.pyc",

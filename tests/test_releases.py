@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 from deploy_tool.box import operations, releases
 from deploy_tool.errors import DeployError, InputError, StateError
 from tests.support import fake_systemd as fs
+from tests.support.examples import examples
 from tests.test_install_kills import CLEAN, FU, Box, Bundles, _rid, bundles, saved_a  # noqa: F401  (fixtures)
 
 # with tests/test_install_kills.py on one xdist worker: its two packed bundles (a session fixture) serve both
 pytestmark = pytest.mark.xdist_group("tests/test_install_kills.py")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(roles=st.lists(st.sets(st.sampled_from(releases.ROLES), max_size=2), max_size=9), keep=st.integers(1, 6))
 def test_prune_removes_the_oldest_without_a_role_and_never_one_with_a_role(roles: list[set[str]], keep: int) -> None:
     rels = [releases.Release(id=f"r{i:02d}", path="", installed=f"2026-01-{i + 1:02d}", roles=sorted(r))

@@ -36,6 +36,7 @@ from deploy_tool import config, render
 from deploy_tool.errors import ConfigError, DeployError
 from deploy_tool.textsafe import unsafe_char
 from tests.support.configs import example_dict, set_key
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -313,7 +314,7 @@ def _fuzz_dirname(draw_text: str) -> str:
 
 
 @pytest.mark.slow  # 6 s of CPU: make test runs it, make check does not (bench/RESULTS.md)
-@settings(max_examples=FUZZ_EXAMPLES, deadline=10000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(FUZZ_EXAMPLES), deadline=10000, suppress_health_check=[HealthCheck.too_slow])
 @given(changes=CHANGES, dirtext=st.one_of(st.just(""), TEXT))
 def test_random_config_is_refused_with_its_key_or_renders_to_exactly_the_intended_directives(
         changes: dict[str, Any], dirtext: str) -> None:
@@ -337,7 +338,7 @@ def test_random_config_is_refused_with_its_key_or_renders_to_exactly_the_intende
         assert r.stderr == "" and r.returncode == 0, (r.stderr, [u.read_text() for u in units])
 
 
-@settings(max_examples=40, deadline=10000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=10000, suppress_health_check=[HealthCheck.too_slow])
 @given(changes=SAFE_CHANGES)
 def test_printable_values_in_free_text_fields_are_never_refused(changes: dict[str, Any]) -> None:
     """Quotes, backslashes, `%`, `$`, `;`, spaces and any printable unicode in arguments, env values and paths
@@ -407,7 +408,7 @@ ENV_RT = st.dictionaries(st.from_regex(r"\ART_[A-Z0-9_]{0,6}\Z"), SAFE_TEXT, max
 
 
 @pytest.mark.sandbox
-@settings(max_examples=10, deadline=20000,
+@settings(max_examples=examples(10), deadline=20000,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(changes=SAFE_CHANGES, env=ENV_RT, args=st.lists(st.one_of(SAFE_TEXT, TEXT), max_size=4),
        api_key=st.one_of(st.none(), SAFE_TEXT.filter(lambda t: bool(t) and t == t.strip())), desc=SAFE_TEXT.map(lambda t: "d " + t + " d"))

@@ -37,6 +37,7 @@ from deploy_tool.box.runtime import (
     loaded_libraries,
     parse_maps,
 )
+from tests.support.examples import examples
 from tests.support.lib_holder import copy_library, holding
 
 REPO = Path(__file__).resolve().parents[1]
@@ -498,7 +499,7 @@ def test_unknown_kind_and_empty_log_are_unknown():
     assert capacity_truth("vllm", WRITEUP_FIXED, 1024).status == UNKNOWN
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("GPU 0123456789.:=,()availForKVlocalKVPerPageMBGtokens\n-")),
                max_size=300))
 def test_log_parsers_never_crash(text):

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from deploy_tool.errors import BundleError
 from deploy_tool.manifest import FileEntry, Manifest
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "ansible" / "plugins" / "module_utils" / "ship_core.py"
@@ -319,7 +320,7 @@ bundle_files = st.dictionaries(paths, blobs, min_size=1, max_size=6).filter(
     lambda d: not any(p != q and q.startswith(p + "/") for p in d for q in d))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(earlier=st.lists(bundle_files, max_size=3), target=bundle_files, tamper=st.sets(st.integers(0, 20)))
 def test_seeded_plus_sent_is_exactly_the_manifest(tmp_path_factory, earlier, target, tamper):
     """Any earlier bundles on the host (any files, any paths, some tampered afterwards): the seeded files plus the
@@ -463,7 +464,7 @@ def _answer(read, raw):
 
 
 @pytest.mark.parametrize("edit", [None, *BOTH_REFUSE, *DEPLOYTOOL_ALONE_REFUSES])
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(files=bundle_files.filter(lambda d: len(d) >= 2), modes=st.lists(st.sampled_from([0o644, 0o755]), min_size=6))
 def test_the_controllers_two_manifest_readers_agree(edit, files, modes):
     """deploytool's MANIFEST reader (what the ship action uses where deploytool is installed) and ship_core's (its

@@ -37,6 +37,7 @@ from deploy_tool.errors import DeployError, ExitCode
 from tests.support import fake_systemd as fs
 from tests.support.backends import free_port
 from tests.support.configs import DELETE, example_dict, load_dict, set_key
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 F, L = "ftllm-dflash", "llamacpp-tensor"
@@ -700,7 +701,7 @@ def reached(point: str, target: str) -> bool:
     return {"committing": target in HEALTHY, ROLLBACK_POINT: target not in HEALTHY}.get(point, True)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=list(HealthCheck))
 @given(point=st.sampled_from([*SWITCH_POINTS, ROLLBACK_POINT]), target=BEHAVIOUR,
        current=st.sampled_from(["ok", "slow-stop", "hangs-on-stop"]),
        back=BEHAVIOUR, later=st.sampled_from([0.0, 5.0, 600.0]), then=st.sampled_from(["recover", "switch"]))
@@ -831,5 +832,5 @@ class Operations(RuleBasedStateMachine):
 
 
 TestOperations = Operations.TestCase
-TestOperations.settings = settings(max_examples=25, stateful_step_count=6, deadline=None,
+TestOperations.settings = settings(max_examples=examples(25), stateful_step_count=6, deadline=None,
                                    suppress_health_check=list(HealthCheck))

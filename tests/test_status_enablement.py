@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy_tool.box.status import boot_enablement
+from tests.support.examples import examples
 from tests.support.sandbox import SandboxEnv
 
 pytestmark = pytest.mark.sandbox
@@ -44,7 +45,7 @@ def test_after_a_no_reload_flip_status_names_the_enabled_unit(sandbox_env: Sandb
     assert sd.show(a).unit_file_state == "disabled"
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(UNITS), st.booleans()), min_size=1, max_size=4))
 def test_any_flip_sequence_matches_a_fresh_reload(sandbox_env: SandboxEnv, flips: list[tuple[str, bool]]) -> None:
     """Any sequence of --no-reload enables and disables: boot_enablement equals the symlinks in

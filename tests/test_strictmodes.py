@@ -23,6 +23,7 @@ from deploy_tool.box import bootstrap
 from deploy_tool.box import status as status_mod
 from deploy_tool.errors import ExitCode, UnsafePathError
 from tests.support.configs import DELETE, example_dict, set_key, write_dict
+from tests.support.examples import examples
 
 TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO)
 F, L = "ftllm-dflash", "llamacpp-tensor"
@@ -143,7 +144,7 @@ def _classes(cfg: config.Config) -> list[tuple[str, Path, str]]:
             ("above: the box", units.parent.parent.parent, A)]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_owner_and_mode_of_any_path_class_is_found_exactly_and_fixed_by_its_command(
         tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:

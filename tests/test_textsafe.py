@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from deploy_tool.textsafe import describe, key, q, unsafe_char
 from tests.support.bundles import make_keys, member, mutate_archive, write_sample_bundle
+from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = str(REPO / ".venv" / "bin" / "deploytool")
@@ -30,7 +31,7 @@ def _terminal_safe(out: str) -> bool:
     return all(c == "\n" or (unsafe_char(c) is None and unicodedata.category(c) not in ("Cf", "Cc")) for c in out)
 
 
-@settings(max_examples=500, deadline=1000)
+@settings(max_examples=examples(500), deadline=1000)
 @given(name=ANY_TEXT)
 def test_q_escapes_every_control_character_and_reads_back(name: str) -> None:
     """q(name) is printable (no ESC, CR, C1, bidi, ...), quoted, and reads back to exactly the name."""
@@ -42,7 +43,7 @@ def test_q_escapes_every_control_character_and_reads_back(name: str) -> None:
     assert k.isprintable() and k in (name, out)
 
 
-@settings(max_examples=200, deadline=1000)
+@settings(max_examples=examples(200), deadline=1000)
 @given(raw=st.binary(max_size=30))
 def test_q_of_file_name_bytes(raw: bytes) -> None:
     """A file name as the file system gives it (bytes, undecodable ones too) is printable after q()."""
@@ -109,7 +110,7 @@ FILE_NAME = st.lists(st.one_of(NASTY, st.characters(blacklist_categories=("Cs",)
                     and len(s.encode()) < 200)
 
 
-@settings(max_examples=12, deadline=30000,
+@settings(max_examples=examples(12), deadline=30000,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(name=FILE_NAME)
 def test_any_extra_file_name_never_reaches_the_terminal_raw(signed: dict, tmp_path: Path, name: str) -> None:

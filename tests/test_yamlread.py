@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from deploy_tool import config, yamlread
 from deploy_tool.errors import ConfigError
+from tests.support.examples import examples
 
 MIN = "version: 1\ndefault_backend: a\nbackends:\n  a:\n    kind: ftllm\n    model: /m\n"
 
@@ -30,7 +31,7 @@ _plain_values = st.recursive(
     max_leaves=20)
 
 
-@settings(max_examples=300, deadline=timedelta(seconds=2))
+@settings(max_examples=examples(300), deadline=timedelta(seconds=2))
 @given(_plain_values)
 def test_what_pyyaml_writes_reads_back_unchanged(doc: Any) -> None:
     """The strict scalar rules stay inside what PyYAML's resolver reads: whatever yaml.safe_dump writes (the tests,
