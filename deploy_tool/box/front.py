@@ -341,13 +341,25 @@ async def _main(args: argparse.Namespace) -> None:
     server = await asyncio.start_server(front.client, sock=lsock, limit=HEAD_MAX, backlog=1024)
     ctl = None
     if args.control:
+        # bound and listening under a name of its own, then renamed into place: the control path exists only once
+        # it accepts, so `hold` right after a start is never refused (deploy_tool.box.frontctl asks only when the
+        # path exists)
+        tmp = f"{args.control}.{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(args.control)
+            os.unlink(tmp)
         old = os.umask(0o177)
+        csock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            ctl = await asyncio.start_unix_server(front.control, path=args.control)
+            csock.bind(tmp)
+            csock.listen(16)
+            os.rename(tmp, args.control)
+        except BaseException:
+            csock.close()
+            raise
         finally:
             os.umask(old)
+        csock.setblocking(False)
+        ctl = await asyncio.start_unix_server(front.control, sock=csock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
