@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_tool import proc
+from deploy_tool import proc, procfs
 from deploy_tool.errors import SandboxError
 from deploy_tool.rehearsal.sandbox import Sandbox
 from tests.support.sandbox import SandboxEnv, leftover_cgroups, new_run_dir
@@ -39,11 +39,8 @@ def _state(sb: Sandbox) -> dict[str, int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    stat = procfs.read(f"/proc/{pid}/stat")  # None also when the process is reaped between open and read (ESRCH)
+    return stat is not None and stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def assert_nothing_left(sb: Sandbox, pids: list[int]) -> None:
