@@ -564,6 +564,8 @@ def render_front(cfg: Config) -> list[RenderedFile]:
                   backend=Escaped(f"{cfg.backend_host}:{cfg.backend_port}"),
                   hold=Escaped(f"{cfg.hold_timeout_s:g}"),
                   exec_start=exec_line(front_argv(cfg), "bundle.python (the front's ExecStart=)"),
+                  exec_start_pre=exec_line(tool_argv(cfg, "verify-front"), "paths.deploytool (the front's ExecStartPre=)"),
+                  unsafe_env=Escaped(" ".join(UNSAFE_ENV)),
                   control=Escaped(FRONT_CONTROL), runtime_dir=Escaped(FRONT_RUNTIME_DIR))
     return [RenderedFile(FRONT_SOCKET, "unit", sock, 0o644), RenderedFile(FRONT_SERVICE, "unit", svc, 0o644)]
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,8 @@ import yaml
 
 from deploy_tool import hashing
 from deploy_tool.box import fingerprint as fp
-from deploy_tool.box.state import Store
-from deploy_tool.errors import DriftError, InputError, StateError
+from deploy_tool.box.state import State, Store
+from deploy_tool.errors import DriftError, ExitCode, InputError, StateError
 from tests.support import release_tree as rt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -781,3 +782,88 @@ def test_console_entry_exit_codes_of_verify(tree: rt.Tree) -> None:
     assert code("--config", cfgp, "verify", "nosuch") == 3
     assert code("--config", str(broken), "verify", FT) == 3
     assert code("--config", str(tree.root / "absent.yaml"), "verify", FT) == 5
+
+
+# ------------------------------------------------------------------------------------------------ the front
+
+FRONT_PROGRAM = "launch/front.py"
+
+
+def _with_front(tree: rt.Tree) -> Path:
+    """The release's launch/front.py as pack lays it down, then both backends pinned (as install does)."""
+    p = tree.release / FRONT_PROGRAM
+    p.write_bytes((REPO / "deploy_tool/box/front.py").read_bytes())
+    p.chmod(0o644)
+    fp.pin(tree.cfg, FT, "install")
+    fp.pin(tree.cfg, LL, "install")
+    return p
+
+
+def _front_changes(p: Path, tree: rt.Tree) -> dict[str, Callable[[], object]]:
+    """Every way the front's program can differ from its pin, each a function that makes that change."""
+    other = tree.root / "other-front.py"
+
+    def replaced_by_link() -> None:
+        other.write_bytes(p.read_bytes())
+        p.unlink()
+        p.symlink_to(other)
+
+    def replaced_by_dir() -> None:
+        p.unlink()
+        p.mkdir()
+
+    return {"byte": lambda: flip_byte(p, 100), "appended": lambda: p.write_bytes(p.read_bytes() + b"\n#"),
+            "mode": lambda: p.chmod(0o755), "owner": lambda: os.chown(p, 1000, 1000), "removed": p.unlink,
+            "link": replaced_by_link, "dir": replaced_by_dir}
+
+
+@pytest.mark.parametrize("change", ["byte", "appended", "mode", "owner", "removed", "link", "dir"])
+def test_the_fronts_program_is_checked_against_the_pinned_release(tree: rt.Tree, change: str) -> None:
+    """verify-front passes on the pinned release and names the front's program, alone, for every way it can
+    change (content, mode, owner, removal, a symlink or a directory in its place)."""
+    p = _with_front(tree)
+    r = fp.verify_front(tree.cfg)
+    assert r.ok and r.rows == [] and r.backend == fp.FRONT
+    _front_changes(p, tree)[change]()
+    r = fp.verify_front(tree.cfg)
+    assert not r.ok and [d.item.id for d in r.rows] == [f"release/{FRONT_PROGRAM}"], r.rows
+    pinned = fp.load_pins(tree.cfg, FT).trees["release"].entries[FRONT_PROGRAM]
+    assert r.rows[0].expected == pinned and r.rows[0].actual != pinned
+    err = fp.front_drift_error(r)
+    assert err.exit_code == ExitCode.DRIFT and FRONT_PROGRAM in err.message and "deploytool pin" in (err.hint or "")
+
+
+def test_the_front_reads_only_its_program_and_where_current_points(tree: rt.Tree) -> None:
+    """A drift elsewhere in the release stops the backends (their verify) but not the front, which holds the clients'
+    requests meanwhile; `current` moved to another release is the front's drift too; the active backend's pins are
+    the ones used."""
+    _with_front(tree)
+    lib = tree.site_packages / "ftllm/libfastllm_tools.so"
+    flip_byte(lib, 5_000_000)
+    assert not fp.verify(tree.cfg, FT).ok
+    assert fp.verify_front(tree.cfg).ok
+    other = tree.root / "opt/deploytool/releases/other"
+    shutil.copytree(tree.release, other, symlinks=True)
+    cur = Path(tree.cfg.paths.current)
+    cur.unlink()
+    cur.symlink_to("releases/other")
+    r = fp.verify_front(tree.cfg)
+    assert [d.item.id for d in r.rows] == ["release"] and r.rows[0].actual == str(other.resolve())
+    Store(tree.cfg.paths.state_dir).save(State(active_backend=LL))
+    assert fp.verify_front(tree.cfg).pins.backend == LL  # type: ignore[union-attr]
+
+
+def test_verify_front_exit_codes(tree: rt.Tree) -> None:
+    """As the front's unit runs it: 13 with no backend pinned, 0 on the pinned release, 7 naming the file on drift
+    (one error line and a hint on stderr), the same verdict in --json."""
+    cfgp = str(tree.config_path)
+    r = entry(tree, "--config", cfgp, "verify-front")
+    assert r.returncode == 13 and r.stderr.startswith("error: ") and "no backend is pinned" in r.stderr, r
+    p = _with_front(tree)
+    r = entry(tree, "--config", cfgp, "verify-front")
+    assert r.returncode == 0 and "the front: all 2 fingerprints match" in r.stdout, r
+    flip_byte(p, 10)
+    r = entry(tree, "--config", cfgp, "verify-front")
+    assert r.returncode == 7 and FRONT_PROGRAM in r.stdout and r.stderr.startswith("error: the front's program"), r
+    js = entry(tree, "--config", cfgp, "--json", "verify-front")
+    assert js.returncode == 7 and [d["id"] for d in json.loads(js.stdout)["drift"]] == [f"release/{FRONT_PROGRAM}"]

@@ -11,11 +11,14 @@ operation's history event counts what the clients saw.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 
+from deploy_tool.errors import SystemdError
 from tests.support.clients import ClientLoop, client_loop
+from tests.support.demo_box import Box
 from tests.support.e2e import dt
 from tests.test_e2e import _clear_dropin, _dropin, active_units, history, state
 
@@ -88,3 +91,39 @@ def test_clients_see_no_crash_of_the_active_server(installed, systemd_sandbox) -
     print(f"crash of the active server: {loop.summary()}")
     assert not loop.failed, loop.summary()
     assert max(s.seconds for s in loop.seen) > 0.3, loop.summary()  # the crash was felt as a wait, not an error
+
+
+FRONT = "deploytool-front.service"
+
+
+def test_a_changed_front_program_does_not_start(installed, systemd_sandbox) -> None:
+    """The front checks its own program before it starts (ExecStartPre=+deploytool verify-front): with the release's
+    launch/front.py changed, a restart of the front fails in that step, its journal names the file, and not one
+    line of the changed program runs; restored, the front starts again and clients are served through it."""
+    sd = systemd_sandbox.systemd
+    prog = Box(installed).current / "launch" / "front.py"
+    original = prog.read_bytes()
+    try:
+        prog.write_bytes(original + b"\nprint('changed front ran', flush=True)\n")
+        before = sd.show(FRONT).invocation_id
+        with contextlib.suppress(SystemdError):  # the restart job fails: that is the point
+            sd.restart(FRONT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = sd.show(FRONT)
+            if st.invocation_id != before and st.result == "exit-code" and not st.is_active:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"{FRONT} was not refused: {sd.show(FRONT)}")
+        log = sd.journal(FRONT, lines=80)
+        assert "launch/front.py" in log and "DRIFT" in log, log
+        assert "changed front ran" not in log, log
+    finally:
+        prog.write_bytes(original)
+        sd.reset_failed(FRONT)
+        sd.restart(FRONT, past_start_limit=True)
+    assert sd.is_active(FRONT), sd.show(FRONT)
+    with client_loop(installed) as loop:
+        time.sleep(2.0)
+    assert loop.seen and not loop.failed, loop.summary()

@@ -174,8 +174,8 @@ def test_golden_reproduces_production_lines() -> None:
 def test_systemd_analyze_verify_clean(example: str, tmp_path: Path) -> None:
     """`systemd-analyze verify` on every rendered unit of the example: exit 0 and EMPTY stderr."""
     cfg, stubs = _cfg_with_stubs(example, tmp_path)
-    assert len(stubs) == 7  # ExecStartPre + ExecStart of both units, the failover's, the liveness probe's and the
-    # front's ExecStart
+    assert len(stubs) == 8  # ExecStartPre + ExecStart of both units, the failover's, the liveness probe's and the
+    # front's ExecStartPre + ExecStart
     units = _write_rendered(cfg, tmp_path / "units")
     assert sorted(u.name for u in units) == ["deploytool-failover@.service", "deploytool-front.service",
                                              "deploytool-front.socket", "deploytool-liveness.service",

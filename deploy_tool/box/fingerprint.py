@@ -63,10 +63,27 @@ from deploy_tool.binaries import arch_supported, read_fatbin, read_llama_version
 from deploy_tool.box import treepin
 from deploy_tool.box.state import Store
 from deploy_tool.clock import iso_utc
-from deploy_tool.config import BUNDLED_NCCL, Backend, Config, FtllmBackend, LlamacppBackend, expand
+from deploy_tool.config import (
+    BUNDLED_FRONT,
+    BUNDLED_NCCL,
+    Backend,
+    Config,
+    FtllmBackend,
+    LlamacppBackend,
+    expand,
+)
 from deploy_tool.errors import DeployError, DriftError, InputError, StateError
 from deploy_tool.fsutil import atomic_write, os_error
-from deploy_tool.hashing import RACY_MARGIN_S, HashCache, parallel, settled, sha256_fd, stat_key
+from deploy_tool.hashing import (
+    RACY_MARGIN_S,
+    HashCache,
+    NotAFile,
+    open_file,
+    parallel,
+    settled,
+    sha256_fd,
+    stat_key,
+)
 from deploy_tool.textsafe import q, safe
 
 PINS_FORMAT = 1
@@ -1015,6 +1032,78 @@ def verify(cfg: Config, backend: Backend | str, *, use_cache: bool = True, worke
                         trees=trees)
 
 
+#: how a report names the front (its unit runs `deploytool verify-front`)
+FRONT = "the front"
+
+
+def _entry_value(path: str) -> str:
+    """A tree entry's value (treepin.value) of the one path, as the release's pin holds it; MISSING when gone."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return MISSING
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or type(exc).__name__})"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return treepin.value(st, os.readlink(path))
+        except OSError as exc:
+            return treepin.value(st, f"unreadable ({exc.strerror or type(exc).__name__})")
+    if not stat.S_ISREG(st.st_mode):
+        return treepin.value(st)
+    try:
+        fd, fst = open_file(path, follow_symlinks=False)
+    except (OSError, NotAFile) as exc:
+        return treepin.value(st, f"unreadable ({getattr(exc, 'strerror', None) or type(exc).__name__})")
+    try:
+        digest, _n = sha256_fd(fd, regular=True)
+    finally:
+        os.close(fd)
+    return treepin.value(fst, digest)
+
+
+def front_pins(cfg: Config) -> PinSet:
+    """The pins the front is checked against: the active backend's, else the first pinned backend's (a box whose
+    state names none); StateError when no backend is pinned."""
+    active = Store(cfg.paths.state_dir).load().active_backend
+    names = ([active] if active and active in cfg.backends else []) + [n for n in cfg.backends if n != active]
+    for name in names:
+        try:
+            return load_pins(cfg, name)
+        except StateError:
+            continue
+    raise StateError("no backend is pinned, so there is nothing to check the front's program against",
+                     hint="run `deploytool install` (it pins every backend)")
+
+
+def verify_front(cfg: Config) -> VerifyReport:
+    """The front's program against the pinned release, before the front starts (its unit's ExecStartPre): `current`
+    still points at the release the pins hold, and that release's launch/front.py (what the front's ExecStart=
+    runs) is the entry they pinned: type, mode, owner, SHA-256. Nothing else is read: the front holds the clients'
+    requests, so a drift elsewhere in the release (which the backend's own check refuses) does not close the port."""
+    t0 = time.monotonic()
+    pins = front_pins(cfg)
+    pinned = {i.id: i for i in pins.items}
+    tree = pins.trees.get("release")
+    cur = Path(cfg.paths.current)
+    real = os.path.realpath(cur)
+    release = Item("release", "release (current)", str(cur),
+                   (real if os.path.isdir(real) else f"{real} ({MISSING})") if os.path.lexists(cur) else MISSING)
+    program = f"{real}/{BUNDLED_FRONT}"
+    rel_id = f"release/{BUNDLED_FRONT}"
+    front = Item(rel_id, rel_id, program, _entry_value(program))
+    rows: list[Drift] = []
+    want_release = pinned["release"].value if "release" in pinned else f"(not pinned in {pins.backend}'s pins)"
+    if release.value != want_release:
+        rows.append(Drift(release, want_release, release.value))
+    want_front = (tree.entries.get(BUNDLED_FRONT) if tree is not None else None) or \
+        f"(not pinned in {pins.backend}'s pins)"
+    if front.value != want_front:
+        rows.append(Drift(front, want_front, front.value))
+    stats = Stats(files=1, seconds=time.monotonic() - t0)
+    return VerifyReport(ok=not rows, rows=rows, backend=FRONT, pins=pins, items=(release, front), stats=stats)
+
+
 #: The credential (LoadCredential=) through which a unit hands its env file to the server's launcher (render.py)
 ENV_CREDENTIAL = "environment"
 
@@ -1051,6 +1140,16 @@ def drift_error(r: VerifyReport) -> DriftError:
     return DriftError(f"{r.backend}: {len(r.rows)} fingerprint(s) differ from the pins: {names}",
                       hint="restore what changed; if the change is deliberate, re-pin it with "
                            f"`deploytool pin {r.backend} --reason TEXT`",
+                      details=[d.to_json() for d in r.rows])
+
+
+def front_drift_error(r: VerifyReport) -> DriftError:
+    """The front's refusal: what to restore, or which backend's pins to re-pin for a change made on purpose."""
+    names = ", ".join(safe(d.item.label) for d in r.rows)
+    by = r.pins.backend if r.pins else "BACKEND"
+    return DriftError(f"the front's program differs from the pinned release: {names}",
+                      hint="restore it (reinstall the release); if the change is deliberate, re-pin the release with "
+                           f"`deploytool pin {by} --reason TEXT`",
                       details=[d.to_json() for d in r.rows])
 
 

@@ -179,7 +179,7 @@ def _register() -> None:
     from deploy_tool.cli import basic, bench, bundle, keys, logs, ops, releases, sandbox, verify
 
     for cmd in (*basic.COMMANDS, *ops.COMMANDS, *releases.COMMANDS, sandbox.sandbox, keys.keygen, bundle.bundle, verify.verify,
-                verify.pin, verify.await_ready, bench.bench, logs.logs):
+                verify.verify_front, verify.pin, verify.await_ready, bench.bench, logs.logs):
         main.add_command(cmd)
     for cmd in main.commands.values():
         share_global_options(cmd)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
@@ -14,6 +16,9 @@ from deploy_tool.cli.context import Ctx, pass_ctx
 from deploy_tool.cli.names import BACKEND
 from deploy_tool.errors import DeployError, ExitCode
 from deploy_tool.textsafe import safe
+
+if TYPE_CHECKING:  # the report's type only: verify's path imports fingerprint when it runs
+    from deploy_tool.box.fingerprint import VerifyReport
 
 
 def _json(data: object) -> None:
@@ -57,21 +62,53 @@ def verify(ctx: Ctx, backend: str, no_cache: bool, await_port: bool) -> None:
 
         return portwait.await_for_backend(cfg, b)
 
+    _report(ctx, report, fingerprint.drift_error, then=port_line if await_port else None)
+
+
+def _report(ctx: Ctx, report: VerifyReport, refusal: Callable[[VerifyReport], DeployError],
+            then: Callable[[], str] | None = None) -> None:
+    """Print a verify report (a table, or --json) and refuse on drift (exit 7): `refusal` makes the error; `then`,
+    run only when all matches, adds a line (--json: its "port")."""
+    from deploy_tool.box import fingerprint
+
     if ctx.json:
-        _json({**report.to_json(), **({"port": port_line()} if report.ok and await_port else {})})
+        _json({**report.to_json(), **({"port": then()} if report.ok and then else {})})
         if not report.ok:
             sys.exit(int(ExitCode.DRIFT))
         return
     text = fingerprint.format_report(report)
     if report.ok:
         click.echo(text)
-        if await_port:
-            click.echo(port_line())
+        if then:
+            click.echo(then())
         return
     first, _, rest = text.partition("\n")
     click.echo(click.style(first, fg="red", bold=True))  # styles are dropped when stdout is not a terminal
     click.echo(rest)
-    raise fingerprint.drift_error(report)
+    raise refusal(report)
+
+
+@click.command("verify-front")
+@pass_ctx
+def verify_front(ctx: Ctx) -> None:
+    """Check the front's program against the pinned release; exit 7 naming what changed.
+
+    \b
+    The front's unit runs this as ExecStartPre, so systemd refuses to start a front whose program (the release's
+    launch/front.py, which sees every client request and its API key) is not the file pinned at install, or whose
+    `current` no longer points at the pinned release. Only that is read: a drift elsewhere in the release is the
+    backends' own check, and does not close the public port. The pins are the active backend's.
+    First, every path a root step reads (units, drop-ins, config, keys, state, the release) must be root's alone
+    (StrictModes).
+    Exit codes: 0 it matches, 7 drift, 13 no backend pinned, 23 a path is not root's alone.
+    """
+    from deploy_tool import strictmodes
+    from deploy_tool.box import fingerprint
+
+    fingerprint.check_unit_environment()
+    cfg = ctx.load_config()
+    strictmodes.require(cfg, [], "the front may not start")
+    _report(ctx, fingerprint.verify_front(cfg), fingerprint.front_drift_error)
 
 
 @click.command("pin")
