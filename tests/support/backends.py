@@ -98,8 +98,36 @@ def ftllm_binary() -> Path:
 _PORTS = random.SystemRandom()  # not the `random` module: hypothesis seeds that alike in every xdist worker
 
 
+# handed-out ports, one file each, named by the port and holding the PID of the test process that took it: a port
+# is not handed out again, by any worker of any run, while that process lives (a box installed for a session keeps
+# its backends' port for its whole run, also while its backends are stopped and nothing listens on it)
+PORT_LEASES = Path(os.environ.get("DEPLOYTOOL_TEST_ROOT", "/var/lib/deploytool-test")) / "ports"
+
+
+def _lease(port: int) -> bool:
+    """Take `port` for this process; False when it is leased (a stale lease, whose process is gone, is removed for
+    a later pick: never taken over in one step, so two processes cannot both take it)."""
+    PORT_LEASES.mkdir(parents=True, exist_ok=True)
+    path = PORT_LEASES / str(port)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        try:
+            holder = int(path.read_text() or "0")
+        except (OSError, ValueError):
+            return False  # being written this moment
+        if holder > 0 and not Path(f"/proc/{holder}").exists():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
 def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago, picked at random just below the kernel's ephemeral port range.
+    """A TCP port that was free a moment ago and that no living test process was handed before (PORT_LEASES),
+    picked at random just below the kernel's ephemeral port range.
 
     Not port 0's pick, which lies inside that range: with tests running side by side (xdist workers), a served
     port from there can become the local port of another process's outgoing connection once its listener has
@@ -112,6 +140,7 @@ def free_port(host: str = HOST) -> int:
                 s.bind((host, port))
             except OSError:
                 continue
+        if _lease(port):
             return port
     raise RuntimeError(f"no free port on {host} below {lo}")
 
