@@ -936,12 +936,14 @@ def venv_elf_files(root: str | os.PathLike[str]) -> list[str]:
 
 def release_missing_libraries(venv: str | os.PathLike[str], *, ftllm_devices: Collection[str] = frozenset(),
                               extra: Sequence[str | os.PathLike[str]] = (), sysroot: str = "/",
-                              ld_cache: dict[str, list[str]] | None = None) -> list[MissingLibrary]:
+                              ld_cache: dict[str, list[str]] | None = None,
+                              files: Sequence[str] | None = None) -> list[MissingLibrary]:
     """The OS libraries a release's native binaries need and the box lacks: every ELF file of the venv (and the
     `extra` files, e.g. the bundled NCCL or a llama-server outside the venv), their NEEDED entries resolved as
     the loader does. ftllm's builds are alternatives (FTLLM_LIBS): for a cuda backend its CUDA build must
-    resolve; for a cpu backend one of them is enough (the CPU build's needs are named if none resolves)."""
-    files = venv_elf_files(venv)
+    resolve; for a cpu backend one of them is enough (the CPU build's needs are named if none resolves).
+    `files`: venv_elf_files(venv), when the caller has it already."""
+    files = list(venv_elf_files(venv) if files is None else files)
     alts = [p for p in files if os.path.basename(p) in FTLLM_LIBS and os.path.basename(os.path.dirname(p)) == "ftllm"]
     roots = [p for p in files if p not in alts] + [str(x) for x in extra]
     provided = provided_names(files + [str(x) for x in extra])

@@ -1361,8 +1361,10 @@ def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
     if ftllm and os.path.isfile(nccl):
         extra.append(nccl)
     try:
+        files = binaries.venv_elf_files(venv) if os.path.isdir(venv) else []
         if os.path.isdir(venv):
-            missing = binaries.release_missing_libraries(venv, extra=extra, ftllm_devices={b.device for b in ftllm})
+            missing = binaries.release_missing_libraries(venv, extra=extra, ftllm_devices={b.device for b in ftllm},
+                                                         files=files)
         elif extra:
             missing = binaries.missing_libraries(extra)
         else:
@@ -1370,8 +1372,7 @@ def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
         closures: dict[str, set[str]] = {}
         for name, path in llama.items():
             closures[name] = set()
-            binaries.missing_libraries([path], binaries.venv_elf_files(venv) if os.path.isdir(venv) else (),
-                                       closure=closures[name])
+            binaries.missing_libraries([path], files, closure=closures[name])
     except InputError:
         return  # an unreadable binary is reported by the checks that name files
     for m in missing:

@@ -19,6 +19,7 @@ launcher (deploy_tool/box/ftllm_launch.py), which reads the credential and hands
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import posixpath
 import re
@@ -414,7 +415,9 @@ def _finalize(value: object) -> object:
                     f"of render.py's escaping functions")
 
 
+@functools.cache
 def _env():
+    """The one Jinja environment of the process (Jinja keeps each template compiled in it)."""
     import jinja2  # lazy: see the module's docstring
 
     return jinja2.Environment(
