@@ -102,8 +102,7 @@ class Bundles:
     b: Path
 
 
-@pytest.fixture(scope="session")  # shared with tests/test_releases.py, which runs in this file's xdist group
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> Bundles:
+def make_bundles(tmp_path_factory: pytest.TempPathFactory) -> Bundles:
     """Two small cpu-demo bundles (A, and B differing in one env var of ftllm-dflash), packed by the real `pack`
     from one locked real wheel (carrying one native library), signed by a key the box trusts."""
     d = tmp_path_factory.mktemp("install-kills")
@@ -313,8 +312,7 @@ def _serving(bx: Box) -> set[str]:
     return bx.world.healthy()
 
 
-@pytest.fixture(scope="session")
-def saved_a(bundles: Bundles) -> Path:
+def make_saved_a(bundles: Bundles) -> Path:
     """The box's files after release A was installed through the gate (once for the module)."""
     bx = Box(bundles)
     try:

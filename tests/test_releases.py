@@ -19,9 +19,9 @@ from deploy_tool.box import operations, releases
 from deploy_tool.errors import DeployError, InputError, StateError
 from tests.support import fake_systemd as fs
 from tests.support.examples import examples
-from tests.test_install_kills import CLEAN, FU, Box, Bundles, _rid, bundles, saved_a  # noqa: F401  (fixtures)
+from tests.test_install_kills import CLEAN, FU, Box, Bundles, _rid
 
-# with tests/test_install_kills.py on one xdist worker: its two packed bundles (a session fixture) serve both
+# with tests/test_install_kills.py on one xdist worker: its two packed bundles (tests/conftest.py) serve both
 pytestmark = pytest.mark.xdist_group("tests/test_install_kills.py")
 
 
@@ -55,7 +55,7 @@ def _stale(bx: Box, rid: str = "0123456789abcdef", age_s: float = 86400) -> str:
 
 
 @pytest.fixture()
-def box_a(bundles: Bundles, saved_a: Path):  # noqa: F811
+def box_a(bundles: Bundles, saved_a: Path):
     bx = _box(bundles, keep=1)
     bx.restore(saved_a)
     bx.world.bring_up(FU)

@@ -22,11 +22,11 @@ from deploy_tool.builder import pack as pack_mod
 from deploy_tool.cli import main
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError, ExitCode
-from tests import test_install_kills as kills
 from tests.support.bundles import rebundle
 from tests.test_install_kills import CLEAN, Box, Bundles, F, Outcome
 
-bundles = kills.bundles  # the module-scoped fixture: two small real cpu-demo bundles and their key
+# with tests/test_install_kills.py on one xdist worker: its two packed bundles (tests/conftest.py) serve both
+pytestmark = pytest.mark.xdist_group("tests/test_install_kills.py")
 
 
 def install(bx: Box, bundle: Path, *, cfg: Config | None = None, allow: str | None = None,
