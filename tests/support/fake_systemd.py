@@ -128,6 +128,11 @@ class _Server:
         self.sock.listen(16)
         self.handler = handler
         self.conns: set[socket.socket] = set()  # closed with the process, as the kernel does at its exit
+        # a connection is registered under the lock as it is accepted, so a close() between the accept and its
+        # thread's start cannot miss it (such a connection stayed ESTABLISHED, served by nobody, and a later
+        # drain on the same port counted it: seen once under make test's load)
+        self.lock = threading.Lock()
+        self.closed = False
         self.thread = threading.Thread(target=self._accept, daemon=True, name=f"fake-server-{port}")
         self.thread.start()
 
@@ -137,18 +142,26 @@ class _Server:
                 conn, addr = self.sock.accept()
             except OSError:
                 return
+            with self.lock:
+                if self.closed:  # the process exited while this one was accepted
+                    conn.close()
+                    return
+                self.conns.add(conn)
             threading.Thread(target=self._serve, args=(conn, addr), daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
-        self.conns.add(conn)
         try:
             with contextlib.suppress(OSError), conn:
                 self.handler(conn, addr, self)  # type: ignore[arg-type]
         finally:
-            self.conns.discard(conn)
+            with self.lock:
+                self.conns.discard(conn)
 
     def close(self) -> None:
-        for conn in list(self.conns):
+        with self.lock:
+            self.closed = True
+            conns = list(self.conns)
+        for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
