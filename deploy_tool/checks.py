@@ -221,6 +221,9 @@ class _Ctx:
     # each model's GGUF header, read once per run: three checks use it, and a 27B model's header (its
     # vocabulary arrays) is megabytes that switch's preflight would otherwise parse three times
     headers: dict[str, tuple[object | None, Finding | None]] = field(default_factory=dict)  # by backend
+    # the backends whose own checks run (run_checks(backends=)); None: all. A box check whose work is per backend
+    # (the OS libraries each loads) does that backend's part only
+    scope: frozenset[str] | None = None
 
 
 def _f(id_: str, severity: Severity, backend: str | None, message: str, fix: str, source: str | None = None) -> Finding:
@@ -1352,7 +1355,7 @@ def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
 
     cfg = ctx.cfg
     venv = os.path.join(cfg.paths.current, "venv")
-    runs = [b for b in cfg.backends.values() if _runs_here(ctx, b)]
+    runs = [b for b in cfg.backends.values() if _runs_here(ctx, b) and (ctx.scope is None or b.name in ctx.scope)]
     llama = {b.name: expand(cfg, b.binary) for b in runs if isinstance(b, LlamacppBackend)}
     llama = {n: p for n, p in llama.items() if os.path.isfile(p)}
     extra = [p for p in llama.values() if not p.startswith(venv + "/")]
@@ -1362,9 +1365,11 @@ def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
         extra.append(nccl)
     try:
         files = binaries.venv_elf_files(venv) if os.path.isdir(venv) else []
-        if os.path.isdir(venv):
+        if os.path.isdir(venv) and (ftllm or ctx.scope is None):
             missing = binaries.release_missing_libraries(venv, extra=extra, ftllm_devices={b.device for b in ftllm},
                                                          files=files)
+        elif llama:  # llama-server's own closure is all a scoped llamacpp backend loads
+            missing = binaries.missing_libraries(list(llama.values()), [*files, *extra])
         elif extra:
             missing = binaries.missing_libraries(extra)
         else:
@@ -1652,7 +1657,8 @@ def run_checks(cfg: Config, *, inspect_files: bool = True, on_box: bool | None =
     it decides whether a missing file of a cuda backend is an error or "not on this machine".
     `backends`: the backends whose own checks run (default: all); the box's checks always run.
     """
-    ctx = _Ctx(cfg, inspect_files, nvidia_present() if on_box is None else on_box)
+    ctx = _Ctx(cfg, inspect_files, nvidia_present() if on_box is None else on_box,
+               scope=None if backends is None else frozenset(backends))
     out: list[Finding] = []
     for name in sorted(cfg.backends if backends is None else set(backends) & set(cfg.backends)):
         for chk in BACKEND_CHECKS:

@@ -767,3 +767,50 @@ def test_os_library_missing_is_named_with_its_backend(tmp_path: Path) -> None:
     assert f.backend == "llamacpp-tensor" and "libgompish.so.1" in f.message and str(exe) in f.message
     assert not [f for f in _two(tmp_path, *cfg_changes, example="cpu-demo", inspect=False)
                 if f.id == "os-library-missing"]
+
+
+def test_os_libraries_scoped_to_the_backends_checked(tmp_path: Path) -> None:
+    """A switch's preflight checks its target alone (run_checks(backends=[...])): for llama-server, its own
+    closure, not every ELF file of the release's venv (thousands on the real box); for ftllm, the whole venv. Real
+    gcc-built files: a venv library that needs a library nowhere on this machine, and a llama-server outside the
+    venv with its own library beside it."""
+    import shutil
+    import subprocess
+
+    gcc = shutil.which("gcc")
+    assert gcc, "gcc is part of the setup"
+    d = tmp_path / "build"
+    d.mkdir()
+    (d / "n.c").write_text("int n(void) { return 0; }\n")
+    (d / "g.c").write_text("int g(void) { return 0; }\n")
+    (d / "m.c").write_text("int g(void); int main(void) { return g(); }\n")
+    (d / "c.c").write_text("int n(void); int c(void) { return n(); }\n")
+    gone = d / "libgonefromos.so.7"
+    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libgonefromos.so.7", "-o", str(gone), str(d / "n.c")],
+                   check=True, timeout=120)
+    root = tmp_path / "root"
+    site = root / "current" / "venv" / "lib" / "python3.11" / "site-packages" / "ftllm"
+    site.mkdir(parents=True)
+    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(site / "_engine.so"), str(d / "c.c"), str(gone)],
+                   check=True, timeout=120)
+    gone.unlink()  # the library the venv's file needs is on no path of this machine
+    lib = d / "libllamaish.so.1"
+    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libllamaish.so.1", "-o", str(lib), str(d / "g.c")],
+                   check=True, timeout=120)
+    exe = d / "llama-server"
+    subprocess.run([gcc, "-o", str(exe), str(d / "m.c"), str(lib), "-Wl,-rpath,$ORIGIN"], check=True, timeout=120)
+    data = example_dict("cpu-demo")
+    set_key(data, f"{LL}.binary", str(exe))
+    set_key(data, "paths.root", str(root))
+    cfg = load_dict(tmp_path, data)
+
+    def missing(backends: list[str] | None) -> set[tuple[str | None, str]]:
+        return {(f.backend, f.message.split(" ", 1)[0])
+                for f in checks.run_checks(cfg, on_box=False, backends=backends) if f.id == "os-library-missing"}
+
+    assert missing(None) == {("ftllm-dflash", "libgonefromos.so.7")}
+    assert missing(["ftllm-dflash"]) == {("ftllm-dflash", "libgonefromos.so.7")}
+    assert missing(["llamacpp-tensor"]) == set()
+    lib.unlink()
+    assert missing(["llamacpp-tensor"]) == {("llamacpp-tensor", "libllamaish.so.1")}
+    assert missing(None) == {("ftllm-dflash", "libgonefromos.so.7"), ("llamacpp-tensor", "libllamaish.so.1")}
