@@ -1365,19 +1365,22 @@ def check_os_libraries(ctx: _Ctx) -> Iterator[Finding]:
         extra.append(nccl)
     try:
         files = binaries.venv_elf_files(venv) if os.path.isdir(venv) else []
+        provided = binaries.provided_names(files)  # what the venv's libraries offer, read once
+        closures: dict[str, set[str]] = {}  # each llama-server's own closure (to name the backend a finding is of)
+        own: dict[str, binaries.MissingLibrary] = {}  # and what those closures miss
+        for name, path in llama.items():
+            closures[name] = set()
+            for m in binaries.missing_libraries([path], provided, closure=closures[name]):
+                own.setdefault(m.name, m)
         if os.path.isdir(venv) and (ftllm or ctx.scope is None):
             missing = binaries.release_missing_libraries(venv, extra=extra, ftllm_devices={b.device for b in ftllm},
                                                          files=files)
-        elif llama:  # llama-server's own closure is all a scoped llamacpp backend loads
-            missing = binaries.missing_libraries(list(llama.values()), [*files, *extra])
+        elif llama and not ftllm:  # llama-server's own closure is all a llamacpp backend loads
+            missing = sorted(own.values(), key=lambda m: m.name)
         elif extra:
             missing = binaries.missing_libraries(extra)
         else:
             return
-        closures: dict[str, set[str]] = {}
-        for name, path in llama.items():
-            closures[name] = set()
-            binaries.missing_libraries([path], files, closure=closures[name])
     except InputError:
         return  # an unreadable binary is reported by the checks that name files
     for m in missing:
