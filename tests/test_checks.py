@@ -743,23 +743,31 @@ def test_the_demo_box_layout_is_visible(cpu_demo_files: Path) -> None:
 # ----------------------------------------------------------------------------------------- OS libraries
 
 
-def test_os_library_missing_is_named_with_its_backend(tmp_path: Path) -> None:
-    """A llama-server (a real gcc-built executable) whose shared library is not on this machine: `check` names
-    the library and the binary, as an error of that backend; with the library back, the check is quiet."""
+def _gcc(*args: str) -> None:
     import shutil
     import subprocess
 
     gcc = shutil.which("gcc")
     assert gcc, "gcc is part of the setup"
-    d = tmp_path / "build"
-    d.mkdir()
+    subprocess.run([gcc, *args], check=True, timeout=120)
+
+
+def _llama_server(d: Path, soname: str) -> tuple[Path, Path]:
+    """(a real gcc-built llama-server in `d`, the shared library `soname` beside it that it loads via $ORIGIN)."""
+    d.mkdir(exist_ok=True)
     (d / "g.c").write_text("int g(void) { return 0; }\n")
     (d / "m.c").write_text("int g(void); int main(void) { return g(); }\n")
-    lib = d / "libgompish.so.1"
-    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libgompish.so.1", "-o", str(lib), str(d / "g.c")],
-                   check=True, timeout=120)
+    lib = d / soname
+    _gcc("-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(lib), str(d / "g.c"))
     exe = d / "llama-server"
-    subprocess.run([gcc, "-o", str(exe), str(d / "m.c"), str(lib), "-Wl,-rpath,$ORIGIN"], check=True, timeout=120)
+    _gcc("-o", str(exe), str(d / "m.c"), str(lib), "-Wl,-rpath,$ORIGIN")
+    return exe, lib
+
+
+def test_os_library_missing_is_named_with_its_backend(tmp_path: Path) -> None:
+    """A llama-server (a real gcc-built executable) whose shared library is not on this machine: `check` names
+    the library and the binary, as an error of that backend; with the library back, the check is quiet."""
+    exe, lib = _llama_server(tmp_path / "build", "libgompish.so.1")
     cfg_changes = ((f"{LL}.binary", str(exe)),)
     assert not [f for f in _two(tmp_path, *cfg_changes, example="cpu-demo") if f.id == "os-library-missing"]
     lib.unlink()
@@ -771,34 +779,21 @@ def test_os_library_missing_is_named_with_its_backend(tmp_path: Path) -> None:
 
 def test_os_libraries_scoped_to_the_backends_checked(tmp_path: Path) -> None:
     """A switch's preflight checks its target alone (run_checks(backends=[...])): for llama-server, its own
-    closure, not every ELF file of the release's venv (thousands on the real box); for ftllm, the whole venv. Real
+    closure, not every ELF file of the release's venv (3.7 GB on the real box); for ftllm, the whole venv. Real
     gcc-built files: a venv library that needs a library nowhere on this machine, and a llama-server outside the
     venv with its own library beside it."""
-    import shutil
-    import subprocess
-
-    gcc = shutil.which("gcc")
-    assert gcc, "gcc is part of the setup"
-    d = tmp_path / "build"
+    exe, lib = _llama_server(tmp_path / "build", "libllamaish.so.1")
+    d = tmp_path / "venv-build"
     d.mkdir()
     (d / "n.c").write_text("int n(void) { return 0; }\n")
-    (d / "g.c").write_text("int g(void) { return 0; }\n")
-    (d / "m.c").write_text("int g(void); int main(void) { return g(); }\n")
     (d / "c.c").write_text("int n(void); int c(void) { return n(); }\n")
     gone = d / "libgonefromos.so.7"
-    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libgonefromos.so.7", "-o", str(gone), str(d / "n.c")],
-                   check=True, timeout=120)
+    _gcc("-shared", "-fPIC", "-Wl,-soname,libgonefromos.so.7", "-o", str(gone), str(d / "n.c"))
     root = tmp_path / "root"
     site = root / "current" / "venv" / "lib" / "python3.11" / "site-packages" / "ftllm"
     site.mkdir(parents=True)
-    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(site / "_engine.so"), str(d / "c.c"), str(gone)],
-                   check=True, timeout=120)
+    _gcc("-shared", "-fPIC", "-o", str(site / "_engine.so"), str(d / "c.c"), str(gone))
     gone.unlink()  # the library the venv's file needs is on no path of this machine
-    lib = d / "libllamaish.so.1"
-    subprocess.run([gcc, "-shared", "-fPIC", "-Wl,-soname,libllamaish.so.1", "-o", str(lib), str(d / "g.c")],
-                   check=True, timeout=120)
-    exe = d / "llama-server"
-    subprocess.run([gcc, "-o", str(exe), str(d / "m.c"), str(lib), "-Wl,-rpath,$ORIGIN"], check=True, timeout=120)
     data = example_dict("cpu-demo")
     set_key(data, f"{LL}.binary", str(exe))
     set_key(data, "paths.root", str(root))
