@@ -1,4 +1,4 @@
-"""Startup time of `deploytool --version` and `deploytool check` against a bare `python -c pass`.
+"""Startup time of `deploytool --version`, `--help` and `check` against a bare `python -c pass`.
 
 Target: interpreter start plus at most 150 ms. All commands are measured in the same run, interleaved round
 by round (so background load hits them alike), median of N rounds (default 10). `check` runs on both embedded
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(td)
         os.chmod(work, 0o755)  # a DynamicUser server must pass through it (check: unit-path-hidden)
         cmds: dict[str, list[str]] = {"python -c pass": [sys.executable, "-c", "pass"],
-                                      "deploytool --version": [*dt, "--version"]}
+                                      "deploytool --version": [*dt, "--version"],
+                                      "deploytool --help": [*dt, "--help"]}
         for ex in ("two-2080ti", "cpu-demo"):
             d = work / ex
             d.mkdir()
