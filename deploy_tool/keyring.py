@@ -194,8 +194,8 @@ class Keyring:
             why = f" ({rev.reason})" if rev.reason else ""
             return _error(KeyRefused, "key-revoked", f"bundle is signed by key {key_id}, which is revoked in "
                           f"{rev.path} line {rev.line}{why}",
-                          hint="install a bundle signed by a key this box trusts (see `Trust` in the README: "
-                               "rotation)", path=rev.path)
+                          hint="install a bundle signed by a key this box trusts (docs/trust.md: rotating the "
+                               "signing key)", path=rev.path)
         k = self.keys.get(key_id)
         if k is not None and k.not_after_epoch is not None:
             t = time.time() if now is None else now

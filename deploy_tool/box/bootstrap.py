@@ -313,7 +313,7 @@ def check_signature(manifest, sig, keys_dir, now=None):
         line, reason = revoked[kid]
         raise Refused("key-revoked: the bundle is signed by key %s, which is revoked in %s line %d%s"
                       % (kid, os.path.join(keys_dir, REVOKED_NAME), line, " (%s)" % reason if reason else ""),
-                      EXIT_KEY, hint="install a bundle signed by a key this box trusts (see `Trust` in the README)")
+                      EXIT_KEY, hint="install a bundle signed by a key this box trusts (docs/trust.md)")
     if kid not in keys:
         raise Refused("untrusted-key: the bundle is signed by key %s, which is not among the trusted keys in %s (%s)"
                       % (kid, keys_dir, ", ".join(sorted(keys))), EXIT_BUNDLE,

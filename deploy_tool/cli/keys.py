@@ -28,7 +28,7 @@ def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool, not_after: str | Non
 
     Keep NAME.key private (it signs bundles); copy NAME.pub into the trusted keys directory
     (/etc/deploytool/keys by default) of every box that installs them. To retire a key, add its id to
-    KEYS_DIR/revoked on every box (see `Trust` in the README for a rotation).
+    KEYS_DIR/revoked on every box (docs/trust.md, "Rotating the signing key", has the steps).
     """
     from deploy_tool.manifest import generate_keypair
 
