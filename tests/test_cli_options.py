@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from deploy_tool import cli
@@ -147,3 +148,48 @@ def test_one_meaning_per_short_option() -> None:
                     if not o.startswith("--"):
                         meaning.setdefault(o, set()).add(next((x for x in p.opts if x.startswith("--")), o))
     assert {o: m for o, m in meaning.items() if len(m) > 1} == {}
+
+
+def test_a_local_config_that_differs_from_the_system_one_is_used_with_a_warning(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """./deploytool.yaml wins over /etc's, as documented; when both exist and differ, stderr says which one is used
+    (one line, the command's result unchanged); identical copies, the same file or no system file say nothing."""
+    from deploy_tool import config
+
+    system = tmp_path / "etc" / "deploytool.yaml"
+    system.parent.mkdir()
+    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", system)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    local = work / "deploytool.yaml"
+    one = yaml.safe_dump(example_dict("two-2080ti"), sort_keys=False).encode()
+    other = yaml.safe_dump(set_key(example_dict("two-2080ti"), "serve.port", 8090), sort_keys=False).encode()
+
+    def run() -> tuple[Any, str]:
+        ctx = Ctx(config_path=None, json=False, dry_run=False, verbose=False, debug=False)
+        runner = CliRunner()
+        got: dict[str, Any] = {}
+
+        @click.command()
+        def cmd() -> None:
+            got["cfg"] = ctx.load_config()
+
+        r = runner.invoke(cmd, [], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return got["cfg"], r.stderr
+
+    local.write_bytes(other)
+    cfg, err = run()  # no system file: nothing to compare
+    assert cfg.serve.port == 8090 and err == ""
+    system.write_bytes(one)
+    cfg, err = run()
+    assert cfg.serve.port == 8090  # the local one is used, as documented
+    assert err == f"warning: using ./deploytool.yaml, which differs from {system} (pass --config to choose)\n"
+    local.write_bytes(one)
+    cfg, err = run()
+    assert err == ""
+    local.unlink()
+    local.symlink_to(system)
+    cfg, err = run()
+    assert err == ""
