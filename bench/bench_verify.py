@@ -137,7 +137,7 @@ def round_(label: str, cfgp: Path, repeat: int, peak: float, start: float) -> li
     t_read = min(read_pass(files) for _ in range(repeat))
     t_inproc = min(_inproc(cfg) for _ in range(max(repeat, 5)))
     t_inproc_nc = min(_inproc(cfg, use_cache=False) for _ in range(repeat))
-    t_checks, findings = min(_checks(cfg) for _ in range(max(repeat, 5)))
+    t_checks, findings = min((_checks(cfg) for _ in range(max(repeat, 5))), key=lambda r: r[0])
     floor = nbytes / peak
     biggest = max(files, key=os.path.getsize)
     print(f"\n[{label}] {checked} entries pinned, {len(files)} files hashed, {nbytes / 1e6:.0f} MB "
