@@ -1310,9 +1310,9 @@ def check_unit_visibility(ctx: _Ctx) -> Iterator[Finding]:
     the sandboxing, passes. ProtectSystem=strict only makes the file system read-only, and the servers write
     none of these paths, so it hides nothing here."""
     cfg = ctx.cfg
-    for name in sorted(cfg.backends):
+    for name in sorted(cfg.backends if ctx.scope is None else ctx.scope & set(cfg.backends)):
         b = cfg.backends[name]
-        unit = _unit_settings(cfg, b)
+        unit = _unit_settings(cfg, b)  # rendered: only for the backends in scope
         dynamic = unit.get("DynamicUser") in _TRUE
         groups: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (why, fix) -> [(what, path)]
         for what, path, executable in _server_paths(cfg, b):

@@ -697,6 +697,20 @@ def test_dynamic_user_cannot_read_a_private_model(cpu_demo_files: Path) -> None:
     assert _hidden(cpu_demo_files) == []
 
 
+def test_a_scoped_run_looks_at_the_units_of_its_backends_only(tmp_path: Path) -> None:
+    """A switch's preflight runs the checks scoped to its target: a unit of the other backend that cannot see its
+    model is that backend's finding, reported by an unscoped `check`, not rendered for the target's preflight."""
+    data = example_dict("two-2080ti")
+    set_key(data, f"{LL}.model", "/var/tmp/m.gguf")
+    cfg = load_dict(tmp_path, data)
+    whole = _only(checks.run_checks(cfg, inspect_files=False, on_box=False), "unit-path-hidden")
+    assert [f.backend for f in whole] == ["llamacpp-tensor"]
+    assert _only(checks.run_checks(cfg, inspect_files=False, on_box=False, backends=["ftllm-dflash"]),
+                 "unit-path-hidden") == []
+    assert _only(checks.run_checks(cfg, inspect_files=False, on_box=False, backends=["llamacpp-tensor"]),
+                 "unit-path-hidden") == whole
+
+
 def test_a_box_in_a_home_is_reported_with_protecthome_named(cpu_demo_files: Path) -> None:
     """The box under /root: the units' ProtectHome=yes leaves the servers an empty /root, whatever its mode;
     reported for each backend, naming the directive and where to move the box."""

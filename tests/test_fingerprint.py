@@ -509,6 +509,23 @@ def test_cache_is_used_and_no_cache_bypasses_it(tree: rt.Tree) -> None:
     assert fp.verify(tree.cfg, FT, use_cache=False).ok
 
 
+def test_the_gates_hasher_answers_from_verifys_caches(tree: rt.Tree, tmp_path: Path) -> None:
+    """The gate's runtime check hashes the libraries a server maps through what verify cached (the doctored entry
+    shows it answers, under another name too: a hard link is the file a process maps), and hashes what verify
+    never saw."""
+    so = tree.site_packages / "ftllm/libfastllm_tools.so"
+    link = tmp_path / "mapped-as.so"
+    os.link(so, link)  # before the cache is written: a new link moves the file's ctime
+    _aged_cache(tree)
+    _poison(tree, 0o644)
+    other = tmp_path / "never-pinned.so"
+    other.write_bytes(b"\x7fELF not pinned")
+    h = fp.cached_hasher(tree.cfg, FT)
+    assert h(str(so)) == "0" * 64 and h(str(link)) == "0" * 64
+    assert h(str(other)) == sha(other)
+    assert fp.cached_hasher(tree.cfg, LL)(str(so)) == sha(so)  # another backend's caches know nothing of it
+
+
 def test_writable_by_others_cache_is_not_trusted(tree: rt.Tree) -> None:
     """A cache file that group or others may write is ignored (its doctored entry does not count)."""
     _aged_cache(tree)

@@ -231,6 +231,39 @@ def test_the_gate_sees_the_server_gone_while_the_readiness_wait_still_runs(monke
     assert not still.dead
 
 
+def test_the_gate_takes_the_main_pid_from_its_watch_while_the_process_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After readiness the gate needs the unit's MainPID (GPU residency, the mapped libraries): while the watched
+    process runs (its pidfd says so), that is its PID, with no systemctl round trip; once it has ended, systemd is
+    asked (a restarted unit has another main process)."""
+    import dataclasses
+
+    from deploy_tool.box.probe import gate
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    # systemd's view of the PID may differ from ours (a sandbox's PID namespace): the watch maps it
+    running = dataclasses.replace(_unit_state("active", "running", ""), main_pid=4242)
+    restarted = dataclasses.replace(running, main_pid=4343, invocation_id="8")
+    shows: list[object] = []
+
+    class Sd:
+        def show(self, unit: str):
+            shows.append(unit)
+            return running if len(shows) == 1 else restarted
+
+    monkeypatch.setattr(gate, "_watch", lambda pid, unit: procfs.ProcessWatch(pid))
+    watch = gate.UnitWatch(Sd(), "u.service", seen=[], to_host_pid=lambda pid: child.pid)  # type: ignore[arg-type]
+    try:
+        assert watch.state() is not None and watch.fd is not None
+        assert (watch.main_pid_now(), len(shows)) == (4242, 1)  # systemd's PID, from the watch alone
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        assert (watch.main_pid_now(), len(shows)) == (4343, 2)  # gone: asked again
+    finally:
+        watch.close()
+    assert (watch.main_pid_now(), len(shows)) == (4343, 3)  # closed: nothing watched, systemd asked
+
+
 # ------------------------------------------------------------------------------------------------ sandbox part
 
 sandboxed = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]

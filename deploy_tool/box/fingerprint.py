@@ -238,13 +238,18 @@ def files_cache_path(cfg: Config, backend: str) -> Path:
 
 def cached_hasher(cfg: Config, backend: str) -> Callable[[str], str]:
     """SHA-256 of a file through the values `deploytool verify BACKEND` cached (same dev, inode, size, mtime_ns
-    and ctime_ns, under any name), else computed (and kept in this process)."""
-    caches = [HashCache(cache_path(cfg, backend)), HashCache(files_cache_path(cfg, backend))]
+    and ctime_ns, under any name), else computed (and kept in this process). Each cache file is read when a
+    lookup first needs it: a gate whose process maps nothing pinned reads neither (the trees' cache is the
+    large one)."""
+    paths = (cache_path(cfg, backend), files_cache_path(cfg, backend))
+    caches: list[HashCache] = []
 
     def sha256(path: str) -> str:
         st = os.stat(path)
-        for c in caches:
-            hit = c.get_same_file(st)
+        for i, p in enumerate(paths):
+            if i == len(caches):
+                caches.append(HashCache(p))
+            hit = caches[i].get_same_file(st)
             if hit is not None:
                 return hit
         return caches[0].sha256(path)

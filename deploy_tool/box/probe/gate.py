@@ -83,6 +83,7 @@ class UnitWatch:
         self.sd, self.unit, self.seen, self.recheck_s = sd, unit, seen, recheck_s
         self.to_host_pid = to_host_pid  # MainPID as systemd reports it -> this process's view of the PID
         self.proc: procfs.ProcessWatch | None = None  # the main process, watched through its pidfd
+        self.main_pid = 0  # that process's PID as systemd reports it (MainPID)
         self.exited = False
         self._last = float("-inf")
 
@@ -111,7 +112,18 @@ class UnitWatch:
                 self.proc = _watch(self.to_host_pid(st.main_pid), self.unit)
             except DeployError:  # the sandbox could not map the PID: keep asking systemd
                 self.proc = None
+            self.main_pid = st.main_pid if self.proc is not None else 0
         return snap
+
+    def main_pid_now(self) -> int:
+        """The unit's MainPID as systemd reports it: the watched process while its pidfd says it runs (the same
+        process, however its PID is reused later), else read from systemd."""
+        if self.proc is not None and not self.exited and not self.proc.gone(0):
+            return self.main_pid
+        st = self.sd.show(self.unit)
+        if self.seen is not None and st.invocation_id and not self.seen:
+            self.seen.append(st.invocation_id)
+        return st.main_pid
 
     def sleep(self, seconds: float) -> None:
         """Wait up to `seconds`, less if the watched process exits meanwhile."""
@@ -159,8 +171,6 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
     start (failure tails, the runtime-truth read of the startup log). Without `invocation`, the one the gate
     sees first in the unit's state is used (no extra `systemctl show` right after the start)."""
     t0 = time.monotonic()
-    url = base_url(cfg)
-    key = api_key(cfg)
     seen: list[str] = [invocation] if invocation else []
 
     def journal() -> str:
@@ -170,20 +180,28 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
             return ""
 
     watch = UnitWatch(sd, b.unit, seen=seen, to_host_pid=lambda pid: host_pid(cfg, pid))
-    limit = timeout if timeout is not None else (b.start_timeout_s or cfg.health.start_timeout_s)
-    try:
-        with waiting(f"{b.name} to be ready (health gate, {url})", limit=limit):
-            rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key, timeout=limit,
-                                    interval=cfg.health.interval_s, unit_state=watch.state, journal_tail=journal,
-                                    sleep=watch.sleep)
+    try:  # watched to the end: what the checks after readiness ask of the main process, its pidfd answers
+        return _gate_watched(cfg, sd, b, watch, seen=seen, since=since, timeout=timeout, on_event=on_event,
+                             journal=journal, t0=t0)
     finally:
         watch.close()
+
+
+def _gate_watched(cfg: Config, sd: Systemd, b: Backend, watch: UnitWatch, *, seen: list[str], since: float | None,
+                  timeout: float | None, on_event: Callable[[str], None], journal: Callable[[], str],
+                  t0: float) -> GateReport:
+    url, key = base_url(cfg), api_key(cfg)
+    limit = timeout if timeout is not None else (b.start_timeout_s or cfg.health.start_timeout_s)
+    with waiting(f"{b.name} to be ready (health gate, {url})", limit=limit):
+        rep = health.wait_ready(b.kind, url, cfg.serve.model_name, api_key=key, timeout=limit,
+                                interval=cfg.health.interval_s, unit_state=watch.state, journal_tail=journal,
+                                sleep=watch.sleep)
     on_event(f"{b.name}: ready after {rep.seconds:.1f}s")
     if b.device == "cuda":
         # before the completion: a server that fell back to the CPU answers it (slowly, on the real model), and
         # its unit's readiness wait stops it meanwhile, leaving the completion to run into its timeout
-        st0 = sd.show(b.unit)
-        res = runtime.gpu_residency(host_pid(cfg, st0.main_pid), visible_gpus(cfg, b)) if st0.main_pid else None
+        pid0 = watch.main_pid_now()
+        res = runtime.gpu_residency(host_pid(cfg, pid0), visible_gpus(cfg, b)) if pid0 else None
         if res is not None and res.known and not res.ok:
             raise GpuError(res.describe(b.name), hint="its CUDA init failed, so it would serve on the CPU: read "
                            f"its log (journalctl -u {b.unit}) and run `deploytool check` on the box",
@@ -202,14 +220,12 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
             exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
         raise
     on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
-    # what the runtime-truth check below needs: the unit's MainPID, the startup log (complete: the server is
-    # ready), the release's pins and the hashes verify cached. The mapped libraries are read after the smoke (a
-    # lazily loaded one counts).
-    st = sd.show(b.unit)
-    if not seen and st.invocation_id:
-        seen.append(st.invocation_id)
+    # what the runtime-truth check below needs: the unit's MainPID (the watched process, still running: no
+    # round trip), the startup log (complete: the server is ready), the release's pins and the hashes verify
+    # cached. The mapped libraries are read after the smoke (a lazily loaded one counts).
+    main_pid = watch.main_pid_now()
     report = GateReport(backend=b.name, ready_s=rep.seconds, smoke_s=smoke.seconds, content=smoke.content,
-                        completion_tokens=smoke.completion_tokens, main_pid=st.main_pid)
+                        completion_tokens=smoke.completion_tokens, main_pid=main_pid)
     try:
         pins, hash_file = release_pins(cfg, b.kind), verified_hasher(cfg, b)
     except Exception:  # noqa: BLE001 - as before: without them, runtime_truth reads what it can
@@ -221,7 +237,7 @@ def run_gate(cfg: Config, sd: Systemd, b: Backend, *, invocation: str | None = N
             return sd.journal(b.unit, lines=2000, since=since)
         return sd.journal(b.unit, invocation=seen[0] if seen else None, lines=2000)
 
-    truth = runtime_truth(cfg, b, st.main_pid, pins=pins, hash_file=hash_file, journal_text=startup_log)
+    truth = runtime_truth(cfg, b, main_pid, pins=pins, hash_file=hash_file, journal_text=startup_log)
     report.runtime = truth.get("rows", [])
     fails = truth.get("failures", [])
     if fails:
