@@ -231,6 +231,56 @@ def test_the_gate_sees_the_server_gone_while_the_readiness_wait_still_runs(monke
     assert not still.dead
 
 
+def test_the_gate_watches_the_execstartpre_instead_of_polling_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the unit runs its ExecStartPre (the fingerprint check, the wait for the other backend's exit) the gate
+    watches that control process: each look answers "not started yet" without a systemctl round trip (so the
+    readiness wait never probes the port, where the previous backend may still answer), the wait between looks
+    ends when it exits, and the unit is read again then: its main process is watched from there."""
+    import dataclasses
+
+    from deploy_tool.box.probe import gate, health
+
+    pre = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    server = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    starting = dataclasses.replace(_unit_state("activating", "start-pre", ""), control_pid=101)
+    running = dataclasses.replace(_unit_state("activating", "start-post", ""), main_pid=202, control_pid=303)
+    answers = [starting, running]
+    shows: list[str] = []
+
+    class Sd:
+        def show(self, unit: str):
+            shows.append(unit)
+            return answers.pop(0)
+
+    pids = {101: pre.pid, 202: server.pid}
+    monkeypatch.setattr(gate, "_watch", lambda pid, unit: procfs.ProcessWatch(pid))
+    watch = gate.UnitWatch(Sd(), "u.service", seen=[], to_host_pid=pids.__getitem__)
+    try:
+        first = watch.state()
+        assert first is not None and first.sub_state == "start-pre" and watch.fd is not None
+        for _ in range(3):  # not started yet, from the watch alone
+            again = watch.state()
+            assert again is not None and again.sub_state in health.NOT_STARTED_SUB_STATES
+        assert len(shows) == 1 and watch.main_pid == 0
+        assert pre.stdin is not None
+        pre.stdin.close()
+        pre.wait()
+        t0 = time.monotonic()
+        watch.sleep(5.0)  # ends at the ExecStartPre's exit, not after 5 s
+        assert time.monotonic() - t0 < 2.0
+        snap = watch.state()  # read again: the server runs
+        assert snap is not None and snap.sub_state == "start-post" and len(shows) == 2
+        assert watch.main_pid == 202 and watch.state() is None and len(shows) == 2  # the main process, alive
+        assert watch.main_pid_now() == 202 and len(shows) == 2
+    finally:
+        watch.close()
+        for p in (pre, server):
+            if p.poll() is None:
+                assert p.stdin is not None
+                p.stdin.close()
+                p.wait()
+
+
 def test_the_gate_takes_the_main_pid_from_its_watch_while_the_process_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """After readiness the gate needs the unit's MainPID (GPU residency, the mapped libraries): while the watched
     process runs (its pidfd says so), that is its PID, with no systemctl round trip; once it has ended, systemd is

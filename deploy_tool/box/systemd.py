@@ -30,7 +30,7 @@ _UNIT_RE = re.compile(r"[A-Za-z0-9:_.@-]+")
 _REMOTE_FLAGS = ("-M", "--machine", "-H", "--host", "--root")
 SANDBOX_HINT = ("rehearse in the sandbox: deploytool sandbox up DIR, then set systemd.sandbox: DIR in the config")
 _SHOW_PROPS = ("Id", "LoadState", "ActiveState", "SubState", "Result", "ExecMainStatus", "ExecMainCode",
-               "ExecMainPID", "MainPID", "NRestarts", "InvocationID", "UnitFileState", "Job")
+               "ExecMainPID", "MainPID", "ControlPID", "NRestarts", "InvocationID", "UnitFileState", "Job")
 
 
 def host_systemd_available() -> bool:
@@ -81,6 +81,7 @@ class UnitState:
     invocation_id: str
     unit_file_state: str
     job: str = ""  # the id of the job queued or running for the unit (a start queued with --no-block), else ""
+    control_pid: int = 0  # the process running the unit's ExecStartPre/ExecStartPost/ExecStop..., else 0
 
     @property
     def is_active(self) -> bool:
@@ -255,7 +256,8 @@ class Systemd:
             exec_main_code=_int(props.get("ExecMainCode", "0")),
             exec_main_pid=_int(props.get("ExecMainPID", "0")), main_pid=_int(props.get("MainPID", "0")),
             n_restarts=_int(props.get("NRestarts", "0")), invocation_id=props.get("InvocationID", ""),
-            unit_file_state=props.get("UnitFileState", ""), job=props.get("Job", ""))
+            unit_file_state=props.get("UnitFileState", ""), job=props.get("Job", ""),
+            control_pid=_int(props.get("ControlPID", "0")))
 
     def properties(self, unit: str, *names: str) -> dict[str, str]:
         """The named properties of `unit` as `systemctl show` prints them (one round trip), e.g. CPUUsageNSec."""

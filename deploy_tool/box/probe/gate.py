@@ -71,54 +71,74 @@ def queue_start(sd: Systemd, unit: str, *, restart: bool = False) -> None:
 class UnitWatch:
     """How the readiness wait watches the started unit, cheaply enough to probe every few tens of milliseconds.
 
-    The first look is a `systemctl show` (state, invocation, MainPID). After that the main process itself is
-    watched through a pidfd (deploy_tool.procfs.ProcessWatch): the wait between probes ends the moment the
-    process exits, and the unit's state is read again right then. Otherwise the unit is re-read only every
-    `recheck_s` (a backstop for anything a process exit does not show). Without a pidfd (an old kernel, no
-    MainPID yet, a process that is not the unit's), every look is a `systemctl show`, as before.
+    The first look is a `systemctl show` (state, invocation, MainPID, ControlPID). After that a process of the
+    unit is watched through a pidfd (deploy_tool.procfs.ProcessWatch): while the unit is in its ExecStartPre,
+    the control process running it (the fingerprint check, the wait for the other backend's exit); from then on,
+    the main process. The wait between probes ends the moment the watched process exits, and the unit's state is
+    read again right then; otherwise the unit is re-read only every `recheck_s` (a backstop for anything a
+    process exit does not show). Without a pidfd (an old kernel, a process that is not the unit's) or a process
+    to watch (a start still queued), every look is a `systemctl show`.
     """
 
     def __init__(self, sd: Systemd, unit: str, *, seen: list[str] | None = None,
                  to_host_pid: Callable[[int], int] = lambda pid: pid, recheck_s: float = 1.0) -> None:
         self.sd, self.unit, self.seen, self.recheck_s = sd, unit, seen, recheck_s
-        self.to_host_pid = to_host_pid  # MainPID as systemd reports it -> this process's view of the PID
-        self.proc: procfs.ProcessWatch | None = None  # the main process, watched through its pidfd
-        self.main_pid = 0  # that process's PID as systemd reports it (MainPID)
-        self.exited = False
+        self.to_host_pid = to_host_pid  # a PID as systemd reports it -> this process's view of the PID
+        self.proc: procfs.ProcessWatch | None = None  # the process watched through its pidfd
+        self.pid = 0  # that process's PID as systemd reports it
+        self.main_pid = 0  # the same, when it is the main process (MainPID)
+        self.exited = False  # the watched process has ended
+        self._while_alive: health.UnitSnapshot | None = None  # what a look answers while it runs
         self._last = float("-inf")
 
     @property
     def fd(self) -> int | None:
-        """The main process's pidfd; None while it is not watched (no MainPID yet, no pidfd)."""
+        """The watched process's pidfd; None while none is watched."""
         return self.proc.fileno() if self.proc is not None else None
 
     def state(self) -> health.UnitSnapshot | None:
-        """The unit's state when it was read now; None when the process is known alive (nothing new)."""
+        """The unit's state when it was read now; while the watched process runs, nothing new: None for the main
+        process, the last state read (not started yet) for an ExecStartPre's."""
         if self.proc is not None and not self.exited and time.monotonic() - self._last < self.recheck_s:
             self.exited = self.proc.gone(0)
             if not self.exited:
-                return None
+                return self._while_alive
         st = self.sd.show(self.unit)
         self._last = time.monotonic()
         snap = _snapshot(st, self.unit, self.seen)
-        if self.proc is not None and self.exited and not snap.dead and snap.sub_state in ("start", "start-post") \
+        if self.main_pid and self.exited and not snap.dead and snap.sub_state in ("start", "start-post") \
                 and snap.exec_main_code:
             # the server's process is gone (systemd has its exit status) while systemd still waits for the unit's
             # ExecStartPost (the readiness wait exits at once on it, but may still be starting up itself): dead
             # now, as it will read once that has exited
             return _main_gone(snap)
-        if self.proc is None and not snap.dead and st.main_pid:
-            try:
-                self.proc = _watch(self.to_host_pid(st.main_pid), self.unit)
-            except DeployError:  # the sandbox could not map the PID: keep asking systemd
-                self.proc = None
-            self.main_pid = st.main_pid if self.proc is not None else 0
+        if snap.dead or self.main_pid:
+            return snap  # nothing more to watch, or the main process is watched already
+        if st.main_pid:
+            self._follow(st.main_pid, main=True)
+            self._while_alive = None
+        elif st.control_pid and snap.sub_state == "start-pre":
+            self._follow(st.control_pid, main=False)
+            self._while_alive = snap
         return snap
 
+    def _follow(self, pid: int, *, main: bool) -> None:
+        """Watch `pid` (systemd's view) from now on, instead of the process watched so far."""
+        if self.proc is not None and not self.exited and self.pid == pid:
+            return  # the same control process, read again at the backstop
+        self.close()
+        self.exited = False
+        try:
+            self.proc = _watch(self.to_host_pid(pid), self.unit)
+        except DeployError:  # the sandbox could not map the PID: keep asking systemd
+            self.proc = None
+        self.pid = pid if self.proc is not None else 0
+        self.main_pid = self.pid if main else 0
+
     def main_pid_now(self) -> int:
-        """The unit's MainPID as systemd reports it: the watched process while its pidfd says it runs (the same
-        process, however its PID is reused later), else read from systemd."""
-        if self.proc is not None and not self.exited and not self.proc.gone(0):
+        """The unit's MainPID as systemd reports it: the watched main process while its pidfd says it runs (the
+        same process, however its PID is reused later), else read from systemd."""
+        if self.main_pid and self.proc is not None and not self.exited and not self.proc.gone(0):
             return self.main_pid
         st = self.sd.show(self.unit)
         if self.seen is not None and st.invocation_id and not self.seen:
