@@ -254,7 +254,7 @@ def test_the_gate_watches_the_execstartpre_instead_of_polling_systemd(monkeypatc
 
     pids = {101: pre.pid, 202: server.pid}
     monkeypatch.setattr(gate, "_watch", lambda pid, unit: procfs.ProcessWatch(pid))
-    watch = gate.UnitWatch(Sd(), "u.service", seen=[], to_host_pid=pids.__getitem__)
+    watch = gate.UnitWatch(Sd(), "u.service", seen=[], to_host_pid=pids.__getitem__)  # type: ignore[arg-type]
     try:
         first = watch.state()
         assert first is not None and first.sub_state == "start-pre" and watch.fd is not None
