@@ -320,7 +320,7 @@ class HealthCfg:
     start_timeout_s: float = _doc("how long a backend may take to become ready (a 29 GB load takes minutes)",
                                   rng=START_TIMEOUT_S, default=900.0)
     interval_s: float = _doc("readiness probe interval while waiting (cheap: a refused connection or a /health "
-                             "503; the unit is watched through its main process, not polled)", rng=INTERVAL_S,
+                             "503; the unit is watched through its processes, not polled)", rng=INTERVAL_S,
                              default=0.02)
     smoke_timeout_s: float = _doc("timeout of the smoke chat completion", rng=SMOKE_TIMEOUT_S, default=120.0)
     smoke_max_tokens: int = _doc("max_tokens of the smoke chat completion", rng=SMOKE_MAX_TOKENS, default=16)
