@@ -44,6 +44,12 @@ def snapshot(sd: Systemd, unit: str, seen: list[str] | None = None) -> health.Un
     return _snapshot(sd.show(unit), unit, seen)
 
 
+def _note_invocation(st: Any, seen: list[str] | None) -> None:
+    """The first invocation the gate watched, kept in `seen`: the start it is gating."""
+    if seen is not None and st.invocation_id and not seen:
+        seen.append(st.invocation_id)
+
+
 def _snapshot(st: Any, unit: str, seen: list[str] | None = None) -> health.UnitSnapshot:
     if getattr(st, "job", "") and (st.active_state in ("inactive", "failed", "deactivating")
                                    or st.sub_state == "auto-restart"):
@@ -51,8 +57,7 @@ def _snapshot(st: Any, unit: str, seen: list[str] | None = None) -> health.UnitS
         # run's; on a unit waiting to be restarted by Restart=, systemd holds the start until that restart):
         # not dead, not started yet
         return health.UnitSnapshot(active_state="activating", sub_state="queued", name=unit)
-    if seen is not None and st.invocation_id and not seen:
-        seen.append(st.invocation_id)  # the first invocation the gate watched: the start it is gating
+    _note_invocation(st, seen)
     code = {1: "exited", 2: "killed", 3: "dumped"}.get(st.exec_main_code, "")
     return health.UnitSnapshot(active_state=st.active_state, sub_state=st.sub_state, result=st.result,
                                exec_main_status=st.exec_main_status if code else None, exec_main_code=code,
@@ -141,8 +146,7 @@ class UnitWatch:
         if self.main_pid and self.proc is not None and not self.exited and not self.proc.gone(0):
             return self.main_pid
         st = self.sd.show(self.unit)
-        if self.seen is not None and st.invocation_id and not self.seen:
-            self.seen.append(st.invocation_id)
+        _note_invocation(st, self.seen)
         return st.main_pid
 
     def sleep(self, seconds: float) -> None:
