@@ -7,6 +7,8 @@ that never sleeps.
                                    lines are in and nothing new arrived
     siblings_exit(timeout, ...)    portwait.await_port: until the other backends' processes are gone (90 s by
                                    default), woken by their exits (pidfds), not by a period
+    start_job(timeout, step)       the health gate, after its checks: until the unit's start job has ended (its
+                                   ExecStartPost exited), woken by that process's exit (a pidfd)
     port_recheck()                 portwait.await_port: a port that nobody visible holds is tried once more
                                    0.05 s later
 
@@ -133,6 +135,15 @@ def siblings_exit(timeout: float, *, retry_on: type[BaseException], wait_for: Sl
     `wait_for(seconds_left)` returns when one of them exits (or at the deadline); at the deadline the last
     `retry_on` is raised."""
     return Poll("siblings-exit", timeout, clk=clock_for(), nap=sleep_for(wait_for), wait=lambda p: max(0.0, p.left()),
+                retry=tenacity.retry_if_exception_type(retry_on), reraise=True)
+
+
+def start_job(timeout: float, step: Callable[[], float], *, retry_on: type[BaseException], wait_for: Sleep) -> Poll:
+    """gate.UnitWatch.started: retry while `retry_on` is raised (the unit's start job has not ended); between
+    attempts at most `step()` seconds through `wait_for`, which returns early when the job's control process
+    exits; at the deadline the last `retry_on` is raised."""
+    return Poll("start-job", timeout, clk=clock_for(), nap=sleep_for(wait_for),
+                wait=lambda p: max(0.0, min(step(), p.left())),
                 retry=tenacity.retry_if_exception_type(retry_on), reraise=True)
 
 

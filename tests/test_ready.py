@@ -314,6 +314,56 @@ def test_the_gate_takes_the_main_pid_from_its_watch_while_the_process_runs(monke
     assert (watch.main_pid_now(), len(shows)) == (4343, 3)  # closed: nothing watched, systemd asked
 
 
+def test_the_gate_waits_for_the_start_job_watching_its_control_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate's probes can pass before the unit's own readiness wait (its ExecStartPost) has exited; a switch
+    that returned then left the unit activating, and a stop right after killed that control process: the unit
+    failed and its failover started (2 of 12 stops right after a switch, on the real sandbox). The gate ends only
+    once the start job has: it watches the control process (no systemctl round trip while it runs, the wait ends
+    at its exit) and answers the unit's state then; a start job that ends failed is answered as failed."""
+    import dataclasses
+
+    from deploy_tool.box.probe import gate
+
+    post = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    posting = dataclasses.replace(_unit_state("activating", "start-post", ""), main_pid=202, control_pid=303)
+    shows: list[float] = []
+
+    def run(after: object) -> tuple[object, float]:
+        answers = [posting, after]
+
+        class Sd:
+            def show(self, unit: str):
+                shows.append(time.monotonic())
+                return answers.pop(0) if len(answers) > 1 else answers[0]
+
+        watch = gate.UnitWatch(Sd(), "u.service", seen=[], to_host_pid={303: post.pid}.__getitem__,  # type: ignore[arg-type]
+                               recheck_s=30.0)
+        t0 = time.monotonic()
+        try:
+            snap = watch.started(60.0, interval=0.01)
+        finally:
+            watch.close()
+        return snap, time.monotonic() - t0
+
+    monkeypatch.setattr(gate, "_watch", lambda pid, unit: procfs.ProcessWatch(pid))
+    threading.Timer(0.4, lambda: post.stdin.close() if post.stdin else None).start()  # its ExecStartPost exits
+    try:
+        snap, took = run(_unit_state("active", "running", ""))
+        assert snap.active_state == "active" and 0.35 <= took < 10.0, (snap, took)  # the exit woke it, not 30 s
+        assert len(shows) == 2  # one look before, one after the exit: nothing in between
+    finally:
+        post.wait()
+    shows.clear()
+    failed = dataclasses.replace(_unit_state("failed", "failed", ""), result="exit-code")
+    snap, took = run(failed)  # the control process has gone already: asked again at once
+    assert (snap.active_state, snap.result) == ("failed", "exit-code") and took < 5.0 and len(shows) == 2
+    # a unit not in its start (auto-restart: its server died after the probes) is answered as it is, not waited on
+    shows.clear()
+    restarting = dataclasses.replace(_unit_state("activating", "auto-restart", ""), control_pid=0)
+    snap, took = run(restarting)
+    assert snap.sub_state == "auto-restart" and len(shows) == 2
+
+
 # ------------------------------------------------------------------------------------------------ sandbox part
 
 sandboxed = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
@@ -461,3 +511,27 @@ def test_a_server_dying_while_loading_fails_the_start_at_once(installed, systemd
         print(f"a server dying 1 s into its load failed its start after {took:.2f}s")
     finally:
         _clear(systemd_sandbox, installed, d)
+
+
+@_sandboxed
+def test_a_switch_returns_with_its_unit_active_and_a_stop_right_after_is_clean(installed, systemd_sandbox) -> None:
+    """What the switch said is what systemd says: the moment `deploytool switch` returns, the unit is active (its
+    start job, the ExecStartPost readiness wait, has ended), and an operator's `systemctl stop` right then is a
+    clean stop: inactive, no failover. Before the gate waited for the start job, 2 in 12 such stops killed the
+    ExecStartPost and left the unit failed, its OnFailure= failover started."""
+    sd = systemd_sandbox.systemd
+    try:
+        for _ in range(4):
+            r = dt(installed, "switch", "llamacpp")
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert sd.show(LU).active_state == "active", sd.show(LU)
+            sd.stop(LU)
+            st = sd.show(LU)
+            assert (st.active_state, st.result) == ("inactive", "success"), st
+            r = dt(installed, "switch", "ftllm")
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert sd.show(FU).active_state == "active", sd.show(FU)
+    finally:
+        sd.reset_failed()
+        if sd.show(FU).active_state != "active":
+            dt(installed, "switch", "ftllm")

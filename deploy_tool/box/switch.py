@@ -36,7 +36,7 @@ from deploy_tool import checks, strictmodes
 from deploy_tool.box import fingerprint, frontctl
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.probe.drain import DrainReport, drain
-from deploy_tool.box.probe.gate import GateReport, await_start_job, perf_gate, run_gate
+from deploy_tool.box.probe.gate import GateReport, perf_gate, run_gate
 from deploy_tool.box.state import Operation, State, Step, Store
 from deploy_tool.clock import iso_utc
 from deploy_tool.config import Backend, Config
@@ -345,8 +345,7 @@ class Switcher:
         frac = self.cfg.health.perf_gate_fraction
         if frac is None or not release:
             return
-        # the unit's own readiness wait ends moments after the gate: not measured alongside it
-        await_start_job(self.sd, target.unit, timeout=10.0, interval=self.cfg.health.interval_s)
+        # the gate has waited for the unit's start job (its own readiness wait): nothing else shares the CPU
         ok, figures, message = perf_gate(self.cfg, target.name, release, fraction=frac, on_event=self.log)
         self.log(f"{target.name}: performance gate: {message}")
         if not ok:

@@ -4,7 +4,6 @@ After health, a switch may ask for the performance step (perf_gate): a short ben
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import procfs
+from deploy_tool import procfs, retry
 from deploy_tool.box import fingerprint, runtime
 from deploy_tool.box.probe import health, perf
 from deploy_tool.box.probe.health import api_key, base_url  # noqa: F401  (re-exported: status, metrics, perf use them from here)
@@ -149,6 +148,32 @@ class UnitWatch:
         _note_invocation(st, self.seen)
         return st.main_pid
 
+    def started(self, timeout: float, interval: float) -> health.UnitSnapshot:
+        """The unit's state once its start job has ended, waiting up to `timeout` seconds.
+
+        The gate's own probes may find the server ready before the unit's ExecStartPost (its readiness wait) has
+        seen it and exited; until then the unit is activating, and a stop kills that control process and fails
+        the unit (its OnFailure= failover starts). The wait watches the control process through a pidfd, and asks
+        systemd again when it exits (every `recheck_s` as a backstop; every `interval` without a pidfd). A unit
+        that is not in its start (start, start-post) any more is answered as it is: active, or what went wrong."""
+
+        def look() -> health.UnitSnapshot:
+            st = self.sd.show(self.unit)
+            snap = _snapshot(st, self.unit, self.seen)
+            if snap.active_state != "activating" or snap.sub_state not in ("start", "start-post"):
+                return snap
+            if st.control_pid and st.control_pid != self.pid:
+                self._follow(st.control_pid, main=False)
+            raise _Starting(snap)
+
+        def step() -> float:
+            return self.recheck_s if self.proc is not None and not self.exited else interval
+
+        try:
+            return retry.start_job(timeout, step, retry_on=_Starting, wait_for=self.sleep)(look)
+        except _Starting as exc:
+            return exc.snap
+
     def sleep(self, seconds: float) -> None:
         """Wait up to `seconds`, less if the watched process exits meanwhile."""
         if self.proc is None or self.exited:
@@ -160,6 +185,14 @@ class UnitWatch:
         if self.proc is not None:
             self.proc.close()
             self.proc = None
+
+
+class _Starting(Exception):
+    """The unit's start job has not ended: its state as last read."""
+
+    def __init__(self, snap: health.UnitSnapshot) -> None:
+        super().__init__(snap.describe())
+        self.snap = snap
 
 
 def _main_gone(snap: health.UnitSnapshot) -> health.UnitSnapshot:
@@ -271,27 +304,19 @@ def _gate_watched(cfg: Config, sd: Systemd, b: Backend, watch: UnitWatch, *, see
                                 details={"reason": "runtime-truth", "runtime": truth})
     for w in truth.get("warnings", []):
         on_event(f"{b.name}: warning: {w}")
+    # passed only once systemd says so: the unit's start job (its own readiness wait, and for a cuda server the
+    # check that it holds its GPUs) has ended, and the unit is active
+    left = max(1.0, limit - (time.monotonic() - t0))
+    snap = watch.started(left, cfg.health.interval_s)
+    if snap.active_state != "active":
+        j = journal()
+        raise HealthError(
+            f"{b.name} answered, but {b.unit} did not finish starting: {snap.describe()}"
+            + (("\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])) if j else ""),
+            hint=f"its ExecStartPost (deploytool await-ready) failed or is still waiting: journalctl -u {b.unit}",
+            details={"reason": "start-job", "unit_state": snap.describe()})
     report.total_s = time.monotonic() - t0
     return report
-
-
-class _Starting(Exception):
-    pass
-
-
-def await_start_job(sd: Systemd, unit: str, *, timeout: float, interval: float) -> None:
-    """Wait (at most `timeout`) until the unit's start job has ended: its ExecStartPost, the readiness wait, has
-    exited. The performance step waits for it so the wait's own start-up does not share the CPU with the
-    measured requests; a unit that is not starting costs one `systemctl show`."""
-    from deploy_tool import retry  # already imported by the readiness wait
-
-    def look() -> None:
-        st = sd.show(unit)
-        if st.active_state == "activating" and st.sub_state in ("start", "start-post"):
-            raise _Starting(st.sub_state)
-
-    with contextlib.suppress(_Starting):  # still starting at the timeout: measured anyway, the gate decides
-        retry.ready(timeout, interval, retry_on=_Starting)(look)
 
 
 def verified_hasher(cfg: Config, b: Backend) -> Callable[[str], str]:
