@@ -306,9 +306,8 @@ def _chat(bx: Box) -> dict[str, Any]:
 
 
 def _serving(bx: Box) -> set[str]:
-    """The units serving once their start jobs are done (the ExecStartPost that waits for readiness has seen them
-    ready a moment after the gate did)."""
-    bx.world.advance(fs.AWAIT_READY_LAG_S + 1)
+    """The units serving as the command left them: the gate has waited for their start jobs (the ExecStartPost
+    that waits for readiness), so nothing needs to pass first."""
     return bx.world.healthy()
 
 
