@@ -362,6 +362,19 @@ def test_the_gate_waits_for_the_start_job_watching_its_control_process(monkeypat
     restarting = dataclasses.replace(_unit_state("activating", "auto-restart", ""), control_pid=0)
     snap, took = run(restarting)
     assert snap.sub_state == "auto-restart" and len(shows) == 2
+    # Restart= ran between the gate's checks and this wait: another invocation than the gated one, even active, is
+    # answered at once and noted (the gate fails it: the server it checked has exited)
+    again = dataclasses.replace(_unit_state("active", "running", "", inv="b" * 32), main_pid=404)
+
+    class Sd:
+        def show(self, unit: str):
+            return again
+
+    watch = gate.UnitWatch(Sd(), "u.service", seen=["a" * 32])  # type: ignore[arg-type]
+    snap = watch.started(60.0, interval=0.01)
+    assert snap.active_state == "active" and watch.restarted == "b" * 32
+    watch = gate.UnitWatch(Sd(), "u.service", seen=["b" * 32])  # type: ignore[arg-type]
+    assert watch.started(60.0, interval=0.01).active_state == "active" and not watch.restarted
 
 
 # ------------------------------------------------------------------------------------------------ sandbox part

@@ -81,7 +81,8 @@ class UnitWatch:
     the main process. The wait between probes ends the moment the watched process exits, and the unit's state is
     read again right then; otherwise the unit is re-read only every `recheck_s` (a backstop for anything a
     process exit does not show). Without a pidfd (an old kernel, a process that is not the unit's) or a process
-    to watch (a start still queued), every look is a `systemctl show`.
+    to watch (a start still queued), every look is a `systemctl show`. After the gate's checks, `started()`
+    watches the ExecStartPost's control process the same way, until the unit's start job has ended.
     """
 
     def __init__(self, sd: Systemd, unit: str, *, seen: list[str] | None = None,
@@ -94,6 +95,7 @@ class UnitWatch:
         self.exited = False  # the watched process has ended
         self._while_alive: health.UnitSnapshot | None = None  # what a look answers while it runs
         self._last = float("-inf")
+        self.restarted = ""  # the invocation started() found instead of the gated one (Restart= ran meanwhile)
 
     @property
     def fd(self) -> int | None:
@@ -159,8 +161,10 @@ class UnitWatch:
 
         def look() -> health.UnitSnapshot:
             st = self.sd.show(self.unit)
+            if self.seen and st.invocation_id and st.invocation_id != self.seen[0]:
+                self.restarted = st.invocation_id  # not the run the gate checked: answered as it is, noted
             snap = _snapshot(st, self.unit, self.seen)
-            if snap.active_state != "activating" or snap.sub_state not in ("start", "start-post"):
+            if self.restarted or snap.active_state != "activating" or snap.sub_state not in ("start", "start-post"):
                 return snap
             if st.control_pid and st.control_pid != self.pid:
                 self._follow(st.control_pid, main=False)
@@ -307,14 +311,23 @@ def _gate_watched(cfg: Config, sd: Systemd, b: Backend, watch: UnitWatch, *, see
     # passed only once systemd says so: the unit's start job (its own readiness wait, and for a cuda server the
     # check that it holds its GPUs) has ended, and the unit is active
     left = max(1.0, limit - (time.monotonic() - t0))
-    snap = watch.started(left, cfg.health.interval_s)
-    if snap.active_state != "active":
+    with waiting(f"{b.unit}'s start job to end (its ExecStartPost, deploytool await-ready)", limit=left):
+        snap = watch.started(left, cfg.health.interval_s)
+    if watch.restarted or snap.active_state != "active":
+        if watch.restarted:
+            what = (f"{b.unit} was restarted after the gate's checks (systemd's Restart=; now {snap.describe()}): "
+                    "the server the gate checked has exited")
+        elif snap.active_state == "activating" and snap.sub_state in ("start", "start-post"):
+            what = f"{b.unit}'s readiness wait (its ExecStartPost) had not finished after {left:.0f} s"
+        else:
+            what = f"{b.unit}'s start failed after the gate's checks passed: {snap.describe()}"
         j = journal()
         raise HealthError(
-            f"{b.name} answered, but {b.unit} did not finish starting: {snap.describe()}"
+            f"{b.name} answered the gate, but {what}"
             + (("\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])) if j else ""),
-            hint=f"its ExecStartPost (deploytool await-ready) failed or is still waiting: journalctl -u {b.unit}",
-            details={"reason": "start-job", "unit_state": snap.describe()})
+            hint=f"read the unit's log: journalctl -u {b.unit} (the lines of `deploytool await-ready` say what it "
+                 "waited for)",
+            details={"reason": "restarted" if watch.restarted else "start-job", "unit_state": snap.describe()})
     report.total_s = time.monotonic() - t0
     return report
 
