@@ -164,7 +164,7 @@ class UnitWatch:
             if self.seen and st.invocation_id and st.invocation_id != self.seen[0]:
                 self.restarted = st.invocation_id  # not the run the gate checked: answered as it is, noted
             snap = _snapshot(st, self.unit, self.seen)
-            if self.restarted or snap.active_state != "activating" or snap.sub_state not in ("start", "start-post"):
+            if self.restarted or not _in_start_job(snap):
                 return snap
             if st.control_pid and st.control_pid != self.pid:
                 self._follow(st.control_pid, main=False)
@@ -189,6 +189,11 @@ class UnitWatch:
         if self.proc is not None:
             self.proc.close()
             self.proc = None
+
+
+def _in_start_job(snap: health.UnitSnapshot) -> bool:
+    """The unit is running its start job: the server's exec or its ExecStartPost (the readiness wait)."""
+    return snap.active_state == "activating" and snap.sub_state in ("start", "start-post")
 
 
 class _Starting(Exception):
@@ -277,8 +282,8 @@ def _gate_watched(cfg: Config, sd: Systemd, b: Backend, watch: UnitWatch, *, see
         snap = snapshot(sd, b.unit)
         if snap.dead:
             exc.message += f"\n  unit {b.unit} is {snap.describe()}"
-        if j and "journal tail" not in exc.message:
-            exc.message += "\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])
+        if "journal tail" not in exc.message:
+            exc.message = health.with_journal(exc.message, j, last=15)
         raise
     on_event(f"{b.name}: smoke completion ok ({smoke.completion_tokens} tokens in {smoke.seconds:.2f}s)")
     # what the runtime-truth check below needs: the unit's MainPID (the watched process, still running: no
@@ -317,14 +322,12 @@ def _gate_watched(cfg: Config, sd: Systemd, b: Backend, watch: UnitWatch, *, see
         if watch.restarted:
             what = (f"{b.unit} was restarted after the gate's checks (systemd's Restart=; now {snap.describe()}): "
                     "the server the gate checked has exited")
-        elif snap.active_state == "activating" and snap.sub_state in ("start", "start-post"):
+        elif _in_start_job(snap):
             what = f"{b.unit}'s readiness wait (its ExecStartPost) had not finished after {left:.0f} s"
         else:
             what = f"{b.unit}'s start failed after the gate's checks passed: {snap.describe()}"
-        j = journal()
         raise HealthError(
-            f"{b.name} answered the gate, but {what}"
-            + (("\n  journal tail:\n    " + "\n    ".join(j.splitlines()[-15:])) if j else ""),
+            health.with_journal(f"{b.name} answered the gate, but {what}", journal(), last=15),
             hint=f"read the unit's log: journalctl -u {b.unit} (the lines of `deploytool await-ready` say what it "
                  "waited for)",
             details={"reason": "restarted" if watch.restarted else "start-job", "unit_state": snap.describe()})

@@ -197,10 +197,12 @@ def _journal(journal_tail: Callable[[], str] | None, lines: int = 30) -> str | N
     return "\n".join(tail)
 
 
-def _with_journal(message: str, journal: str | None) -> str:
+def with_journal(message: str, journal: str | None, *, last: int | None = None) -> str:
+    """`message` with the unit's journal tail (its `last` lines, else all) indented below it."""
     if not journal:
         return message
-    return message + "\n  journal tail:\n    " + "\n    ".join(journal.splitlines())
+    lines = journal.splitlines()
+    return message + "\n  journal tail:\n    " + "\n    ".join(lines[-last:] if last else lines)
 
 
 def _check_unit(kind: str, base: str, unit_state: Callable[[], UnitSnapshot | None] | None,
@@ -220,7 +222,7 @@ def _check_unit(kind: str, base: str, unit_state: Callable[[], UnitSnapshot | No
     who = snap.name or "the server's unit"
     if snap.result == "timeout" and snap.exec_main_code != "exited":
         journal = _journal(journal_tail)
-        raise _fail("timeout", _with_journal(f"{kind} at {base} not ready: {who} ran out of its start timeout "
+        raise _fail("timeout", with_journal(f"{kind} at {base} not ready: {who} ran out of its start timeout "
                                              f"(TimeoutStartSec=) and systemd stopped it: {snap.describe()}", journal),
                     hint="raise the backend's start timeout if the model is large, or read the server's log",
                     unit=snap.name or None, state=snap.describe(), journal_tail=journal)
@@ -230,7 +232,7 @@ def _check_unit(kind: str, base: str, unit_state: Callable[[], UnitSnapshot | No
     note = " (an exit with status 0 before ready is still a failure: ftllm does this on an unsupported " \
            "model)" if clean else ""
     journal = _journal(journal_tail)
-    raise _fail(reason, _with_journal(f"{who} stopped before {kind} at {base} was ready: "
+    raise _fail(reason, with_journal(f"{who} stopped before {kind} at {base} was ready: "
                                       f"{snap.describe()}{note}", journal),
                 hint="read the journal tail above; fix the cause, then start it again",
                 unit=snap.name or None, state=snap.describe(), journal_tail=journal,
@@ -315,7 +317,7 @@ def wait_ready(
         # deadline passed: one last look at the unit gives the better message if it died meanwhile
         _check_unit(kind, base, unit_state, journal_tail, not_started_yet=False)
         journal = _journal(journal_tail)
-        raise _fail("timeout", _with_journal(
+        raise _fail("timeout", with_journal(
             f"{kind} at {base} not ready after {timeout:g}s ({attempts} attempts; last: {exc.observed})",
             journal), hint="raise the health timeout if the model is large, or read the server's log",
             last=exc.observed, attempts=attempts, journal_tail=journal) from None
