@@ -15,6 +15,14 @@ systemd and sshd in namespaces of its own, real ansible-core) is brought up, and
 --serial gives the rollout other batches (deploytool_serial), e.g. 100%: all N hosts in one batch, the same
 parallelism as the rsync. Both playbooks run with --forks max(5, N).
 
+and, for each of the three, the CPU it cost on either side (--no-cpu: not measured): the controller's (this process
+and everything it starts, ssh's persistent masters included, counted in a cpuacct sub-cgroup of its own that this
+process moves into once the hosts are up; that is where rsync's and ansible's own work and ssh's encryption run) and
+the hosts' (their payload cgroups: sshd, the receiving rsync, bootstrap, install, the servers). On this bed both sides
+share the machine's cores, so a host added to the bed adds its install's CPU to everyone's wall time; on a real fleet
+each box spends its share on its own CPU in parallel, and what grows with the fleet on one machine is the controller's
+part. So the controller's CPU per added host is printed beside the wall times, with its ratio to rsync's.
+
 then the memory and disk each host holds with the release installed and serving: its memory cgroup (memory.current,
 which counts its tmpfs files) and the RSS/PSS of its processes (`Fleet.mem`), and `df /` inside the host (its
 overlay's upper layer, a tmpfs of at most FLEET_HOST_TMPFS_SIZE, 4 GiB by default). The fleet is taken down and
@@ -109,6 +117,114 @@ def memory(f: Fleet) -> dict[str, dict[str, int]]:
     return out
 
 
+def _cgroup_mounts() -> dict[str, Path]:
+    """{"cpuacct" or "v2": mount point} of the cgroup file systems that account CPU."""
+    out: dict[str, Path] = {}
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _dev, mnt, fstype, opts, *_ = line.split()
+        if fstype == "cgroup" and "cpuacct" in opts.split(","):
+            out.setdefault("cpuacct", Path(mnt))
+        elif fstype == "cgroup2":
+            out.setdefault("v2", Path(mnt))
+    return out
+
+
+def _cpu_seconds(cg: Path) -> float | None:
+    """CPU seconds a cgroup (and its children) used: cpuacct.usage (v1, ns) or cpu.stat's usage_usec (v2)."""
+    try:
+        return int((cg / "cpuacct.usage").read_text()) / 1e9
+    except (FileNotFoundError, ValueError):
+        pass
+    try:
+        m = re.search(r"^usage_usec (\d+)$", (cg / "cpu.stat").read_text(), re.M)
+    except FileNotFoundError:
+        return None
+    return int(m.group(1)) / 1e6 if m else None
+
+
+class CpuMeter:
+    """CPU seconds of the controller and of the hosts, read before and after each thing measured.
+
+    The controller's side is a sub-cgroup of this process's own in the CPU-accounting hierarchy (cpuacct on cgroup
+    v1, the unified one on v2), made by `enter` once the hosts are up (so that the hosts' cgroups, made beside it,
+    are not inside it) with this process moved into it: everything started from then on counts, including ssh's
+    ControlPersist masters, which leave their parent and would escape getrusage(RUSAGE_CHILDREN). `close` moves this
+    process back and removes the sub-cgroup once it is empty (the fleet's teardown ends the ssh masters; close it
+    after the fleet). The hosts' side is the sum over their payload cgroups (fleet-ns.sh's, not the `.sup` ones).
+    Where no such hierarchy can be written, `why` says so and the figures are None."""
+
+    def __init__(self) -> None:
+        self.cg: Path | None = None
+        self.home: Path | None = None
+        self.root: Path | None = None
+        self.why = ""
+        mounts = _cgroup_mounts()
+        kind = "cpuacct" if "cpuacct" in mounts else "v2" if "v2" in mounts else ""
+        if not kind:
+            self.why = "no cgroup hierarchy accounts CPU here"
+            return
+        self.root = mounts[kind]
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _hid, ctls, path = line.split(":", 2)
+            if (kind == "v2" and ctls == "") or (kind == "cpuacct" and "cpuacct" in ctls.split(",")):
+                self.home = self.root / path.lstrip("/")
+        if self.home is None:
+            self.why = f"this process is in no {kind} cgroup"
+
+    def enter(self) -> None:
+        if self.home is None or self.cg is not None:
+            return
+        cg = self.home / f"bench-fleet-controller-{os.getpid()}"
+        try:
+            cg.mkdir()
+        except OSError as exc:
+            self.why = f"cannot make {cg}: {exc.strerror}"
+            return
+        try:
+            (cg / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        except OSError as exc:
+            self.why = f"cannot move into {cg}: {exc.strerror}"
+            cg.rmdir()
+            return
+        self.cg = cg
+
+    def close(self) -> None:
+        if self.cg is None or self.home is None:
+            return
+        (self.home / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        left = (self.cg / "cgroup.procs").read_text().split()
+        try:
+            self.cg.rmdir()
+        except OSError as exc:
+            print(f"bench_fleet_scale: cannot remove {self.cg} ({exc.strerror}); processes in it: "
+                  f"{' '.join(left) or 'none'}", file=sys.stderr)
+        self.cg = None
+
+    def controller(self) -> float | None:
+        return _cpu_seconds(self.cg) if self.cg is not None else None
+
+    def hosts(self, f: Fleet) -> float | None:
+        if self.root is None:
+            return None
+        total = 0.0
+        for h in f.hosts:
+            dirs = [Path(d) for d in (f.host_dir(h) / "cgroups").read_text().split() if not d.endswith(".sup")]
+            found = [v for d in dirs if d.is_relative_to(self.root) and (v := _cpu_seconds(d)) is not None]
+            if not found:
+                return None
+            total += found[0]
+        return total
+
+    def read(self, f: Fleet) -> tuple[float | None, float | None]:
+        return self.controller(), self.hosts(f)
+
+
+def _spent(before: tuple[float | None, float | None], after: tuple[float | None, float | None]) -> dict:
+    """{"controller_s", "hosts_s"}: the CPU seconds between two CpuMeter reads (None where not measured)."""
+    return {k: round(a - b, 2) if a is not None and b is not None else None
+            for k, b, a in zip(("controller_s", "hosts_s"), before, after, strict=True)}
+
+
 def _fleet(stack: contextlib.ExitStack, n: int, wait_s: float = 3600) -> Fleet:
     """running_fleet(n), waiting up to `wait_s` for other runs' fleets (running_fleet gives up after 600 s)."""
     deadline = time.monotonic() + wait_s
@@ -133,10 +249,15 @@ def _batches(n: int, serial: list) -> list[int]:
     return out
 
 
-def one_size(n: int, rel: Release, serial: list | None) -> dict:
+def one_size(n: int, rel: Release, serial: list | None, cpu: bool = True) -> dict:
     row: dict = {"hosts": n}
     with contextlib.ExitStack() as stack:
+        meter = CpuMeter()
+        stack.callback(meter.close)  # after the fleet's teardown (an ExitStack unwinds last in, first out)
         f = _fleet(stack, n)
+        if cpu:
+            meter.enter()
+        row["cpu_not_measured"] = meter.why if cpu else "--no-cpu"
         row.update(load_before=_loadavg(), mem_available_up_mib=_mem_available() // MIB)
         row["up_s"] = round(f.up_seconds, 2)
         f.install_collection()
@@ -150,20 +271,26 @@ def one_size(n: int, rel: Release, serial: list | None) -> dict:
         if run.returncode != 0:
             _fail("copying the model", run)
         row["disk_base_mib"] = round(max(disk_used(f).values()) / MIB, 1)
+        c0 = meter.read(f)
         row["rsync_s"] = round(rsync_all(f, rel.bundle, PLAIN), 2)
+        row["rsync_cpu"] = _spent(c0, meter.read(f))
         row["disk_rsync_copy_mib"] = round(max(disk_used(f).values()) / MIB - row["disk_base_mib"], 1)
         run = f.ansible("fleet", "-m", "ansible.builtin.file", "-a", f"path={PLAIN} state=absent")
         if run.returncode != 0:
             _fail("removing the rsync copy", run)
         forks = str(max(5, n))  # the bed's ansible.cfg has 5: never fewer forks than a batch's hosts
+        c0 = meter.read(f)
         run = f.playbook(PLAYBOOKS / "rollout.yml", "--forks", forks, "-e", f"@{extra}", timeout=3600)
+        row["rollout_cpu"] = _spent(c0, meter.read(f))
         if run.returncode != 0:
             _fail(f"rollout to {n}", run)
         row["rollout_s"] = round(run.seconds, 2)
         # the ship step alone (what compares with rsync): the slowest host's, as the action timed it
         row["ship_max_s"] = round(max(r.get("seconds", 0.0) for r in run.task_results("ship").values()), 2)
+        c0 = meter.read(f)
         run = f.playbook(PLAYBOOKS / "switch.yml", "--forks", forks, "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
                          timeout=1800)
+        row["switch_cpu"] = _spent(c0, meter.read(f))
         if run.returncode != 0:
             _fail(f"switch of {n}", run)
         changed = sum(1 for r in run.task_results("switch").values() if r.get("changed"))
@@ -179,10 +306,32 @@ def one_size(n: int, rel: Release, serial: list | None) -> dict:
     return row
 
 
-def marginal(rows: dict[int, dict], key: str) -> list[dict]:
+def marginal(rows: dict[int, dict], key: str, side: str | None = None) -> list[dict]:
+    """The cost of one more host between each two host counts: (t_b - t_a) / (b - a) of rows[n][key] (or of
+    rows[n][key][side], a CPU figure; None where either was not measured)."""
     ns = sorted(rows)
-    return [{"from": a, "to": b, "per_host_s": round((rows[b][key] - rows[a][key]) / (b - a), 2)}
-            for a, b in zip(ns, ns[1:], strict=False)]
+
+    def at(n: int) -> float | None:
+        return rows[n][key] if side is None else rows[n][key][side]
+
+    out = []
+    for a, b in zip(ns, ns[1:], strict=False):
+        va, vb = at(a), at(b)
+        out.append({"from": a, "to": b,
+                    "per_host_s": None if va is None or vb is None else round((vb - va) / (b - a), 2)})
+    return out
+
+
+def _per_host_ratio(num: list[dict], den: list[dict]) -> list[dict]:
+    """num/den of two marginal() lists, where both grew (a marginal cost <= 0 is the load's noise, or for a
+    rollout as many batches at both host counts, not a cost met)."""
+    out = []
+    for x, y in zip(num, den, strict=True):
+        a, b = x["per_host_s"], y["per_host_s"]
+        ok = a is not None and b is not None and a > 0 and b > 0
+        out.append({"from": x["from"], "to": x["to"], "num_per_host_s": a, "den_per_host_s": b,
+                    "ratio": round(a / b, 2) if ok else None})
+    return out
 
 
 def main() -> int:
@@ -192,6 +341,8 @@ def main() -> int:
                     "1,100%%; default the playbook's own [1, 50%%, 100%%]")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save", type=Path, help="also write the JSON summary to this file")
+    ap.add_argument("--no-cpu", action="store_true",
+                    help="measure no CPU (makes no cgroup for the controller; the wall times stay)")
     args = ap.parse_args()
     sizes = sorted({int(x) for x in args.hosts.split(",") if x.strip()})
     if not sizes or sizes[0] < 1:
@@ -207,7 +358,7 @@ def main() -> int:
         pack_s = time.monotonic() - t0
         bundle_bytes = sum(x["size"] for x in json.loads((rel.bundle / "MANIFEST").read_text())["files"])
         for n in sizes:
-            rows[n] = one_size(n, rel, serial)
+            rows[n] = one_size(n, rel, serial, cpu=not args.no_cpu)
             if not args.json:
                 r = rows[n]
                 print(f"  {n} host(s) done: rollout {r['rollout_s']} s, switch {r['switch_s']} s, "
@@ -215,18 +366,17 @@ def main() -> int:
     finally:
         shutil.rmtree(d, ignore_errors=True)
     m = {k: marginal(rows, k) for k in ("rollout_s", "ship_max_s", "switch_s", "rsync_s")}
-    ratios = []
-    for ro, rs in zip(m["rollout_s"], m["rsync_s"], strict=True):
-        # a ratio says something only when both grew: a marginal cost <= 0 is the load's noise (or, for the
-        # rollout, as many batches at both host counts), not a cost met
-        ok = ro["per_host_s"] > 0 and rs["per_host_s"] > 0
-        ratio = ro["per_host_s"] / rs["per_host_s"] if ok else None
-        ratios.append({"from": ro["from"], "to": ro["to"], "rollout_per_host_s": ro["per_host_s"],
-                       "rsync_per_host_s": rs["per_host_s"], "ratio": round(ratio, 2) if ratio is not None else None,
-                       "met": None if ratio is None else ratio <= GOAL})
+    ratios = [{"from": x["from"], "to": x["to"], "rollout_per_host_s": x["num_per_host_s"],
+               "rsync_per_host_s": x["den_per_host_s"], "ratio": x["ratio"],
+               "met": None if x["ratio"] is None else x["ratio"] <= GOAL}
+              for x in _per_host_ratio(m["rollout_s"], m["rsync_s"])]
+    cpu_m = {f"{what}_{side}": marginal(rows, f"{what}_cpu", f"{side}_s")
+             for what in ("rsync", "rollout", "switch") for side in ("controller", "hosts")}
+    controller_ratios = _per_host_ratio(cpu_m["rollout_controller"], cpu_m["rsync_controller"])
     per_host = [h for r in rows.values() for h in r["per_host"].values()]
     summary = {"started": started, "cores": os.cpu_count(), "load_start": load0, "load_end": _loadavg(),
                "bundle_bytes": bundle_bytes, "pack_s": round(pack_s, 1), "rows": rows, "marginal": m,
+               "cpu_marginal": cpu_m, "controller_cpu_ratios": controller_ratios,
                "rollout_serial": serial or [1, "50%", "100%"],
                "goal": f"rollout per added host <= {GOAL}x rsync per added host", "ratios": ratios,
                "met": (None if not ratios or any(r["met"] is None for r in ratios)
@@ -259,6 +409,23 @@ def main() -> int:
         else:
             print(f"  {x['from']}->{x['to']}: rollout/rsync per added host {x['ratio']:.2f}x (goal <= {GOAL}x): "
                   f"{'met' if x['met'] else 'not met'}")
+    not_measured = {r["cpu_not_measured"] for r in rows.values() if r["cpu_not_measured"]}
+    if not_measured:
+        print(f"  CPU: not measured ({'; '.join(sorted(not_measured))})")
+    else:
+        print("  CPU seconds, controller (this process and all it started, ssh's masters included) / hosts:")
+        for n, r in rows.items():
+            print(f"  {n:>5} host(s): " + ", ".join(
+                f"{what} {r[what + '_cpu']['controller_s']:.1f} / {r[what + '_cpu']['hosts_s']:.1f}"
+                for what in ("rsync", "rollout", "switch")))
+        for what in ("rsync", "rollout", "switch"):
+            parts = [f"{a['from']}->{a['to']}: {a['per_host_s']:.2f} / {b['per_host_s']:.2f} s"
+                     for a, b in zip(cpu_m[f"{what}_controller"], cpu_m[f"{what}_hosts"], strict=True)]
+            print(f"  CPU per added host, {what:<8} controller / hosts: {'; '.join(parts) or '(needs two host counts)'}")
+        for x in controller_ratios:
+            shown = f"{x['ratio']:.2f}x" if x["ratio"] is not None else "no ratio (a marginal cost <= 0)"
+            print(f"  {x['from']}->{x['to']}: the controller's CPU per added host, rollout/rsync: {shown} (on a real "
+                  "fleet the hosts' part runs on each box; this part is what one controller carries per box)")
     print("  per host, serving (memory cgroup incl. tmpfs files / RSS / PSS, disk = df / in the host):")
     for n, r in rows.items():
         for h, v in r["per_host"].items():
