@@ -7,10 +7,19 @@ decides from the config); this module only takes `Entry(arcname, source, mode)` 
 
 Verification order: the signature over the exact MANIFEST bytes first (nothing else is read before the bundle is
 known to come from a trusted key), then the manifest's strict parse, then the tree's shape (no symlinks,
-hardlinks, devices, fifos, extra or missing files; never opening anything but regular files), then every size
-and mode, then every hash. An archive is unpacked only into a private staging directory, entry by entry, each
-checked against the signed manifest before and while it is written; on any rejection the staging directory is
-removed, so nothing unverified stays on disk.
+devices, fifos, extra or missing files; never opening anything but regular files), then every size and mode, then
+every hash. An archive is unpacked only into a private staging directory, entry by entry, each checked against the
+signed manifest before and while it is written; on any rejection the staging directory is removed, so nothing
+unverified stays on disk.
+
+A directory's files may have other names (hard links). Who can change a file's bytes is the inode's owner and
+mode, whatever name reaches it, so another name gives nobody a write they could not make through the bundle's own
+path. What is installed is never read in place: install (and the offline rebuild) copies each file into a private
+staging directory and hashes the bytes as it writes them, so nothing done to the source afterwards, through any
+name, reaches the copy. A check in place (`deploytool bundle verify DIR`) holds for the moment it ran, links or not.
+Accepting links lets bundles kept side by side share the files that did not change (a ship that links them needs
+every box to run a deploytool that accepts them first: versions before this one refuse them). An archive's
+hard-link entries stay refused (deploy_tool.archive): there a link is a name the archive makes, not a shared file.
 """
 
 from __future__ import annotations
@@ -307,8 +316,7 @@ def _read_small(path: Path, limit: int, missing_reason: str) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise reject(_special_reason(st.st_mode), f"{q(path.name)} in the bundle is not a regular file",
                          path=path.name)
-        if st.st_nlink > 1:
-            raise reject("hardlink", f"{q(path.name)} in the bundle is hardlinked", path=path.name)
+        # read once into memory, and those bytes are what is checked and used: other names do not matter
         if st.st_size > limit:
             reason = "manifest-too-large" if path.name == MANIFEST_NAME else "signature-malformed"
             raise reject(reason, f"{q(path.name)} is {st.st_size} bytes (limit {limit})", path=path.name)
@@ -358,8 +366,6 @@ def _verify_dir(root: Path, keys_dir: str | os.PathLike[str], *, staging: str | 
             if not stat.S_ISREG(st.st_mode):
                 raise reject(_special_reason(st.st_mode), f"bundle entry {q(name)} is a "
                              f"{_special_reason(st.st_mode).replace('-', ' ')}, not a regular file", path=name)
-            if st.st_nlink > 1:
-                raise reject("hardlink", f"bundle file {q(name)} is hardlinked ({st.st_nlink} links)", path=name)
             if rel == "" and e.name in RESERVED_NAMES:
                 continue
             if name not in expected:
@@ -441,8 +447,7 @@ def _copy_checked(src: Path, dst: Path, fe: FileEntry, counter: ByteCounter) -> 
         if not stat.S_ISREG(st.st_mode):
             raise reject(_special_reason(st.st_mode), f"bundle entry {fe.path} is a "
                          f"{_special_reason(st.st_mode).replace('-', ' ')}, not a regular file", path=fe.path)
-        if st.st_nlink > 1:
-            raise reject("hardlink", f"bundle file {fe.path} is hardlinked ({st.st_nlink} links)", path=fe.path)
+        # other names of the file do not matter: what is kept is the copy, hashed from the bytes as written
         if stat.S_IMODE(st.st_mode) != fe.mode:
             raise reject("mode-mismatch", f"{fe.path}: mode {stat.S_IMODE(st.st_mode):04o}, MANIFEST says "
                          f"{fe.mode:04o}", path=fe.path)

@@ -5,8 +5,8 @@ A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle
   prepare(dest, manifest)   which files of the MANIFEST the host already has, by SHA-256, in the bundles under
                             DEST (each checked before it is trusted: see TrustCache); a staging directory
                             DEST/.incoming-<release>-<random> seeded with local copies of every file it has (not
-                            hard links: install refuses a bundle file with other links); the list of the missing
-                            ones.
+                            hard links: deploytool before 2026-12-06 refuses a bundle file with other links, and a
+                            box may still run one); the list of the missing ones.
   (the controller sends the missing files into the staging directory with rsync)
   commit(dest, staging, manifest, ...)
                             EVERY file of the staging directory checked against the MANIFEST (no extra or missing
@@ -337,10 +337,10 @@ def _mkparents(root, rel):
 
 
 def _place(src, dst, mode):
-    """Put a copy of trusted file `src` at `dst` with `mode`. Always a copy, never a hard link: deploytool's bundle
-    verify refuses a bundle directory whose files have other links (a file reachable by another name could change
-    under the bundle), so a shipped bundle must hold files of its own. The copy is local: nothing goes over the
-    network for it."""
+    """Put a copy of trusted file `src` at `dst` with `mode`. Always a copy, never a hard link: deploytool before
+    2026-12-06 refuses a bundle directory whose files have other links (and the box's own deploytool installs what
+    this ships), so a shipped bundle holds files of its own until every box accepts links. The copy is local:
+    nothing goes over the network for it."""
     tmp = dst + ".part"
     shutil.copyfile(src, tmp)
     os.chmod(tmp, mode)

@@ -12,8 +12,8 @@ description:
   - Copies an unpacked deploytool bundle directory (what C(deploytool pack) writes) from the controller to
     O(dest)/<release> on the host, where <release> is the bundle id of its MANIFEST.
   - Files the host already has in earlier shipped bundles under O(dest), by SHA-256, are not sent again; they are
-    copied locally into a staging directory after a check (see O(rehash); copies, not hard links, because install
-    refuses a bundle file that has other links). Only the missing files cross the network,
+    copied locally into a staging directory after a check (see O(rehash); copies, not hard links, because
+    deploytool before 2026-12-06 refuses a bundle file that has other links). Only the missing files cross the network,
     with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
     file at the same path (a venv archive where one wheel changed) travels as a delta.
   - Every file of the staging directory is then checked against the MANIFEST (no extra or missing file; size, mode
@@ -121,7 +121,7 @@ literal_bytes:
   type: int
   returned: when files were sent
 reused_files:
-  description: Files of the release the host already had (linked from earlier bundles).
+  description: Files of the release the host already had (copied locally from earlier bundles).
   type: int
   returned: always
 refused:
