@@ -444,11 +444,12 @@ BOTH_REFUSE = {
     "inputs a list": _top("inputs", []), "native_libs a list": _top("native_libs", []),
     "not an object": lambda o: b"[]\n", "not JSON": lambda o: _canonical(o)[:-3],
     "not ASCII": lambda o: _canonical(o).replace(b'"format_version"', '"format_versión"'.encode()),
+    # out of order, a MANIFEST could name "a.part" before "a": refused before anything is laid down
+    "files unsorted": lambda o: _canonical(_with_id(dict(o, files=o["files"][::-1]))),
 }
 # what deploytool's reader alone refuses (the install on the host refuses them too: ship_core leaves them to it)
 DEPLOYTOOL_ALONE_REFUSES = {
     "not canonical": lambda o: json.dumps(o).encode(),
-    "files unsorted": lambda o: _canonical(_with_id(dict(o, files=o["files"][::-1]))),
     "created not a time": _top("created", "yesterday"),
     "native lib hash bad": _top("native_libs", {"lib/x.so": "nope"}),
 }

@@ -149,10 +149,16 @@ def parse_manifest(raw):
         raise ShipError("MANIFEST files/inputs/native_libs have the wrong types", "manifest-malformed")
     files = []
     seen = set()
+    prev = None
     for i, rf in enumerate(obj["files"]):
         if not isinstance(rf, dict) or set(rf) != _FILE:
             raise ShipError("MANIFEST files[%d] is not {path, size, mode, sha256}" % i, "manifest-malformed")
         path = check_relpath(rf["path"])
+        if prev is not None and path < prev:
+            # deploytool writes them sorted and installs nothing else: refused here before anything is laid down
+            raise ShipError("MANIFEST files are not sorted by path at %s (deploytool writes and reads them sorted)"
+                            % path, "manifest-malformed", path)
+        prev = path
         size, mode_s, sha = rf["size"], rf["mode"], rf["sha256"]
         if not _is_int(size) or size < 0:
             raise ShipError("MANIFEST %s: size %r is not a non-negative integer" % (path, size), "manifest-malformed",
@@ -341,7 +347,9 @@ def _place(src, dst, mode):
     2026-12-06 refuses a bundle directory whose files have other links (and the box's own deploytool installs what
     this ships), so a shipped bundle holds files of its own until every box accepts links. The copy is local:
     nothing goes over the network for it."""
-    tmp = dst + ".part"
+    # a random name beside it, which no MANIFEST can know in advance: a file placed earlier in this staging
+    # directory (say "a.part" before "a") is never written over
+    tmp = "%s.part-%s" % (dst, uuid.uuid4().hex[:12])
     shutil.copyfile(src, tmp)
     os.chmod(tmp, mode)
     os.rename(tmp, dst)
