@@ -28,6 +28,7 @@ import click
 import deploy_tool
 from deploy_tool import checks, config, errors
 from deploy_tool import proc as _proc  # noqa: F401  (its CommandFailed counts among the exit codes, whatever imports it)
+from deploy_tool.box.probe import health
 from deploy_tool.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,6 +148,13 @@ def exit_codes_page() -> str:
     for m in errors.ExitCode:
         cls = ", ".join(f"`{c}`" for c in raised.get(int(m), []))
         lines.append(f"| {int(m)} | `{m.name}` | {_cell(comments.get(m.name, ''))} | {cls} |")
+    lines += ["", "## Why a start, gate or switch failed", "",
+              "A failed health gate (exit 9 unless the table says otherwise), and the switch, rollback, failover or "
+              "install it stops, names the reason in its error's `details.reason` (`--json`) and in the fleet "
+              "modules' `reason`, from deploy_tool.box.probe.health.REASONS:", "",
+              "| reason | meaning |", "|---|---|"]
+    lines += [f"| `{r}` | {_cell(why)} |" for r, why in health.REASONS.items()]
+    lines.append("| `http-<code>` | any other unexpected HTTP status, e.g. `http-500` |")
     return "\n".join(lines) + "\n"
 
 

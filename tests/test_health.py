@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import deploy_tool
 from deploy_tool.box.probe.health import (
     REASONS,
     ReadyReport,
@@ -493,3 +495,21 @@ def test_real_server_with_api_key(kind: str, flag: str, models_dir: Path, tmp_pa
             with pytest.raises(HealthError) as ei:
                 wait_ready(kind, srv.base_url, "tiny", timeout=5, interval=0.05)
             assert reason_of(ei) == "unauthorized"
+
+
+def test_every_reason_the_code_names_is_in_the_table() -> None:
+    """Each reason slug the package names for a failed start, gate or switch (a `details["reason"]`, a `_fail(...)`
+    in the probes, an http.Unreachable's) is in health.REASONS, which the exit codes page shows users and
+    playbooks; and the table names nothing the code never raises."""
+    root = Path(deploy_tool.__file__).parent
+    named: set[str] = set()
+    pats = [re.compile(r'"reason":\s*"([a-z0-9-]+)"'), re.compile(r'"reason":\s*"([a-z0-9-]+)"\s+if\b.*?else\s+"([a-z0-9-]+)"'),
+            re.compile(r'\b_fail\(\s*"([a-z0-9-]+)"'), re.compile(r'\bUnreachable\(\s*"([a-z0-9-]+)"'),
+            re.compile(r'\breason\s*=\s*"([a-z0-9-]+)"\s+if\b.*?else\s+"([a-z0-9-]+)"')]
+    for py in sorted((root / "box").rglob("*.py")):
+        text = py.read_text()
+        for pat in pats:
+            for m in pat.finditer(text):
+                named.update(g for g in m.groups() if g)
+    assert named - set(REASONS) == set(), "named in the code, missing from health.REASONS"
+    assert set(REASONS) - named == set(), "in health.REASONS, named nowhere in the code"

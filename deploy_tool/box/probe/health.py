@@ -40,20 +40,34 @@ from deploy_tool.errors import HealthError
 Kind = Literal["ftllm", "llamacpp"]
 KINDS: tuple[str, ...] = ("ftllm", "llamacpp")
 
-#: Every reason a HealthError from this module can carry in `details["reason"]`.
+#: Every reason a failed start, gate or switch names in its error's `details["reason"]` (`--json`'s `details`,
+#: the fleet modules' `reason`): this module's, then the gate's (deploy_tool.box.probe.gate) and the switch's
+#: (deploy_tool.box.switch). tests/test_health.py holds every reason the code raises to this table, and the exit
+#: codes page (docs/reference/exit-codes.md) shows it.
 REASONS: dict[str, str] = {
     "timeout": "the server did not become ready (or did not answer) in time",
     "connection-refused": "nothing listens on the port",
+    "connection-reset": "the server closed the connection without an answer",
+    "connection-error": "the connection failed some other way (the error says how)",
     "unit-failed": "the unit or process failed while we waited",
     "unit-exited": "the unit or process exited (even with status 0) while we waited",
     "wrong-model": "the server serves another model name than the configured one",
     "unauthorized": "the server wants an API key (or another one)",
     "not-this-server": "the endpoint does not behave like the expected server kind",
     "empty-content": "the completion's content is empty",
-    "stray-think": "the completion's content holds a stray </think> (reasoning leaked into content)",
+    "stray-think": "the completion's content holds a stray `</think>` (reasoning leaked into content)",
     "no-usage": "the completion has no usable `usage` token counts",
     "bad-response": "the server answered something that is not the expected JSON",
     # plus "http-<code>" for any other unexpected HTTP status, e.g. "http-404", "http-500"
+    "gpu-missing": "a cuda server does not hold the GPUs of host.gpus: its CUDA init failed and it would serve on the "
+                   "CPU (GpuError, exit 30)",
+    "runtime-truth": "the server is up but maps libraries other than its release's pins (RuntimeTruthError, exit 18)",
+    "start-job": "the server answered the gate, but its unit's start job (the ExecStartPost readiness wait) did not "
+                 "end active",
+    "restarted": "systemd restarted the unit after the gate's checks: the server they checked has exited",
+    "port-taken": "another process holds the backend port",
+    "refused-by-check": "the unit's ExecStartPre check refused to start it (e.g. drifted fingerprints, an unsafe path)",
+    "performance": "the performance gate measured the target below its baseline (PerformanceError, exit 19)",
 }
 
 STRAY_THINK = "</think>"
