@@ -69,8 +69,8 @@ def send(src: Path, staging: str, missing: list[str]) -> None:
         shutil.copy2(src / rel, dst)
 
 
-def ship(dest: Path, src: Path, m, *, keep: int = 3, rehash: bool = False) -> dict:
-    prep = sc.prepare(str(dest), m, rehash=rehash)
+def ship(dest: Path, src: Path, m, *, keep: int = 3, rehash: bool = False, link: bool = False) -> dict:
+    prep = sc.prepare(str(dest), m, rehash=rehash, link=link)
     if prep["present"]:
         return prep
     send(src, prep["staging"], prep["missing"])
@@ -152,11 +152,12 @@ def test_second_release_reuses_what_the_host_has_at_any_path(tmp_path, dest):
     assert all(os.lstat(p).st_nlink == 1 for p in final.rglob("*") if p.is_file())
 
 
-def test_same_bytes_with_another_mode_are_copied_not_linked(tmp_path, dest):
+@pytest.mark.parametrize("link", [False, True])
+def test_same_bytes_with_another_mode_are_copied_not_linked(tmp_path, dest, link):
     src_a, ma = make_bundle(tmp_path / "ctl", {"tool": b"run me"})
     ship(dest, src_a, ma)
     src_b, mb = make_bundle(tmp_path / "ctl", {"tool": b"run me", "x": b"y"}, {"tool": 0o755})
-    r = ship(dest, src_b, mb)
+    r = ship(dest, src_b, mb, link=link)
     assert r["missing"] == ["x"]
     a, b = os.stat(dest / ma.bundle_id / "tool"), os.stat(dest / mb.bundle_id / "tool")
     assert a.st_ino != b.st_ino and a.st_mode & 0o777 == 0o644 and b.st_mode & 0o777 == 0o755
@@ -284,6 +285,74 @@ def test_keep_removes_the_oldest_and_the_kept_stay_trusted(tmp_path, dest):
     # removing the oldest bundles left the kept ones' files and their records as they were
     r = sc.prepare(str(dest), ms[2][1])
     assert r["present"] is True and r["hashed_bytes"] == 0
+
+
+def test_with_link_the_kept_bundles_share_what_did_not_change(tmp_path, dest):
+    """link=True: a release one file apart is the earlier bundle's files under new names (same inodes) plus the
+    file sent; MANIFEST and MANIFEST.sig are its own; the tree is exactly the controller's."""
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src_a, ma, link=True)
+    files_b = dict(FILES_A, **{"wheels/b-1.whl": b"wheel b rebuilt"})
+    src_b, mb = make_bundle(tmp_path / "ctl", files_b)
+    r = ship(dest, src_b, mb, link=True)
+    assert r["missing"] == ["wheels/b-1.whl"]
+    a, b = dest / ma.bundle_id, dest / mb.bundle_id
+    assert tree(b) == tree(src_b) and tree(a) == tree(src_a)
+    for rel in FILES_A:
+        same = os.stat(a / rel).st_ino == os.stat(b / rel).st_ino
+        assert same == (rel != "wheels/b-1.whl"), rel
+    for name in ("MANIFEST", "MANIFEST.sig", "wheels/b-1.whl"):
+        assert os.stat(b / name).st_nlink == 1, name
+    assert leftovers(dest) == []
+
+
+def test_with_link_removing_old_bundles_keeps_the_shared_files_trusted(tmp_path, dest):
+    """Removing a bundle takes a name from each file it shared, which moves the file's ctime: commit records the
+    kept bundles' shared files again, so the next ship trusts them without reading them."""
+    ms = []
+    for i in range(4):
+        src, m = make_bundle(tmp_path / "ctl", dict(FILES_A, version=str(i).encode()))
+        ms.append((src, m, ship(dest, src, m, keep=2, link=True)))
+    assert ms[3][2]["commit"]["removed"] == [str(dest / ms[1][1].bundle_id)]
+    assert os.stat(dest / ms[3][1].bundle_id / "venv.tar.zst").st_nlink == 2  # the kept two share it
+    time.sleep(sc.RACY_NS / 1e9)
+    for _src, m, _r in ms[2:]:
+        r = sc.prepare(str(dest), m)
+        assert r["present"] is True and r["hashed_bytes"] == 0, r
+
+
+def test_with_link_an_aborted_ship_leaves_the_kept_bundles_trusted(tmp_path, dest):
+    """A failed transfer's abort removes a staging directory of links to the kept bundles' files, which moves their
+    ctimes: their records are carried across, so the retry reads none of them again."""
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src_a, ma, link=True)
+    src_b, mb = make_bundle(tmp_path / "ctl", dict(FILES_A, version=b"2"))
+    prep = sc.prepare(str(dest), mb, link=True)
+    assert prep["reused_files"] == len(FILES_A) and prep["missing"] == ["version"]
+    sc.abort(str(dest), prep["staging"], mb.bundle_id)
+    assert leftovers(dest) == []
+    time.sleep(sc.RACY_NS / 1e9)
+    again = sc.prepare(str(dest), mb, link=True)
+    assert again["reused_files"] == len(FILES_A) and again["hashed_bytes"] == 0, again
+    sc.abort(str(dest), again["staging"], mb.bundle_id)
+
+
+def test_with_link_a_damaged_shared_file_is_refused_in_every_bundle_and_sent_again(tmp_path, dest):
+    """A shared file written in place through one bundle's name is damaged in every bundle that names it: each is
+    refused by its hash at its next ship and gets the file again (sent, or linked from a bundle repaired since)."""
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src_a, ma, link=True)
+    src_b, mb = make_bundle(tmp_path / "ctl", dict(FILES_A, version=b"2"))
+    ship(dest, src_b, mb, link=True)
+    with open(dest / ma.bundle_id / "wheels/a-1.whl", "r+b") as f:
+        f.write(b"X")
+    assert (dest / mb.bundle_id / "wheels/a-1.whl").read_bytes() != FILES_A["wheels/a-1.whl"]
+    r = ship(dest, src_b, mb, link=True)
+    assert r["present"] is False and r["missing"] == ["wheels/a-1.whl"], r
+    assert tree(dest / mb.bundle_id) == tree(src_b)
+    r = ship(dest, src_a, ma, link=True)  # repaired from the second bundle's new copy: nothing to send
+    assert r["present"] is False and r["missing"] == [], r
+    assert tree(dest / ma.bundle_id) == tree(src_a) and leftovers(dest) == []
 
 
 def test_a_record_younger_than_the_clock_tick_is_not_trusted(tmp_path, dest):

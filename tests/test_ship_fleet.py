@@ -199,3 +199,32 @@ def test_an_unreachable_host_fails_alone(bed):
         assert run.stats[h]["failures"] == 0 and run.stats[h]["unreachable"] == 0, run.stats
         assert res[h]["changed"] is False  # each already holds the second bundle
 
+
+
+def test_with_link_the_second_bundle_shares_the_firsts_unchanged_files(bed):
+    """link=true on real hosts holding the first bundle (the second removed first): each file both bundles hold is
+    one inode under two names, what changed is the second's own, nothing unchanged is sent, and a ship again finds
+    it present without reading a byte (the links' records hold)."""
+    ma, mb = manifest(bed.a), manifest(bed.b)
+    want = differing(bed.a, bed.b)
+    run = bed.f.ansible("fleet", "-m", "ansible.builtin.file", "-a", f"path={DEST}/{mb['bundle_id']} state=absent")
+    assert run.returncode == 0, run
+    def ship_linked():
+        return bed.f.ansible("fleet", "-m", TASK, "-a", f"src={bed.b} dest={DEST} keep=3 link=true", timeout=300)
+
+    run = ship_linked()
+    assert run.returncode == 0, run
+    ftllm = next(f["path"] for f in mb["files"] if f["path"].startswith("wheels/ftllm-"))
+    for h, r in run.task_results(TASK).items():
+        assert r["_status"] == "changed" and r["sent_files"] == len(want), r
+        ino = {}
+        for rel in (ftllm, "venv.tar.zst"):
+            st = bed.f.exec(h, "stat", "-c", "%i %h", f"{DEST}/{ma['bundle_id']}/{rel}", f"{DEST}/{mb['bundle_id']}/{rel}")
+            assert st.returncode == 0, st
+            ino[rel] = st.stdout.split("\n")[:2]
+        assert ino[ftllm][0] == ino[ftllm][1] and ino[ftllm][0].endswith(" 2"), ino  # shared: two links
+        assert ino["venv.tar.zst"][0] != ino["venv.tar.zst"][1], ino  # changed: its own
+    again = ship_linked()
+    assert again.returncode == 0, again
+    for r in again.task_results(TASK).values():
+        assert r["changed"] is False and r["host_hashed_bytes"] == 0, r

@@ -53,7 +53,7 @@ def read_manifest_bytes(raw):
 class ActionModule(ActionBase):
 
     TRANSFERS_FILES = False
-    _VALID_ARGS = frozenset(("src", "dest", "keep", "rehash", "rsync_opts"))
+    _VALID_ARGS = frozenset(("src", "dest", "keep", "rehash", "link", "rsync_opts"))
 
     def run(self, tmp=None, task_vars=None):
         t0 = time.monotonic()
@@ -67,6 +67,10 @@ class ActionModule(ActionBase):
             rehash = boolean(args.get("rehash", False), strict=True)
         except TypeError:
             raise AnsibleActionFail("rehash must be true or false, got %r" % (args.get("rehash"),)) from None
+        try:
+            link = boolean(args.get("link", False), strict=True)
+        except TypeError:
+            raise AnsibleActionFail("link must be true or false, got %r" % (args.get("link"),)) from None
         rsync_opts = args.get("rsync_opts") or []
         if isinstance(rsync_opts, str):
             rsync_opts = shlex.split(rsync_opts)
@@ -90,7 +94,8 @@ class ActionModule(ActionBase):
         src = os.path.realpath(src)
         manifest, signature = self._read_bundle(src)
         # src (the controller's path) goes along only because the module declares it required, as the task does
-        common = {"src": src, "dest": dest, "keep": keep, "rehash": rehash, "manifest": to_text(manifest.raw),
+        common = {"src": src, "dest": dest, "keep": keep, "rehash": rehash, "link": link,
+                  "manifest": to_text(manifest.raw),
                   "signature": to_text(signature) if signature is not None else None}
 
         timings = {}

@@ -4,9 +4,10 @@ A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle
 
   prepare(dest, manifest)   which files of the MANIFEST the host already has, by SHA-256, in the bundles under
                             DEST (each checked before it is trusted: see TrustCache); a staging directory
-                            DEST/.incoming-<release>-<random> seeded with local copies of every file it has (not
-                            hard links: deploytool before 2026-12-06 refuses a bundle file with other links, and a
-                            box may still run one); the list of the missing ones.
+                            DEST/.incoming-<release>-<random> seeded with local copies of every file it has (with
+                            link=True hard links to the earlier bundle's: deploytool before 2026-12-06 refuses a
+                            bundle file with other links, and a box may still run one); the list of the missing
+                            ones.
   (the controller sends the missing files into the staging directory with rsync)
   commit(dest, staging, manifest, ...)
                             EVERY file of the staging directory checked against the MANIFEST (no extra or missing
@@ -28,12 +29,16 @@ mtime and moves ctime to now); a file replaced by another gets another inode (or
 The RACY_NS margin covers the coarse clock of file timestamps (a write in the same clock tick as the record would
 leave ctime unchanged): a record is only used for a file whose ctime is clearly older than the record. What is not
 covered: silent corruption below the file system (bit rot, a raw write to the block device) and a root user who
-resets the clock; `rehash: true` re-reads everything for those.
+resets the clock; `rehash: true` re-reads everything for those. With `link`, removing a bundle moves the ctime of
+the files it shared with the kept ones; their records are carried across the removal when, under the lock, their
+(device, inode, size, mtime_ns, mode, owner) are unchanged and only their link count fell: there only a root user
+who rewrites a file in that moment and sets its mtime back goes unseen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -342,14 +347,30 @@ def _mkparents(root, rel):
         os.makedirs(os.path.join(root, d), mode=0o755, exist_ok=True)
 
 
-def _place(src, dst, mode):
-    """Put a copy of trusted file `src` at `dst` with `mode`. Always a copy, never a hard link: deploytool before
-    2026-12-06 refuses a bundle directory whose files have other links (and the box's own deploytool installs what
-    this ships), so a shipped bundle holds files of its own until every box accepts links. The copy is local:
-    nothing goes over the network for it."""
+def _place(src, dst, mode, link=False):
+    """Put trusted file `src` at `dst` with `mode`: a local copy, nothing over the network. With `link`, a hard link
+    to `src` instead where it already has that mode and belongs to this user (root), so kept bundles share it; a
+    copy where the file system refuses the link. Copies by default: deploytool before 2026-12-06 refuses a bundle
+    file with other links, and the box's own deploytool installs what this ships.
+
+    A link is safe because nothing writes a shipped bundle's files: rsync writes only the missing files, each to a
+    temporary name renamed into place; commit writes only MANIFEST and MANIFEST.sig, as new files; removing a bundle
+    removes its names, not the inodes the others still name. deploytool's install copies each file into a private
+    staging directory and hashes the bytes as it writes them."""
     # a random name beside it, which no MANIFEST can know in advance: a file placed earlier in this staging
     # directory (say "a.part" before "a") is never written over
     tmp = "%s.part-%s" % (dst, uuid.uuid4().hex[:12])
+    if link:
+        st = os.lstat(src)
+        if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.geteuid():
+            try:
+                os.link(src, tmp, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+                    raise
+            else:
+                os.rename(tmp, dst)
+                return
     shutil.copyfile(src, tmp)
     os.chmod(tmp, mode)
     os.rename(tmp, dst)
@@ -462,16 +483,31 @@ def _verify_tree(root, manifest, cache, fsync_new=False, allow_manifest=True):
             bad[0], " and %d more file(s)" % (len(bad) - 1) if len(bad) > 1 else ""), "hash-mismatch", bad[0])
 
 
-def _refresh(cache, paths):
-    """Record the copies just made, under the lock, from files trusted a moment ago, with their sources' SHA-256.
-    Waits out RACY_NS once so the new records are usable."""
-    if not cache.enabled or not paths:
+def _refresh(cache, items):
+    """Record [(path, sha256)] or [(path, sha256, stat)] of files trusted a moment ago (copies or links just made;
+    shared files whose link count a removal just changed, with the stat seen right after it), under the lock: each
+    is stat'ed now (and must still be the given stat, where one is), RACY_NS is waited out once, and a file is
+    recorded only if its stat is exactly the same then (a write meanwhile is never recorded as trusted)."""
+    if not cache.enabled or not items:
         return
+    first = []
+    for item in items:
+        p, sha = item[0], item[1]
+        with contextlib.suppress(OSError):
+            st = os.lstat(p)
+            if len(item) < 3 or _stat_key(st) == _stat_key(item[2]):
+                first.append((p, sha, st))
     time.sleep(RACY_NS / 1e9 * 1.2)
     now = time.time_ns()
-    for p, sha in paths:
+    for p, sha, st in first:
         with contextlib.suppress(OSError):
-            cache.record(os.lstat(p), sha, now)
+            st2 = os.lstat(p)
+            if _stat_key(st2) == _stat_key(st):
+                cache.record(st2, sha, now)
+
+
+def _stat_key(st):
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_nlink)
 
 
 def _same_signature(final, signature):
@@ -485,7 +521,7 @@ def _same_signature(final, signature):
         return False
 
 
-def prepare(dest, manifest, check_mode=False, rehash=False, signature=None):
+def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link=False):
     """Which files the host has, a staging directory seeded with them (not in check mode), and what is missing.
 
     Returns a dict: present (the release is already there and verified: nothing to do), staging, missing (paths),
@@ -542,7 +578,7 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None):
                 src = found[e.sha256][0]
                 _mkparents(staging, e.path)
                 dst = os.path.join(staging, e.path)
-                _place(src, dst, e.mode)
+                _place(src, dst, e.mode, link=link)
                 touched.append((dst, e.sha256))
             _refresh(cache, touched)
             cache.save()
@@ -578,8 +614,24 @@ def _staging_ok(dest, staging, release):
 def abort(dest, staging, release):
     dest = _check_dest(dest)
     staging = _staging_ok(dest, staging, release)
-    shutil.rmtree(staging, ignore_errors=True)
+    cache = TrustCache(dest)
+    with locked(dest):
+        _remove_keeping_records(cache, dest, [staging])
+        cache.save()
     return {"removed": staging}
+
+
+def _remove_keeping_records(cache, dest, trees):
+    """Remove `trees` (bundles, staging or trash directories) under the lock. A file one of them shares with a kept
+    bundle (ship with link) loses a name there, which moves its ctime and so voids its record: the kept bundles'
+    trusted shared files are recorded again when nothing but their link count changed. Without links, nothing is
+    shared and this is rmtree. (A killed ship's staging directory, swept later, and a failed prepare or commit
+    remove theirs with a plain rmtree: the records of what they shared are lost, and the next ship reads those
+    files once to trust them again.)"""
+    shared = _trusted_shared(cache, bundle_dirs(dest))
+    for t in trees:
+        shutil.rmtree(t, ignore_errors=True)
+    _refresh(cache, [(p, sha, now) for p, st, sha in shared for now in [_lost_a_link(p, st)] if now is not None])
 
 
 def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
@@ -618,16 +670,15 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
                 os.rename(final, trash)
             os.rename(staging, final)
             os.utime(final)  # newest: `keep` counts from it
-            removed = []
+            doomed = []
             if trash:
                 if os.path.isdir(trash) and not os.path.islink(trash):
-                    shutil.rmtree(trash, ignore_errors=True)
+                    doomed.append(trash)
                 else:
                     os.unlink(trash)  # a file or link where the release directory belongs
-            # bundles share no inode (_place copies), so removing one leaves the others' files and records as they were
-            for old in bundle_dirs(dest)[keep:]:
-                shutil.rmtree(old, ignore_errors=True)
-                removed.append(old)
+            # removing a bundle removes its names: a file it shares with a kept one (link) stays, with its bytes
+            removed = bundle_dirs(dest)[keep:]
+            _remove_keeping_records(cache, dest, doomed + removed)
             live = set()
             for bdir in bundle_dirs(dest):
                 live.update(_inodes(bdir))
@@ -637,6 +688,34 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
         raise
     return {"path": final, "removed": removed, "hashed_bytes": cache.hashed_bytes,
             "trusted_files": cache.trusted_files}
+
+
+def _trusted_shared(cache, dirs):
+    """[(path, lstat, sha256)] of the files under `dirs` that have other links and whose record vouches for them."""
+    out = []
+    for bdir in dirs:
+        for top, _dirs, fnames in os.walk(bdir):
+            for fn in fnames:
+                p = os.path.join(top, fn)
+                with contextlib.suppress(OSError):
+                    st = os.lstat(p)
+                    sha = cache.lookup(st) if st.st_nlink > 1 else None
+                    if sha is not None:
+                        out.append((p, st, sha))
+    return out
+
+
+def _lost_a_link(path, st):
+    """The stat of `path` now when it is still the inode of `st` (trusted before a removal) with the same size,
+    mtime, mode and owner and fewer links, else None. Only root could change its bytes meanwhile and set the mtime
+    back (the ctime moved with the link count, so it cannot tell); the module doc's limits say so."""
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return None
+    same = (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns, now.st_mode, now.st_uid) == \
+        (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid)
+    return now if same and now.st_nlink < st.st_nlink else None
 
 
 def _inodes(root):

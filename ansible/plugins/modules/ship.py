@@ -12,7 +12,7 @@ description:
   - Copies an unpacked deploytool bundle directory (what C(deploytool pack) writes) from the controller to
     O(dest)/<release> on the host, where <release> is the bundle id of its MANIFEST.
   - Files the host already has in earlier shipped bundles under O(dest), by SHA-256, are not sent again; they are
-    copied locally into a staging directory after a check (see O(rehash); copies, not hard links, because
+    copied locally into a staging directory after a check (see O(rehash); copies, not hard links, unless O(link);
     deploytool before 2026-12-06 refuses a bundle file that has other links). Only the missing files cross the network,
     with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
     file at the same path (a venv archive where one wheel changed) travels as a delta.
@@ -45,6 +45,21 @@ options:
         record taken when this module last hashed it. The record is safe against any change through the file
         system (a write, truncate, chmod or replacement moves ctime, which no system call can set back); use
         O(rehash) against corruption below the file system.
+    type: bool
+    default: false
+  link:
+    description:
+      - Lay down the files the host already has as hard links to the earlier bundle's, not copies, so the kept
+        bundles share what did not change and a release one file apart writes only that file. Only for files
+        owned by the user the module runs as (root under become) with the wanted mode; a copy otherwise (or where
+        the file system refuses a link).
+      - Turn it on once every host runs a deploytool from 2026-12-06 or later; earlier ones refuse to install a
+        bundle file with other links, the new release's and (once linked) the kept ones' alike, so a revert to a
+        kept bundle fails too. To undo that on a host, remove the linked O(dest)/<release> directories and ship
+        again without O(link).
+      - The bundles under O(dest) are then to be treated as read-only as a whole (a chmod, touch or edit of one
+        file changes it in every bundle that shares it); a damaged shared file is refused by its hash in each
+        bundle at that bundle's next ship, and sent again.
     type: bool
     default: false
   rsync_opts:
@@ -121,7 +136,7 @@ literal_bytes:
   type: int
   returned: when files were sent
 reused_files:
-  description: Files of the release the host already had (copied locally from earlier bundles).
+  description: Files of the release the host already had (copied, or with O(link) linked, from earlier bundles).
   type: int
   returned: always
 refused:
@@ -159,6 +174,7 @@ def main():
             dest=dict(type="path", default="/var/lib/deploytool/bundles"),
             keep=dict(type="int", default=3),
             rehash=dict(type="bool", default=False),
+            link=dict(type="bool", default=False),
             rsync_opts=dict(type="list", elements="str", default=[]),
             phase=dict(type="str", choices=["prepare", "commit", "abort"]),
             manifest=dict(type="str"),
@@ -182,7 +198,8 @@ def main():
             module.fail_json(msg="manifest is required")
         m = parse_manifest(p["manifest"])
         if p["phase"] == "prepare":
-            out = prepare(dest, m, check_mode=module.check_mode, rehash=p["rehash"], signature=p["signature"])
+            out = prepare(dest, m, check_mode=module.check_mode, rehash=p["rehash"], signature=p["signature"],
+                          link=p["link"])
             module.exit_json(changed=not out["present"], **out)
         if module.check_mode:
             module.exit_json(changed=True, path=os.path.join(dest, m.bundle_id))
