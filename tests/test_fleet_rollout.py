@@ -201,9 +201,15 @@ class TestFleet:
                                                  "deploytool_gate_timeout=2"}, after=None)
         # the host var line is appended: h2 gets a second definition with the var (ansible merges them)
         h3_hist = history_len(f, "h3")
-        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r2, "r2", deploytool_serial=1), inventory=inv,
-                         timeout=900)
+        # shipped with link: r2's bundle shares r1's unchanged files on the hosts (one inode, two names), and both
+        # the install of r2 and revert.yml's reinstall of r1 take such bundles
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r2, "r2", deploytool_serial=1,
+                                                               deploytool_ship_link=True), inventory=inv, timeout=900)
         assert run.returncode != 0, str(run)
+        bundles = "/var/lib/deploytool/bundles"
+        shared = f.exec("h1", "sh", "-c", f"cd {bundles} && for f in {r1.bundle_id}/wheels/*; do "
+                        f"[ {r2.bundle_id}/${{f#*/}} -ef $f ] && echo \"$f\"; done; true")
+        assert shared.returncode == 0 and shared.stdout.strip(), shared
         assert run.stats["h2"]["failures"] == 1, run.stats
         assert run.task_results("gate")["h2"]["reason"] == "unhealthy", run.task_results("gate")["h2"]
         assert "h3" not in run.stats or run.stats["h3"]["ok"] == 0, run.stats
