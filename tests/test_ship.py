@@ -337,6 +337,22 @@ def test_with_link_an_aborted_ship_leaves_the_kept_bundles_trusted(tmp_path, des
     sc.abort(str(dest), again["staging"], mb.bundle_id)
 
 
+def test_with_link_a_killed_ships_staging_is_swept_and_the_kept_bundles_stay_trusted(tmp_path, dest):
+    """A ship killed after its prepare leaves a staging directory of links; the next ship sweeps it once it is stale
+    and carries the shared files' records across, so it reads none of them again."""
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A)
+    ship(dest, src_a, ma, link=True)
+    src_b, mb = make_bundle(tmp_path / "ctl", dict(FILES_A, version=b"2"))
+    killed = sc.prepare(str(dest), mb, link=True)["staging"]
+    old = time.time() - sc.STALE_SECONDS - 60
+    os.utime(killed, (old, old))
+    time.sleep(sc.RACY_NS / 1e9)
+    again = sc.prepare(str(dest), mb, link=True)
+    assert not os.path.exists(killed)
+    assert again["reused_files"] == len(FILES_A) and again["hashed_bytes"] == 0, again
+    sc.abort(str(dest), again["staging"], mb.bundle_id)
+
+
 def test_with_link_a_damaged_shared_file_is_refused_in_every_bundle_and_sent_again(tmp_path, dest):
     """A shared file written in place through one bundle's name is damaged in every bundle that names it: each is
     refused by its hash at its next ship and gets the file again (sent, or linked from a bundle repaired since)."""

@@ -538,10 +538,11 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
         return out
     if not check_mode:
         os.makedirs(dest, mode=0o755, exist_ok=True)
-    cache = TrustCache(dest, enabled=not rehash)
     with (locked(dest) if not check_mode else contextlib.nullcontext()):
+        # read under the lock: a record another ship saved a moment ago is not lost to this one's save
+        cache = TrustCache(dest, enabled=not rehash)
         if not check_mode:
-            sweep_stale(dest)
+            sweep_stale(dest, cache=cache)
         if os.path.isdir(final):
             try:
                 # the same MANIFEST and signature (a bundle signed again, e.g. by a new key, is shipped again:
@@ -583,14 +584,15 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
             _refresh(cache, touched)
             cache.save()
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_keeping_records(cache, dest, [staging])
             raise
         out["staging"] = staging
         return out
 
 
-def sweep_stale(dest, older_than=STALE_SECONDS):
-    """Remove staging and trash directories that no ship has touched for `older_than` seconds (killed ships)."""
+def sweep_stale(dest, older_than=STALE_SECONDS, cache=None):
+    """Remove staging and trash directories that no ship has touched for `older_than` seconds (killed ships); with
+    the trust `cache` (under the lock), the records of the files they shared with kept bundles are kept."""
     now = time.time()
     swept = []
     for name in os.listdir(dest):
@@ -598,8 +600,12 @@ def sweep_stale(dest, older_than=STALE_SECONDS):
             p = os.path.join(dest, name)
             with contextlib.suppress(OSError):
                 if now - os.lstat(p).st_mtime > older_than:
-                    shutil.rmtree(p, ignore_errors=True)
                     swept.append(p)
+    if cache is not None:
+        _remove_keeping_records(cache, dest, swept)
+    else:
+        for p in swept:
+            shutil.rmtree(p, ignore_errors=True)
     return swept
 
 
@@ -614,8 +620,8 @@ def _staging_ok(dest, staging, release):
 def abort(dest, staging, release):
     dest = _check_dest(dest)
     staging = _staging_ok(dest, staging, release)
-    cache = TrustCache(dest)
     with locked(dest):
+        cache = TrustCache(dest)
         _remove_keeping_records(cache, dest, [staging])
         cache.save()
     return {"removed": staging}
@@ -625,9 +631,8 @@ def _remove_keeping_records(cache, dest, trees):
     """Remove `trees` (bundles, staging or trash directories) under the lock. A file one of them shares with a kept
     bundle (ship with link) loses a name there, which moves its ctime and so voids its record: the kept bundles'
     trusted shared files are recorded again when nothing but their link count changed. Without links, nothing is
-    shared and this is rmtree. (A killed ship's staging directory, swept later, and a failed prepare or commit
-    remove theirs with a plain rmtree: the records of what they shared are lost, and the next ship reads those
-    files once to trust them again.)"""
+    shared and this is rmtree. (A failed commit removes its staging directory with a plain rmtree, after the lock:
+    the records of what it shared are lost, and the next ship reads those files once to trust them again.)"""
     shared = _trusted_shared(cache, bundle_dirs(dest))
     for t in trees:
         shutil.rmtree(t, ignore_errors=True)
@@ -644,11 +649,12 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
     final = os.path.join(dest, release)
     if not _is_int(keep) or keep < 1:
         raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
-    cache = TrustCache(dest, enabled=not rehash)
+    cache = None
     try:
         if not os.path.isdir(staging):
             raise ShipError("staging directory %s is gone" % staging, "bad-staging")
         with locked(dest):
+            cache = TrustCache(dest, enabled=not rehash)  # read under the lock, as prepare does
             _verify_tree(staging, manifest, cache, fsync_new=True, allow_manifest=False)
             for name, data in ((MANIFEST_NAME, manifest.raw), (SIGNATURE_NAME, signature)):
                 if data is None:
