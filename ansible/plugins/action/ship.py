@@ -50,6 +50,14 @@ def read_manifest_bytes(raw):
     return Manifest(raw, m.bundle_id, [Entry(f.path, f.size, f.mode, f.sha256) for f in m.files])
 
 
+def _flag(args, name):
+    """A boolean task argument (false when absent); anything but a boolean's spelling fails the task."""
+    try:
+        return boolean(args.get(name, False), strict=True)
+    except TypeError:
+        raise AnsibleActionFail("%s must be true or false, got %r" % (name, args.get(name))) from None
+
+
 class ActionModule(ActionBase):
 
     TRANSFERS_FILES = False
@@ -63,14 +71,7 @@ class ActionModule(ActionBase):
         src = args.get("src")
         dest = args.get("dest") or DEFAULT_DEST
         keep = args.get("keep", 3)
-        try:
-            rehash = boolean(args.get("rehash", False), strict=True)
-        except TypeError:
-            raise AnsibleActionFail("rehash must be true or false, got %r" % (args.get("rehash"),)) from None
-        try:
-            link = boolean(args.get("link", False), strict=True)
-        except TypeError:
-            raise AnsibleActionFail("link must be true or false, got %r" % (args.get("link"),)) from None
+        rehash, link = _flag(args, "rehash"), _flag(args, "link")
         rsync_opts = args.get("rsync_opts") or []
         if isinstance(rsync_opts, str):
             rsync_opts = shlex.split(rsync_opts)

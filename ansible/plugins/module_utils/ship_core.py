@@ -484,18 +484,17 @@ def _verify_tree(root, manifest, cache, fsync_new=False, allow_manifest=True):
 
 
 def _refresh(cache, items):
-    """Record [(path, sha256)] or [(path, sha256, stat)] of files trusted a moment ago (copies or links just made;
-    shared files whose link count a removal just changed, with the stat seen right after it), under the lock: each
-    is stat'ed now (and must still be the given stat, where one is), RACY_NS is waited out once, and a file is
-    recorded only if its stat is exactly the same then (a write meanwhile is never recorded as trusted)."""
+    """Record [(path, sha256, stat or None)] of files trusted a moment ago (copies or links just made; shared files
+    whose link count a removal just changed, with the stat seen right after it), under the lock: each is stat'ed now
+    (and must still be the given stat, where one is), RACY_NS is waited out once, and a file is recorded only if its
+    stat is exactly the same then (a write meanwhile is never recorded as trusted)."""
     if not cache.enabled or not items:
         return
     first = []
-    for item in items:
-        p, sha = item[0], item[1]
+    for p, sha, want in items:
         with contextlib.suppress(OSError):
             st = os.lstat(p)
-            if len(item) < 3 or _stat_key(st) == _stat_key(item[2]):
+            if want is None or _stat_key(st) == _stat_key(want):
                 first.append((p, sha, st))
     time.sleep(RACY_NS / 1e9 * 1.2)
     now = time.time_ns()
@@ -542,7 +541,7 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
         # read under the lock: a record another ship saved a moment ago is not lost to this one's save
         cache = TrustCache(dest, enabled=not rehash)
         if not check_mode:
-            sweep_stale(dest, cache=cache)
+            sweep_stale(dest, cache)
         if os.path.isdir(final):
             try:
                 # the same MANIFEST and signature (a bundle signed again, e.g. by a new key, is shipped again:
@@ -580,7 +579,7 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
                 _mkparents(staging, e.path)
                 dst = os.path.join(staging, e.path)
                 _place(src, dst, e.mode, link=link)
-                touched.append((dst, e.sha256))
+                touched.append((dst, e.sha256, None))
             _refresh(cache, touched)
             cache.save()
         except BaseException:
@@ -590,9 +589,9 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
         return out
 
 
-def sweep_stale(dest, older_than=STALE_SECONDS, cache=None):
-    """Remove staging and trash directories that no ship has touched for `older_than` seconds (killed ships); with
-    the trust `cache` (under the lock), the records of the files they shared with kept bundles are kept."""
+def sweep_stale(dest, cache, older_than=STALE_SECONDS):
+    """Remove staging and trash directories that no ship has touched for `older_than` seconds (killed ships), under
+    the lock, keeping the trust `cache`'s records of the files they shared with kept bundles."""
     now = time.time()
     swept = []
     for name in os.listdir(dest):
@@ -601,11 +600,7 @@ def sweep_stale(dest, older_than=STALE_SECONDS, cache=None):
             with contextlib.suppress(OSError):
                 if now - os.lstat(p).st_mtime > older_than:
                     swept.append(p)
-    if cache is not None:
-        _remove_keeping_records(cache, dest, swept)
-    else:
-        for p in swept:
-            shutil.rmtree(p, ignore_errors=True)
+    _remove_keeping_records(cache, dest, swept)
     return swept
 
 
@@ -633,10 +628,15 @@ def _remove_keeping_records(cache, dest, trees):
     trusted shared files are recorded again when nothing but their link count changed. Without links, nothing is
     shared and this is rmtree. (A failed commit removes its staging directory with a plain rmtree, after the lock:
     the records of what it shared are lost, and the next ship reads those files once to trust them again.)"""
-    shared = _trusted_shared(cache, bundle_dirs(dest))
+    shared = _trusted_shared(cache, [d for d in bundle_dirs(dest) if d not in trees])  # the kept ones
     for t in trees:
         shutil.rmtree(t, ignore_errors=True)
-    _refresh(cache, [(p, sha, now) for p, st, sha in shared for now in [_lost_a_link(p, st)] if now is not None])
+    moved = []
+    for p, st, sha in shared:
+        now = _lost_a_link(p, st)
+        if now is not None:
+            moved.append((p, sha, now))
+    _refresh(cache, moved)
 
 
 def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):

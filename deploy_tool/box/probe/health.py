@@ -58,7 +58,6 @@ REASONS: dict[str, str] = {
     "stray-think": "the completion's content holds a stray `</think>` (reasoning leaked into content)",
     "no-usage": "the completion has no usable `usage` token counts",
     "bad-response": "the server answered something that is not the expected JSON",
-    # plus "http-<code>" for any other unexpected HTTP status, e.g. "http-404", "http-500"
     "gpu-missing": "a cuda server does not hold the GPUs of host.gpus: its CUDA init failed and it would serve on the "
                    "CPU (GpuError, exit 30)",
     "runtime-truth": "the server is up but maps libraries other than its release's pins (RuntimeTruthError, exit 18)",
@@ -68,6 +67,7 @@ REASONS: dict[str, str] = {
     "port-taken": "another process holds the backend port",
     "refused-by-check": "the unit's ExecStartPre check refused to start it (e.g. drifted fingerprints, an unsafe path)",
     "performance": "the performance gate measured the target below its baseline (PerformanceError, exit 19)",
+    # plus "http-<code>" for any other unexpected HTTP status, e.g. "http-404", "http-500"
 }
 
 STRAY_THINK = "</think>"
