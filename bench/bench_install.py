@@ -11,8 +11,9 @@ with a sandboxed systemd 252 there as the box's (as `make demo` has it; --no-san
                  flip `current`, pin the whole release, daemon-reload. The system's zstd and GNU tar do the
                  decompressing and the writing where present, every header checked by deploytool first
   install-py     the same with DEPLOYTOOL_UNPACK=python: the Python writer, as on a box without zstd or GNU tar
-  zstd|tar       `zstd -d -c BUNDLE.tar.zst | tar -x`, then `zstd -d -c venv.tar.zst | tar -x` of the venv
-                 archive it holds: the same bytes laid down with no checks at all (the goal: install at most 2x this)
+  zstd|tar       `zstd -d -c BUNDLE.tar.zst | tar -x`, then `zstd -d -c PART | tar -x` of each of the venv's
+                 archives it holds (venv-parts/*.tar.zst, or a bundle's one venv.tar.zst before 2026-12-06): the same
+                 bytes laid down with no checks at all (the goal: install at most 2x this)
   install-rebuild  (--rebuild) the same install with --rebuild (pip --no-index --require-hashes from the wheels)
   pip            (--pip) `python -m venv` + `pip install --no-index --no-deps` of the bundle's wheels
 
@@ -76,7 +77,7 @@ def breakdown(rep: dict, wall: float) -> dict[str, float]:
         d = s["t"] - prev
         prev = s["t"]
         if s["step"] == "venv-ready" and "unpack_s" in s:
-            out["unpack venv.tar.zst"] = s["unpack_s"]
+            out["unpack the venv's archives"] = s["unpack_s"]
             out["venv finish (python -m venv) + relocate"] = s["finish_s"] + s["relocate_s"]
             out["venv-ready: rest (staging rename)"] = d - s["unpack_s"] - s["finish_s"] - s["relocate_s"]
         else:
@@ -146,7 +147,7 @@ def main() -> int:
 
         bundle = bundle_in(d / "artifacts")
         bdir = bundle.parent / bundle.name.split(".tar")[0]
-        assert (bdir / "venv.tar.zst").is_file(), bdir
+        assert (bdir / "venv-parts").is_dir() or (bdir / "venv.tar.zst").is_file(), bdir
         python = data["bundle"]["python"]
         times: dict[str, list[float]] = {"install": [], "install-py": [], "zstd|tar": [], "zstd|tar venv only": []}
         if a.rebuild:
@@ -171,7 +172,8 @@ def main() -> int:
             subprocess.run(["sh", "-c", 'zstd -d -q -c "$1" | tar -x -C "$2"', "sh", str(bundle), str(work / "tar")],
                            check=True)
             t1 = time.monotonic()
-            subprocess.run(["sh", "-c", 'mkdir "$1/v" && zstd -d -q -c "$1/venv.tar.zst" | tar -x -C "$1/v"', "sh",
+            subprocess.run(["sh", "-c", 'mkdir "$1/v" && for p in "$1"/venv-parts/*.tar.zst "$1"/venv.tar.zst; do '
+                            '[ ! -f "$p" ] || zstd -d -q -c "$p" | tar -x -C "$1/v" || exit 1; done', "sh",
                             str(work / "tar")], check=True)
             t2 = time.monotonic()
             times["zstd|tar"].append(t2 - t0)

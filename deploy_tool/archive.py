@@ -25,6 +25,7 @@ import fcntl
 import functools
 import hashlib
 import io
+import itertools
 import os
 import queue
 import shutil
@@ -861,28 +862,34 @@ class Extracted:
     total_size: int
 
 
-def extract_archive(archive: str | os.PathLike[str], dest: str | os.PathLike[str], *, symlinks: bool = True,
+def extract_archive(archive: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                    dest: str | os.PathLike[str], *, symlinks: bool = True,
                     max_total: int = DEFAULT_MAX_TOTAL, max_entries: int = DEFAULT_MAX_ENTRIES,
                     progress: ProgressFn | None = None, system_tools: bool | None = None,
                     digests: dict[str, str] | None = None) -> Extracted:
-    """Safely unpack a tar/tar.zst into `dest` (created, private, must not exist); removed again on any error.
+    """Safely unpack a tar/tar.zst, or several one after another, into `dest` (created, private, must not exist);
+    removed again on any error. Several archives unpack as one: a path two of them hold as a file or link is a
+    duplicate entry; directories merge; the limits count them all.
 
     With the system's `zstd` and GNU `tar` (`system_tools` None: where present, see `unpack_tools`), they do the
     decompressing and the writing, and this process only checks: every header passes the same checks as below
     before `tar` sees a byte of it (`_extract_with_tools`). `digests`: filled with {member name: SHA-256} of every
     file's bytes as they were written (handed to the writer), so a caller need not read the tree back."""
+    archives = [archive] if isinstance(archive, str | os.PathLike) else list(archive)
     tools = unpack_tools() if system_tools is None or system_tools else None
     if system_tools and tools is None:
         raise InputError("system_tools asked for, but zstd or GNU tar is not on PATH")
+    sizes = [os.stat(a).st_size for a in archives]
+    counter = ByteCounter(progress, "extracting", sum(sizes))
+    ex = SafeExtractor(dest, symlinks=symlinks, max_total=max_total, max_entries=max_entries)
     if tools is not None:
-        ex = SafeExtractor(dest, symlinks=symlinks, max_total=max_total, max_entries=max_entries)
         try:
-            _extract_with_tools(archive, ex, tools, progress, digests)
+            for a, before in zip(archives, itertools.accumulate([0] + sizes), strict=False):
+                _extract_with_tools(a, ex, tools, counter, before, digests)
         except BaseException:
             ex.remove()
             raise
         return Extracted(ex.dest, len(ex.files), ex.total)
-    ex = SafeExtractor(dest, symlinks=symlinks, max_total=max_total, max_entries=max_entries)
     # Creating thousands of files costs file-system latency more than CPU: the stream is read and checked in this
     # thread, each small file's bytes are handed to a few writer threads (open, write, chmod, close release the
     # GIL), with at most WRITE_AHEAD bytes in flight; big files are written here, in stream order.
@@ -895,38 +902,37 @@ def extract_archive(archive: str | os.PathLike[str], dest: str | os.PathLike[str
             inflight.release()
 
     try:
-        total = os.stat(archive).st_size
-        counter = ByteCounter(progress, "extracting", total)
-        with open_tar_stream(archive) as stream:
-            reader = TarReader(stream, what=str(archive))
-            for e in reader:
-                ex.check(e)
-                if e.kind == "file" and e.size <= SMALL_FILE:
-                    ex.reserve(e)
-                    data = [bytes(b) for b in reader.chunks()]
-                    n = max(1, -(-e.size // CHUNK))
-                    for _ in range(n):
-                        inflight.acquire()
-                    fut = pool.submit(ex.write, e, data, digest=digests is not None)
-                    fut.add_done_callback(functools.partial(release, n))
-                    pending.append((e.name, fut))
-                    while pending and pending[0][1].done():
-                        name, done = pending.popleft()
-                        sha = done.result()
-                        if digests is not None:
-                            digests[name] = sha
-                else:
-                    sha = ex.write(e, reader.chunks() if e.kind == "file" else (), digest=digests is not None)
-                    if digests is not None and e.kind == "file":
-                        digests[e.name] = sha
-                if progress is not None:
-                    counter.done = 0
-                    counter.add(min(reader.offset, total))
-            while pending:
-                name, done = pending.popleft()
-                sha = done.result()
-                if digests is not None:
-                    digests[name] = sha
+        for a, before, size in zip(archives, itertools.accumulate([0] + sizes), sizes, strict=False):
+            with open_tar_stream(a) as stream:
+                reader = TarReader(stream, what=str(a))
+                for e in reader:
+                    ex.check(e)
+                    if e.kind == "file" and e.size <= SMALL_FILE:
+                        ex.reserve(e)
+                        data = [bytes(b) for b in reader.chunks()]
+                        n = max(1, -(-e.size // CHUNK))
+                        for _ in range(n):
+                            inflight.acquire()
+                        fut = pool.submit(ex.write, e, data, digest=digests is not None)
+                        fut.add_done_callback(functools.partial(release, n))
+                        pending.append((e.name, fut))
+                        while pending and pending[0][1].done():
+                            name, done = pending.popleft()
+                            sha = done.result()
+                            if digests is not None:
+                                digests[name] = sha
+                    else:
+                        sha = ex.write(e, reader.chunks() if e.kind == "file" else (), digest=digests is not None)
+                        if digests is not None and e.kind == "file":
+                            digests[e.name] = sha
+                    if progress is not None:
+                        counter.done = 0
+                        counter.add(before + min(reader.offset, size))
+        while pending:
+            name, done = pending.popleft()
+            sha = done.result()
+            if digests is not None:
+                digests[name] = sha
         return Extracted(ex.dest, len(ex.files), ex.total)
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -997,14 +1003,13 @@ class _Tee(io.RawIOBase):
 
 
 def _extract_with_tools(archive: str | os.PathLike[str], ex: SafeExtractor, tools: tuple[str, str],
-                        progress: ProgressFn | None, digests: dict[str, str] | None = None) -> None:
+                        counter: ByteCounter, before: int, digests: dict[str, str] | None = None) -> None:
     """`zstd -d | (check here) | tar -x` into ex.dest: the stream is read by TarReader and each entry passes
     SafeExtractor.check (paths, links, devices, duplicates, limits) before its header (with the mode normalized
     as SafeExtractor writes it) goes on to tar; nothing that failed a check reaches tar, and a failure kills both
     tools and the caller removes the directory. tar writes with --no-same-owner, --touch, --keep-old-files."""
     zstd, tar = tools
     total = os.stat(archive).st_size
-    counter = ByteCounter(progress, "extracting", total)
     procs: list[subprocess.Popen[bytes]] = []
     # the tools' messages go to files, not pipes: a tar that writes many (a full disk) must never block on them
     errs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]  # noqa: SIM115 - closed below
@@ -1073,9 +1078,8 @@ def _extract_with_tools(archive: str | os.PathLike[str], ex: SafeExtractor, tool
                         send(b)
                     if h is not None and digests is not None:
                         digests[e.name] = h.hexdigest()
-                if progress is not None:
-                    counter.done = 0
-                    counter.add(min(reader.offset, total))
+                counter.done = 0
+                counter.add(before + min(reader.offset, total))
             for b in tee.take():  # the end-of-archive blocks, checked zeros
                 send(b)
         except BrokenPipeError:

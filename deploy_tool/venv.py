@@ -15,15 +15,26 @@ import csv
 import hashlib
 import io
 import os
-from collections.abc import Callable
+import posixpath
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from deploy_tool import proc
-from deploy_tool.errors import DeployError
+from deploy_tool.errors import BundleError, DeployError
 from deploy_tool.fsutil import atomic_write
 
 # Shebangs and pyvenv.cfg of the archived venv point at this prefix; install rewrites it to the real path.
 VENV_PLACEHOLDER = "/__deploytool_venv_prefix__"
+
+# The venv travels in the bundle as one archive per installed distribution (venv-parts/<name>.tar.zst), plus
+# BASE_PART for what no distribution owns, so a release one wheel apart differs in that wheel's part only: a fleet
+# ship sends and hashes that part, and links or copies the rest (deploytool.fleet.ship). Bundles packed before
+# 2026-12-06 carry the whole venv as LEGACY_VENV_ARCHIVE; install takes either.
+VENV_PARTS = "venv-parts"
+BASE_PART = "_base"  # a distribution's canonical name never starts with "_"
+LEGACY_VENV_ARCHIVE = "venv.tar.zst"
+_PART_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
 
 Runner = Callable[..., object]  # proc.run or proc.run_tool: (argv, *, env=..., timeout=...)
 
@@ -50,7 +61,7 @@ def build_venv(python: str, lock_path: Path, wheels_dir: Path, dest: Path, *, ru
 def compile_venv(venv: Path, current: str, log: Callable[[str], None] = lambda s: None) -> bool:
     """Byte-compile the venv's Python (lib/) into checked-hash .pyc files, recording the paths the sources have
     on the box through `current` (`<current>/venv/lib/...`), so the bytes are the same wherever the venv is
-    built: pack puts them in the venv archive and they are signed and pinned like every other file.
+    built: pack puts them in the venv's archives and they are signed and pinned like every other file.
 
     A backend runs with DynamicUser= and ProtectSystem=strict: it cannot write bytecode, so without these every
     start of ftllm would compile its Python again. checked-hash .pyc files are validated against their source's
@@ -123,3 +134,62 @@ def _fix_records(venv: Path, changed: dict[Path, bytes]) -> None:
             out = io.StringIO()
             csv.writer(out, lineterminator="\n").writerows(rows)
             atomic_write(record, out.getvalue().encode(), record.stat().st_mode & 0o7777)
+
+
+def venv_archives(paths: Iterable[str]) -> list[str]:
+    """The venv archives among a bundle's file paths, in the order install unpacks them: the one legacy archive,
+    or every part. A bundle with neither, or with both, is refused (BundleError)."""
+    paths = list(paths)
+    parts = sorted(p for p in paths if p.startswith(VENV_PARTS + "/"))
+    legacy = LEGACY_VENV_ARCHIVE in paths
+    if parts and legacy:
+        raise BundleError(f"the bundle carries both {LEGACY_VENV_ARCHIVE} and {VENV_PARTS}/: which venv is meant?",
+                          hint="pack the bundle again")
+    if not parts and not legacy:
+        raise BundleError(f"the bundle carries no venv ({VENV_PARTS}/*.tar.zst or {LEGACY_VENV_ARCHIVE})",
+                          hint="pack the bundle again")
+    return parts or [LEGACY_VENV_ARCHIVE]
+
+
+def canonical_name(name: str) -> str:
+    """A distribution's name as PEP 503 normalizes it (`Typing_Extensions` -> `typing-extensions`)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def part_owner(venv: Path) -> Callable[[str], str]:
+    """Which venv part a path (relative to the venv) goes into: the distribution whose dist-info RECORD lists it
+    (or lists the source of a __pycache__ .pyc, or whose dist-info directory holds it), else BASE_PART (pyvenv.cfg,
+    activate scripts, files no RECORD names). A path two RECORDs list goes to the first dist-info directory by name."""
+    owner: dict[str, str] = {}
+    info_dirs: dict[str, str] = {}
+    for info in sorted(venv.glob("lib/python*/site-packages/*.dist-info")):
+        name = canonical_name(info.name[: -len(".dist-info")].rpartition("-")[0] or info.name)
+        if not _PART_NAME.fullmatch(name):
+            raise BundleError(f"venv: distribution {info.name!r} has a name that cannot name a bundle file",
+                              hint="remove that package from the lock")
+        site = info.parent.relative_to(venv).as_posix()
+        info_dirs[f"{site}/{info.name}"] = name
+        try:
+            rows = list(csv.reader(io.StringIO((info / "RECORD").read_text("utf-8"))))
+        except (OSError, UnicodeDecodeError, csv.Error):
+            rows = []
+        for row in rows:
+            if row and row[0]:
+                rel = posixpath.normpath(f"{site}/{row[0]}")
+                if not rel.startswith("../"):
+                    owner.setdefault(rel, name)
+
+    def of(rel: str) -> str:
+        hit = owner.get(rel)
+        if hit is not None:
+            return hit
+        head = "/".join(rel.split("/")[:4])
+        if head in info_dirs:
+            return info_dirs[head]
+        d, _, base = rel.rpartition("/")
+        if d.endswith("/__pycache__") and base.endswith(".pyc"):
+            src = f"{d[: -len('/__pycache__')]}/{base.split('.', 1)[0]}.py"
+            return owner.get(src, BASE_PART)
+        return BASE_PART
+
+    return of

@@ -446,3 +446,46 @@ def test_a_tree_of_many_members_is_cut_into_frames(tmp_path: Path) -> None:
     r = subprocess.run(["zstd", "-d", "-c", str(out)], capture_output=True, check=True)  # make setup installs zstd
     with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tf:
         assert "big.so" in tf.getnames() and len(tf.getnames()) == 402
+
+
+# ------------------------------------------------------------------------------------------------ several archives
+
+def test_several_archives_unpack_as_one_tree(tmp_path: Path) -> None:
+    """A venv cut into archives (directories in one, files spread over others) unpacks into the same tree as the
+    whole; every file's digest is reported once, whichever archive held it."""
+    venv = make_venv_tree(tmp_path / "venv")
+    members = archive.members_from_tree(venv)
+    dirs = [m for m in members if m.kind == "dir"]
+    rest = [m for m in members if m.kind != "dir"]
+    parts = [archive.write_archive(dirs, tmp_path / "p0.tar.zst"),
+             archive.write_archive(rest[::2], tmp_path / "p1.tar.zst"),
+             archive.write_archive(rest[1::2] + dirs[:1], tmp_path / "p2.tar.zst")]  # a directory again: merged
+    digests: dict[str, str] = {}
+    got = archive.extract_archive(parts, tmp_path / "out", digests=digests if os.environ[archive.UNPACK_ENV] ==
+                                  "python" else None)
+    assert _tree_listing(tmp_path / "out") == _tree_listing(venv)
+    assert got.files == sum(1 for m in rest if m.kind == "file")
+    if digests:
+        assert set(digests) == {m.name for m in rest if m.kind == "file"}
+
+
+@pytest.mark.parametrize("kind", [tarfile.REGTYPE, tarfile.SYMTYPE])
+def test_a_path_two_archives_hold_is_refused_and_nothing_is_left(tmp_path: Path, kind: bytes) -> None:
+    """The second archive may not replace or add to what the first wrote: a file or link both hold is a duplicate
+    entry, and the whole destination is removed."""
+    one = write_members(tmp_path / "one.tar.zst", [member("d", tarfile.DIRTYPE), member("d/x", data=b"first")])
+    two = write_members(tmp_path / "two.tar.zst", [member("d/y", data=b"ok"),
+                                                   member("d/x", kind, b"second", linkname="y")])
+    with pytest.raises(BundleError) as ei:
+        archive.extract_archive([one, two], tmp_path / "out")
+    assert ei.value.reason == "duplicate-entry" and "d/x" in str(ei.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_limits_count_every_archive(tmp_path: Path) -> None:
+    parts = [write_members(tmp_path / f"p{i}.tar.zst", [member(f"f{i}", data=b"x" * 600)]) for i in range(2)]
+    with pytest.raises(BundleError) as ei:
+        archive.extract_archive(parts, tmp_path / "out", max_total=1000)
+    assert ei.value.reason == "archive-too-large"
+    assert not (tmp_path / "out").exists()
+    assert archive.extract_archive(parts, tmp_path / "ok", max_total=1200).total_size == 1200

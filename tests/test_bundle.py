@@ -143,7 +143,7 @@ def _dir_unknown_file_key(w, tmp, d):
 
 
 def _dir_version(w, tmp, d):
-    _edit_manifest(d, lambda o: o.__setitem__("format_version", 2), w["keys"].private)
+    _edit_manifest(d, lambda o: o.__setitem__("format_version", 3), w["keys"].private)
     return d
 
 

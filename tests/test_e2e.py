@@ -99,9 +99,9 @@ def test_install_byte_compiles_the_release_venv(installed):
     assert marshal.loads(data[16:]).co_filename == str(current / server.relative_to(current)), "recorded path"
     from deploy_tool.archive import TarReader, open_tar_stream
 
-    with open_tar_stream(current / "venv.tar.zst") as stream:
+    with open_tar_stream(current / "venv-parts" / "ftllm.tar.zst") as stream:
         names = {e.name for e in TarReader(stream)}
-    assert str(pycs[0].relative_to(venv)) in names, "the .pyc comes from the signed venv archive"
+    assert str(pycs[0].relative_to(venv)) in names, "the .pyc comes from ftllm's part of the signed venv"
 
 
 def test_servers_run_as_a_dynamic_user(installed, systemd_sandbox):

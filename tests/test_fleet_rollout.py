@@ -201,6 +201,14 @@ class TestFleet:
                                                  "deploytool_gate_timeout=2"}, after=None)
         # the host var line is appended: h2 gets a second definition with the var (ansible merges them)
         h3_hist = history_len(f, "h3")
+        # h1's deploytool made one that reads MANIFEST format 1 only, as every deploytool before 2026-12-06 does:
+        # its install refuses r2 (format 2, the venv in parts), and the release module has r2 install itself with
+        # the deploytool r2 carries (bootstrap)
+        older = f.exec("h1", "sh", "-c", "m=$(echo /opt/deploytool/current/tool/lib/python3*/site-packages/"
+                       "deploy_tool/manifest.py) && sed -i 's/^SUPPORTED_FORMAT_VERSIONS = .*/SUPPORTED_FORMAT_"
+                       "VERSIONS = frozenset({1})/' \"$m\" && grep -c '^SUPPORTED_FORMAT_VERSIONS = frozenset({1})$' "
+                       "\"$m\"")
+        assert older.returncode == 0 and older.stdout.strip() == "1", older
         # shipped with link: r2's bundle shares r1's unchanged files on the hosts (one inode, two names), and both
         # the install of r2 and revert.yml's reinstall of r1 take such bundles
         run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r2, "r2", deploytool_serial=1,
@@ -211,6 +219,8 @@ class TestFleet:
                         f"[ {r2.bundle_id}/${{f#*/}} -ef $f ] && echo \"$f\"; done; true")
         assert shared.returncode == 0 and shared.stdout.strip(), shared
         assert run.stats["h2"]["failures"] == 1, run.stats
+        inst = run.task_results("install")
+        assert inst["h1"]["bootstrapped"] is True and inst["h2"]["bootstrapped"] is False, inst
         assert run.task_results("gate")["h2"]["reason"] == "unhealthy", run.task_results("gate")["h2"]
         assert "h3" not in run.stats or run.stats["h3"]["ok"] == 0, run.stats
         assert status(f, "h1")["release"] == r2.bundle_id and status(f, "h1")["code"] == 0

@@ -428,7 +428,7 @@ def test_upgrade_killed_then_install_again_completes(box: Box, saved_a: Path, st
 # ------------------------------------------------------------------------------------------------ verified bytes
 
 @pytest.mark.parametrize("victim", ["env/ftllm-dflash.env", "units/llamacpp-tensor.service", "config.json",
-                                    "templates/chat_template.jinja", "venv.tar.zst"])
+                                    "templates/chat_template.jinja", "venv-parts/tinypkg.tar.zst"])
 def test_file_swapped_after_the_signature_check_is_refused(box: Box, victim: str, tmp_path: Path) -> None:
     """install of a bundle directory, stopped right after the signature check; VICTIM is swapped for other bytes
     of the same size and mode; install goes on: exit 6, the error names VICTIM, nothing installed.

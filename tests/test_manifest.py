@@ -147,7 +147,7 @@ def _with(edit) -> dict:
     (lambda o: o["files"][0].__setitem__("uid", 0), "unknown-key"),
     (lambda o: o.pop("inputs"), "missing-key"),
     (lambda o: o["files"][0].pop("sha256"), "missing-key"),
-    (lambda o: o.__setitem__("format_version", 2), "format-version-unsupported"),
+    (lambda o: o.__setitem__("format_version", 3), "format-version-unsupported"),
     (lambda o: o.__setitem__("format_version", "1"), "wrong-type"),
     (lambda o: o.__setitem__("format_version", True), "wrong-type"),
     (lambda o: o["files"][0].__setitem__("size", "1"), "wrong-type"),
@@ -300,3 +300,16 @@ def test_progress_bar_draws_and_ends_lines() -> None:
     assert "hashing" in out and "100.0%" in out and " 50.0%" in out
     assert out.count("100.0%") == 1
     assert out.endswith("\n") and "archiving" in out
+
+
+def test_a_format_1_manifest_of_a_bundle_packed_before_the_venv_parts_still_reads() -> None:
+    """deploytool writes format 2 (the venv may come in parts); a bundle packed before, format 1 (its venv one
+    venv.tar.zst), still reads, its id checked as 1's (the ship's reader: tests/test_ship.py)."""
+    m = _m()
+    assert m.format_version == mf.FORMAT_VERSION == 2
+    old = Manifest(1, mf.compute_bundle_id(m.files, m.inputs, m.native_libs, 1), m.created, m.inputs, m.files,
+                   m.native_libs)
+    raw = old.to_bytes()
+    back = Manifest.from_bytes(raw)
+    assert back.format_version == 1 and back.bundle_id == old.bundle_id != m.bundle_id
+    assert _reject(json.loads(raw) | {"bundle_id": m.bundle_id}) == "bundle-id-mismatch"  # the id is the version's

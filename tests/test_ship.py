@@ -524,7 +524,7 @@ BOTH_REFUSE = {
     "twice": lambda o: (o["files"].append(dict(o["files"][0])), _canonical(_with_id(o)))[1],
     "file and dir": lambda o: (o["files"].append(dict(o["files"][0], path=o["files"][0]["path"] + "/x")),
                                _canonical(_with_id(o)))[1],
-    "format 2": _top("format_version", 2), "format true": _top("format_version", True), "extra key": _top("x", 1),
+    "format 3": _top("format_version", 3), "format true": _top("format_version", True), "extra key": _top("x", 1),
     "no created": _drop("created"), "no files": _drop("files"), "files a dict": _top("files", {}),
     "inputs a list": _top("inputs", []), "native_libs a list": _top("native_libs", []),
     "not an object": lambda o: b"[]\n", "not JSON": lambda o: _canonical(o)[:-3],
@@ -618,3 +618,17 @@ def test_the_ship_action_reads_a_bundle_alike_with_or_without_deploytool(tmp_pat
     assert [b if isinstance(b, str) else "read" for b in runs["1"]["bundles"]] == [
         "read", f"refused: bundle {edited}", f"refused: bundle {short}", f"refused: src {tmp_path / 'none'} is not a "
         f"directory"]
+
+
+def test_the_ship_reads_manifests_of_format_1_and_2_with_their_ids() -> None:
+    """A bundle packed before 2026-12-06 (format 1) ships as one packed now (2); the id is checked with the
+    version the MANIFEST states, so a version edited without its id is refused."""
+    from deploy_tool.manifest import FileEntry, Manifest, compute_bundle_id
+
+    files = (FileEntry("venv.tar.zst", 3, 0o644, "a" * 64),)
+    for version in (1, 2):
+        m = Manifest(version, compute_bundle_id(files, {}, {}, version), "1970-01-01T00:00:00Z", {}, files, {})
+        assert sc.parse_manifest(m.to_bytes()).bundle_id == m.bundle_id
+        other = m.to_bytes().replace(b'"format_version": %d' % version, b'"format_version": %d' % (3 - version))
+        with pytest.raises(sc.ShipError, match="bundle_id"):
+            sc.parse_manifest(other)

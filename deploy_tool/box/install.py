@@ -3,7 +3,7 @@
 Steps (each undone, in reverse, if a later one fails; intent is in state.json before anything changes):
 verify the bundle with a trusted key into a private staging dir (archive or directory alike: each file hashed
 from the bytes written there; nothing is read from the bundle after that) -> refuse a bundle packed for another
-config -> rename the staging dir to releases/.staging-<id> -> unpack the venv archive, bytecode included (or
+config -> rename the staging dir to releases/.staging-<id> -> unpack the venv's archives, bytecode included (or
 rebuild it from the wheels with --no-index --require-hashes) and relocate it, deploytool's own venv built
 alongside -> refuse a box that lacks an OS library the native binaries need -> check every native library hash
 against the manifest -> rename to releases/<id> -> write env files and units atomically (drop-in dirs
@@ -687,8 +687,8 @@ class _Install:
             # the Python writer hashes each file as it writes it, for the checks after; through the system's tar
             # the data never enters this process (splice) and they read the files back from the page cache
             digests: dict[str, str] | None = None if archive.unpack_tools() else {}
-            archive.extract_archive(stage / "venv.tar.zst", stage / "venv", symlinks=True, progress=self.progress,
-                                    digests=digests)
+            parts = [stage / rel for rel in venv.venv_archives(f.path for f in self.vb.manifest.files)]
+            archive.extract_archive(parts, stage / "venv", symlinks=True, progress=self.progress, digests=digests)
             if digests:
                 self._note_written(stage / "venv", digests, "venv/")
             t1 = time.monotonic()
@@ -854,7 +854,7 @@ def makedirs_open(d: Path) -> None:
 def server_modes(tree: Path) -> int:
     """Give the release the modes its servers need: they run as a DynamicUser (no group, no home), so every
     directory must be 0755 and every file 0644 (0755 if executable), owned by whoever installs (root), writable
-    by nobody else. The venv archive unpacks into a private 0700 staging directory and pip, venv and compileall
+    by nobody else. The venv's archives unpack into a private 0700 staging directory and pip, venv and compileall
     follow the umask, so nothing of that is left to chance. Symlinks are left alone. Returns how many modes
     changed."""
     changed = 0

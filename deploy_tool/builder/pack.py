@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -39,9 +40,12 @@ from deploy_tool.proc import run_tool
 from deploy_tool.progress import waiting
 from deploy_tool.render import resolved_config_json
 from deploy_tool.venv import (
+    BASE_PART,
+    VENV_PARTS,
     VENV_PLACEHOLDER,
     build_venv,
     compile_venv,
+    part_owner,
     pip_env,
     relocate_venv,
 )
@@ -264,6 +268,29 @@ def venv_archive_excludes(venv: Path, rel: str) -> bool:
     return rel.startswith("bin/python") and (venv / rel).is_symlink()
 
 
+def archive_venv_parts(venv: Path, out: Path, *, progress=None) -> list[Path]:
+    """The venv as one reproducible archive per part (venv.part_owner: each distribution's files, and BASE_PART
+    for the rest and every directory) under `out`; their paths, sorted. A distribution's archive depends on that
+    distribution's files alone, so two packs one wheel apart share the bytes of every other part."""
+    groups: dict[str, list[archive.Member]] = {BASE_PART: []}
+    owner = part_owner(venv)
+    for m in archive.members_from_tree(venv, symlinks=True, exclude=lambda rel: venv_archive_excludes(venv, rel)):
+        groups.setdefault(BASE_PART if m.kind == "dir" else owner(m.name), []).append(m)
+    sizes = {name: sum(os.stat(m.source).st_size for m in ms if isinstance(m.source, Path))
+             for name, ms in groups.items()}
+    out_paths, before = [], 0
+    for name, members in sorted(groups.items()):
+        # one progress line for all parts: each part's bytes counted on from the parts before it
+        shown = None if progress is None else functools.partial(_progress_from, progress, before, sum(sizes.values()))
+        out_paths.append(archive.write_archive(members, out / f"{name}.tar.zst", progress=shown))
+        before += sizes[name]
+    return out_paths
+
+
+def _progress_from(progress, before: int, total: int, phase: str, done: int, _part_total: int) -> None:
+    progress(phase, before + done, total)
+
+
 def patch_template(cfg: Config) -> tuple[bytes, bytes, dict[str, Any]] | None:
     """(original, patched, record) for the configured chat template; the patch must match exactly once."""
     ct = cfg.bundle.chat_template
@@ -357,12 +384,11 @@ def pack(cfg: Config, *, out_dir: Path, key_path: Path, progress=None, log: Call
         relocate_venv(venv, str(venv), VENV_PLACEHOLDER)
         native = hash_native_libs(venv, progress=progress)
         log(f"venv: {len(native)} native libraries hashed")
-        venv_archive = t / "venv.tar.zst"
-        archive.archive_tree(venv, venv_archive, symlinks=True, progress=progress,
-                             exclude=lambda rel: venv_archive_excludes(venv, rel))
         ents: list[Any] = [bundle.Entry(f"wheels/{p.name}", p, 0o644) for p in sorted(wheels.values())]
         ents.append(bundle.Entry("requirements.lock", lock_path, 0o644))
-        ents.append(bundle.Entry("venv.tar.zst", venv_archive, 0o644))
+        parts = archive_venv_parts(venv, t / VENV_PARTS, progress=progress)
+        log(f"venv: {len(parts)} archives, one per distribution and {BASE_PART} (under {VENV_PARTS}/)")
+        ents += [bundle.Entry(f"{VENV_PARTS}/{p.name}", p, 0o644) for p in parts]
         inputs: dict[str, Any] = {
             "config_sha256": cfg.source_sha256, "lock_sha256": hash_file(lock_path),
             "python": cfg.bundle.python, "venv_placeholder": VENV_PLACEHOLDER,

@@ -56,7 +56,7 @@ def lock(ctx: Ctx) -> None:
                    "installed (default: bundle.sequence, else SOURCE_DATE_EPOCH, else 0).")
 @pass_ctx
 def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None, sequence: int | None) -> None:
-    """Build a signed, reproducible, offline bundle: wheels, venv archive, template, NCCL, units, config."""
+    """Build a signed, reproducible, offline bundle: wheels, the venv's archives, template, NCCL, units, config."""
     from deploy_tool.builder import pack as pack_mod
     from deploy_tool.errors import InputError
 

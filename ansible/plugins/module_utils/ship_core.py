@@ -143,8 +143,8 @@ def parse_manifest(raw):
         raise ShipError("MANIFEST is not a deploytool bundle manifest (keys %s)"
                         % sorted(obj) if isinstance(obj, dict) else "MANIFEST is not a JSON object",
                         "manifest-malformed")
-    if obj["format_version"] != 1 or not _is_int(obj["format_version"]):
-        raise ShipError("MANIFEST format_version %r is not supported (this collection reads 1)"
+    if not _is_int(obj["format_version"]) or obj["format_version"] not in (1, 2):
+        raise ShipError("MANIFEST format_version %r is not supported (this collection reads 1 and 2)"
                         % (obj["format_version"],), "format-version-unsupported")
     bid = obj["bundle_id"]
     if not isinstance(bid, str) or not _HEXID.match(bid):
@@ -183,7 +183,7 @@ def parse_manifest(raw):
             if "/".join(parts[:k]) in seen:
                 raise ShipError("MANIFEST: %s is a file and also the directory of %s" % ("/".join(parts[:k]), e.path),
                                 "manifest-malformed", e.path)
-    body = {"format_version": 1, "files": sorted(obj["files"], key=lambda f: f["path"]), "inputs": obj["inputs"],
+    body = {"format_version": obj["format_version"], "files": sorted(obj["files"], key=lambda f: f["path"]), "inputs": obj["inputs"],
             "native_libs": obj["native_libs"]}
     expected = hashlib.sha256(_canonical(body, None)).hexdigest()[:16]
     if expected != bid:

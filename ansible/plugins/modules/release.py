@@ -14,7 +14,9 @@ author: deploytool maintainers (@deploytool)
 description:
   - Installs the bundle directory O(bundle) on the host with deploytool's own C(install) (verify, unpack, units,
     pins, start the default backend behind the health gate). A host without deploytool is bootstrapped from the
-    bundle (C(python3 BUNDLE/bootstrap)), with no network and no pip.
+    bundle (C(python3 BUNDLE/bootstrap)), with no network and no pip; so is a host whose deploytool does not read
+    the bundle's MANIFEST format (a deploytool from before 2026-12-06 and a bundle packed since, whose venv comes
+    as one archive per distribution), so that the bundle installs with the deploytool it carries.
   - Idempotent - the release already installed and serving is C(changed=false) (install says "no-op").
   - The config - a bundle is packed for one config and install refuses it under another. With O(config_content)
     (the fleet's config, e.g. C(lookup('file', 'deploytool.yaml'))) the module puts it at O(config) first (only
@@ -82,7 +84,7 @@ action:
   type: str
   returned: success
 bootstrapped:
-  description: The host had no deploytool and was bootstrapped from the bundle.
+  description: The host had no deploytool, or one that does not read the bundle's format, and was bootstrapped from the bundle.
   type: bool
   returned: always
 config_changed:
@@ -238,12 +240,22 @@ def main():
 
     try:
         extra = (["--keys", p["keys_dir"]] if p["keys_dir"] else []) + ([] if p["start"] else ["--no-start"])
-        if tool is None:
+        why = None if tool is not None else "the host has no deploytool"
+        if tool is not None:
+            args = (["--dry-run"] if module.check_mode else []) + ["install", bundle] + extra
+            rc, data, out, err = dtu.dt(module, tool, *args, config=run_cfg)
+            tool_after = dtu.tool_path(module) or tool
+            if rc == 6 and _format_too_new(dtu._reason(data, out, err)):
+                why = "the host's deploytool does not read this bundle's format"
+        if why is not None:
+            # the bundle installs itself with the deploytool it carries (a host without one, or with one older
+            # than the bundle's MANIFEST format: a bundle of 2026-12-06 on, on a deploytool from before)
             if module.check_mode:
                 rid = _manifest_id(bundle) or os.path.basename(bundle)
                 res.update(changed=True, action="bootstrap-planned", release=rid, bootstrapped=False,
-                           msg="check mode: the host has no deploytool; it would be bootstrapped from %s" % bundle,
-                           after=dict(release=rid, active_backend="(the config's default_backend)", units={}))
+                           msg="check mode: %s; it would be bootstrapped from %s" % (why, bundle),
+                           after=dict(release=rid, active_backend=before["active_backend"] or
+                                      "(the config's default_backend)", units=before["units"]))
                 if module._diff:
                     res["diff"] = dict(before=before, after=res["after"])
                 module.exit_json(**res)
@@ -252,10 +264,6 @@ def main():
             rc, data, out, err = dtu.run(module, argv)
             res["bootstrapped"] = True
             tool_after = dtu.tool_path(module)
-        else:
-            args = (["--dry-run"] if module.check_mode else []) + ["install", bundle] + extra
-            rc, data, out, err = dtu.dt(module, tool, *args, config=run_cfg)
-            tool_after = dtu.tool_path(module) or tool
         if rc != 0 or not isinstance(data, dict):
             if cfg_changes and not module.check_mode:
                 after_st = dtu.status(module, tool_after)
@@ -291,6 +299,12 @@ def main():
     finally:
         if tmp_cfg and os.path.exists(tmp_cfg):
             os.unlink(tmp_cfg)
+
+
+def _format_too_new(message):
+    """Whether an install failed only because the host's deploytool predates the bundle's MANIFEST format (the
+    words every deploytool since format 1 says it with: deploy_tool/manifest.py)."""
+    return "format_version" in message and "is not supported" in message
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ description:
     copied locally into a staging directory after a check (see O(rehash); copies, not hard links, unless O(link);
     deploytool before 2026-12-06 refuses a bundle file that has other links). Only the missing files cross the network,
     with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
-    file at the same path (a venv archive where one wheel changed) travels as a delta.
+    file at the same path (the venv's archive of a distribution whose wheel changed) travels as a delta.
   - Every file of the staging directory is then checked against the MANIFEST (no extra or missing file; size, mode
     and SHA-256 of each) and only then is the directory renamed to O(dest)/<release> in one rename. A failed ship
     leaves neither O(dest)/<release> nor the staging directory. A release the host already has (checked) is
