@@ -10,7 +10,7 @@ once and cached). Side by side, in one run, in this order:
   ship A     `ansible fleet -m deploytool.fleet.ship -a src=A` (ansible start included): nothing on the hosts yet
   rsync =    the same rsync again, nothing changed; `ship A =` the same ship again (changed=false)
   ship A rehash=true   the same again re-reading every earlier file on the hosts instead of trusting the record
-  ship B     bundle B (one wheel rebuilt: that wheel, the venv archive built from it, the lock, config.json and
+  ship B     bundle B (one wheel rebuilt: that wheel, its archive among the venv's parts, the lock, config.json and
              the units differ) onto hosts that hold A
   ship B link  bundle B again, with link=true, onto hosts that hold A alone again (the first B removed): the files
              the hosts have become hard links to A's instead of local copies

@@ -204,7 +204,7 @@ class TestFleet:
         # h1's deploytool made one that reads MANIFEST format 1 only, as every deploytool before 2026-12-06 does:
         # its install refuses r2 (format 2, the venv in parts), and the release module has r2 install itself with
         # the deploytool r2 carries (bootstrap)
-        older = f.exec("h1", "sh", "-c", "m=$(echo /opt/deploytool/current/tool/lib/python3*/site-packages/"
+        older = f.exec("h1", "sh", "-c", "m=$(echo /opt/deploytool/current/tool/venv/lib/python3*/site-packages/"
                        "deploy_tool/manifest.py) && sed -i 's/^SUPPORTED_FORMAT_VERSIONS = .*/SUPPORTED_FORMAT_"
                        "VERSIONS = frozenset({1})/' \"$m\" && grep -c '^SUPPORTED_FORMAT_VERSIONS = frozenset({1})$' "
                        "\"$m\"")
