@@ -209,10 +209,11 @@ class TestFleet:
                        "VERSIONS = frozenset({1})/' \"$m\" && grep -c '^SUPPORTED_FORMAT_VERSIONS = frozenset({1})$' "
                        "\"$m\"")
         assert older.returncode == 0 and older.stdout.strip() == "1", older
-        # shipped with link: r2's bundle shares r1's unchanged files on the hosts (one inode, two names), and both
-        # the install of r2 and revert.yml's reinstall of r1 take such bundles
-        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r2, "r2", deploytool_serial=1,
-                                                               deploytool_ship_link=True), inventory=inv, timeout=900)
+        # shipped with the ship's default `link` (both bundles are of MANIFEST format 2): r2's bundle shares r1's
+        # unchanged files on the hosts (one inode, two names), and both the install of r2 and revert.yml's
+        # reinstall of r1 take such bundles
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "-e", extra(f, r2, "r2", deploytool_serial=1), inventory=inv,
+                         timeout=900)
         assert run.returncode != 0, str(run)
         bundles = "/var/lib/deploytool/bundles"
         shared = f.exec("h1", "sh", "-c", f"cd {bundles} && for f in {r1.bundle_id}/wheels/*; do "

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy_tool.errors import BundleError
-from deploy_tool.manifest import FileEntry, Manifest
+from deploy_tool.manifest import FileEntry, Manifest, compute_bundle_id
 from tests.support.examples import examples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,11 +44,15 @@ sc = _load()
 
 
 def make_bundle(root: Path, files: dict[str, bytes], modes: dict[str, int] | None = None,
-                inputs: dict | None = None) -> tuple[Path, object]:
-    """A bundle directory (files + a real deploytool MANIFEST) at root/<bundle_id>; returns (dir, parsed)."""
+                inputs: dict | None = None, format_version: int = 2) -> tuple[Path, object]:
+    """A bundle directory (files + a real deploytool MANIFEST) at root/<bundle_id>; returns (dir, parsed).
+    `format_version` 1: as deploytool before 2026-12-06 packed it."""
     modes = modes or {}
     ents = [FileEntry(p, len(b), modes.get(p, 0o644), hashlib.sha256(b).hexdigest()) for p, b in files.items()]
     m = Manifest.build(ents, inputs=inputs or {}, created="2026-01-01T00:00:00Z")
+    if format_version != m.format_version:
+        m = Manifest(format_version, compute_bundle_id(m.files, m.inputs, m.native_libs, format_version), m.created,
+                     m.inputs, m.files, m.native_libs)
     d = root / f"bundle-{m.bundle_id}"
     d.mkdir(parents=True)
     for p, b in files.items():
@@ -285,6 +289,27 @@ def test_keep_removes_the_oldest_and_the_kept_stay_trusted(tmp_path, dest):
     # removing the oldest bundles left the kept ones' files and their records as they were
     r = sc.prepare(str(dest), ms[2][1])
     assert r["present"] is True and r["hashed_bytes"] == 0
+
+
+@pytest.mark.parametrize("old_format", [1, 2])
+@pytest.mark.parametrize("new_format", [1, 2])
+@pytest.mark.parametrize("link", [None, True, False])
+def test_which_files_are_linked(tmp_path, dest, link, old_format, new_format):
+    """Over every combination: `link` true links and false copies; omitted (None, the module's default) links only
+    between two bundles of MANIFEST format 2, which no deploytool before 2026-12-06 (the ones that refuse a linked
+    file) installs. The tree shipped is the controller's either way, and `linked_files` says what was linked."""
+    src_a, ma = make_bundle(tmp_path / "ctl", FILES_A, format_version=old_format)
+    ship(dest, src_a, ma, link=False)
+    files_b = dict(FILES_A, **{"wheels/b-1.whl": b"wheel b rebuilt"})
+    src_b, mb = make_bundle(tmp_path / "ctl", files_b, format_version=new_format)
+    assert (ma.format_version, mb.format_version) == (old_format, new_format)
+    r = ship(dest, src_b, mb, link=link)
+    linked = link if link is not None else old_format == new_format == 2
+    a, b = dest / ma.bundle_id, dest / mb.bundle_id
+    assert tree(b) == tree(src_b) and tree(a) == tree(src_a)
+    shared = sorted(rel for rel in FILES_A if os.stat(a / rel).st_ino == os.stat(b / rel).st_ino)
+    assert shared == (sorted(set(FILES_A) - {"wheels/b-1.whl"}) if linked else []), shared
+    assert r["linked_files"] == len(shared) and r["reused_files"] == len(FILES_A) - 1
 
 
 def test_with_link_the_kept_bundles_share_what_did_not_change(tmp_path, dest):
@@ -623,8 +648,6 @@ def test_the_ship_action_reads_a_bundle_alike_with_or_without_deploytool(tmp_pat
 def test_the_ship_reads_manifests_of_format_1_and_2_with_their_ids() -> None:
     """A bundle packed before 2026-12-06 (format 1) ships as one packed now (2); the id is checked with the
     version the MANIFEST states, so a version edited without its id is refused."""
-    from deploy_tool.manifest import FileEntry, Manifest, compute_bundle_id
-
     files = (FileEntry("venv.tar.zst", 3, 0o644, "a" * 64),)
     for version in (1, 2):
         m = Manifest(version, compute_bundle_id(files, {}, {}, version), "1970-01-01T00:00:00Z", {}, files, {})

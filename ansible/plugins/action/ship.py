@@ -47,13 +47,15 @@ def read_manifest_bytes(raw):
         m = PackageManifest.from_bytes(raw)
     except DeployError as exc:
         raise ShipError("%s" % exc, getattr(exc, "reason", "manifest-malformed")) from None
-    return Manifest(raw, m.bundle_id, [Entry(f.path, f.size, f.mode, f.sha256) for f in m.files])
+    return Manifest(raw, m.bundle_id, [Entry(f.path, f.size, f.mode, f.sha256) for f in m.files], m.format_version)
 
 
-def _flag(args, name):
-    """A boolean task argument (false when absent); anything but a boolean's spelling fails the task."""
+def _flag(args, name, default=False):
+    """A boolean task argument (`default` when absent or null); anything but a boolean's spelling fails the task."""
+    if args.get(name) is None:
+        return default
     try:
-        return boolean(args.get(name, False), strict=True)
+        return boolean(args[name], strict=True)
     except TypeError:
         raise AnsibleActionFail("%s must be true or false, got %r" % (name, args.get(name))) from None
 
@@ -71,7 +73,7 @@ class ActionModule(ActionBase):
         src = args.get("src")
         dest = args.get("dest") or DEFAULT_DEST
         keep = args.get("keep", 3)
-        rehash, link = _flag(args, "rehash"), _flag(args, "link")
+        rehash, link = _flag(args, "rehash"), _flag(args, "link", None)  # link None: the host decides per file
         rsync_opts = args.get("rsync_opts") or []
         if isinstance(rsync_opts, str):
             rsync_opts = shlex.split(rsync_opts)
@@ -109,6 +111,7 @@ class ActionModule(ActionBase):
             prep.setdefault("msg", "ship: the host could not say what it has")
             return dict(result, **prep)
         out = {"path": prep["path"], "release": manifest.bundle_id, "reused_files": prep["reused_files"],
+               "linked_files": prep.get("linked_files", 0),
                "refused": prep.get("refused", []), "removed": [], "literal_bytes": 0, "timings": timings,
                "host_hashed_bytes": prep.get("hashed_bytes", 0)}
         sizes = dict((e.path, e.size) for e in manifest.files)

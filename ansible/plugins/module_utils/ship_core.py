@@ -4,10 +4,11 @@ A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle
 
   prepare(dest, manifest)   which files of the MANIFEST the host already has, by SHA-256, in the bundles under
                             DEST (each checked before it is trusted: see TrustCache); a staging directory
-                            DEST/.incoming-<release>-<random> seeded with local copies of every file it has (with
-                            link=True hard links to the earlier bundle's: deploytool before 2026-12-06 refuses a
-                            bundle file with other links, and a box may still run one); the list of the missing
-                            ones.
+                            DEST/.incoming-<release>-<random> seeded with every file it has, as a hard link to
+                            the earlier bundle's or a local copy (link: True links, False copies, None links
+                            between bundles of MANIFEST format 2 and copies otherwise: a deploytool before
+                            2026-12-06 refuses a bundle file with other links, and reads format 1 only); the list
+                            of the missing ones.
   (the controller sends the missing files into the staging directory with rsync)
   commit(dest, staging, manifest, ...)
                             EVERY file of the staging directory checked against the MANIFEST (no extra or missing
@@ -96,10 +97,11 @@ class Manifest:
     clean and relative, sizes, modes and hashes well-formed, the bundle id the hash of the content (as
     deploy_tool/manifest.py computes it), so a MANIFEST that was edited is refused here too."""
 
-    def __init__(self, raw, bundle_id, files):
+    def __init__(self, raw, bundle_id, files, format_version=1):
         self.raw = raw
         self.bundle_id = bundle_id
         self.files = files
+        self.format_version = format_version
 
     @property
     def total_size(self):
@@ -183,13 +185,13 @@ def parse_manifest(raw):
             if "/".join(parts[:k]) in seen:
                 raise ShipError("MANIFEST: %s is a file and also the directory of %s" % ("/".join(parts[:k]), e.path),
                                 "manifest-malformed", e.path)
-    body = {"format_version": obj["format_version"], "files": sorted(obj["files"], key=lambda f: f["path"]), "inputs": obj["inputs"],
-            "native_libs": obj["native_libs"]}
+    body = {"format_version": obj["format_version"], "files": sorted(obj["files"], key=lambda f: f["path"]),
+            "inputs": obj["inputs"], "native_libs": obj["native_libs"]}
     expected = hashlib.sha256(_canonical(body, None)).hexdigest()[:16]
     if expected != bid:
         raise ShipError("MANIFEST bundle_id %s does not match its content (%s): the MANIFEST was altered"
                         % (bid, expected), "bundle-id-mismatch")
-    return Manifest(raw, bid, files)
+    return Manifest(raw, bid, files, obj["format_version"])
 
 
 def read_manifest(bundle_dir):
@@ -350,8 +352,8 @@ def _mkparents(root, rel):
 def _place(src, dst, mode, link=False):
     """Put trusted file `src` at `dst` with `mode`: a local copy, nothing over the network. With `link`, a hard link
     to `src` instead where it already has that mode and belongs to this user (root), so kept bundles share it; a
-    copy where the file system refuses the link. Copies by default: deploytool before 2026-12-06 refuses a bundle
-    file with other links, and the box's own deploytool installs what this ships.
+    copy where the file system refuses the link (which of the two, `prepare` decides: `_link_wanted`). Returns
+    whether it is a link.
 
     A link is safe because nothing writes a shipped bundle's files: rsync writes only the missing files, each to a
     temporary name renamed into place; commit writes only MANIFEST and MANIFEST.sig, as new files; removing a bundle
@@ -370,15 +372,28 @@ def _place(src, dst, mode, link=False):
                     raise
             else:
                 os.rename(tmp, dst)
-                return
+                return True
     shutil.copyfile(src, tmp)
     os.chmod(tmp, mode)
     os.rename(tmp, dst)
+    return False
+
+
+def _link_wanted(link, manifest, source_format):
+    """Whether a file the host has goes into the new bundle as a hard link: `link` when given; else (None) when both
+    the new bundle and the one the file comes from are of MANIFEST format 2 or later. Only a deploytool from
+    2026-12-06 on reads format 2 (one before refuses such a bundle by its format, before it looks at any file), and
+    every such deploytool installs a bundle file that has other links; a format-1 bundle may still be installed by
+    an older deploytool, which refuses a linked file, so its files gain no links unless asked."""
+    if link is not None:
+        return link
+    return manifest.format_version >= 2 and source_format >= 2
 
 
 def _have(dest, manifest, cache, skip=None):
-    """{sha256: (path on the host, mode)} of the files the host has that the MANIFEST needs, each checked (by the
-    trust cache or read) before it is believed; plus how many candidates were refused (tampered or gone)."""
+    """{sha256: (path on the host, mode, the MANIFEST format of its bundle)} of the files the host has that the
+    MANIFEST needs, each checked (by the trust cache or read) before it is believed; plus how many candidates were
+    refused (tampered or gone). A format-2 bundle's copy is taken before a format-1 one's (it may be linked)."""
     need = set(e.sha256 for e in manifest.files)
     cands = {}
     for bdir in bundle_dirs(dest):
@@ -390,12 +405,14 @@ def _have(dest, manifest, cache, skip=None):
             continue  # not a bundle we can read: nothing of it is reused
         for e in m.files:
             if e.sha256 in need:
-                cands.setdefault(e.sha256, []).append((os.path.join(bdir, e.path), e))
+                cands.setdefault(e.sha256, []).append((os.path.join(bdir, e.path), e, m.format_version))
+    for found_in in cands.values():
+        found_in.sort(key=lambda c: -c[2])  # stable: newest bundle first within a format
     found = {}
     refused = []
 
     def check(sha):
-        for path, e in cands[sha]:
+        for path, e, fmt in cands[sha]:
             try:
                 st = os.lstat(path)
             except OSError:
@@ -405,7 +422,7 @@ def _have(dest, manifest, cache, skip=None):
                 continue
             try:
                 if cache.digest(path, st) == sha:
-                    return sha, (path, stat.S_IMODE(st.st_mode))
+                    return sha, (path, stat.S_IMODE(st.st_mode), fmt)
             except (OSError, ShipError):
                 pass
             refused.append(path)
@@ -520,7 +537,7 @@ def _same_signature(final, signature):
         return False
 
 
-def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link=False):
+def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link=None):
     """Which files the host has, a staging directory seeded with them (not in check mode), and what is missing.
 
     Returns a dict: present (the release is already there and verified: nothing to do), staging, missing (paths),
@@ -530,7 +547,8 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
     release = manifest.bundle_id
     final = os.path.join(dest, release)
     out = {"release": release, "path": final, "present": False, "staging": None, "missing": [],
-           "missing_bytes": 0, "reused_files": 0, "reused_bytes": 0, "refused": [], "basis": [], "hashed_bytes": 0}
+           "missing_bytes": 0, "reused_files": 0, "reused_bytes": 0, "linked_files": 0, "refused": [], "basis": [],
+           "hashed_bytes": 0}
     if check_mode and not os.path.isdir(dest):
         out["missing"] = [e.path for e in manifest.files]
         out["missing_bytes"] = manifest.total_size
@@ -575,10 +593,10 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
         try:
             touched = []
             for e in reused:
-                src = found[e.sha256][0]
+                src, _mode, fmt = found[e.sha256]
                 _mkparents(staging, e.path)
                 dst = os.path.join(staging, e.path)
-                _place(src, dst, e.mode, link=link)
+                out["linked_files"] += _place(src, dst, e.mode, link=_link_wanted(link, manifest, fmt))
                 touched.append((dst, e.sha256, None))
             _refresh(cache, touched)
             cache.save()
