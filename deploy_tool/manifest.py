@@ -41,7 +41,7 @@ from deploy_tool.hashing import NotAFile, parallel, sha256_bytes, sha256_file
 from deploy_tool.progress import ByteCounter, ProgressFn
 from deploy_tool.textsafe import q
 
-# 2 (2026-12-06): the venv may travel as one archive per distribution (deploy_tool.venv.VENV_PARTS), which a
+# 2 (deploytool 0.2.0, 2026-12-06): the venv may travel as one archive per distribution (deploy_tool.venv.VENV_PARTS), which a
 # deploytool that reads only 1 would not install; a reader of 2 reads 1 alike (the venv as one venv.tar.zst).
 FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})

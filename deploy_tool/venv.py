@@ -30,11 +30,12 @@ VENV_PLACEHOLDER = "/__deploytool_venv_prefix__"
 # The venv travels in the bundle as one archive per installed distribution (venv-parts/<name>.tar.zst), plus
 # BASE_PART for what no distribution owns, so a release one wheel apart differs in that wheel's part only: a fleet
 # ship sends and hashes that part, and links or copies the rest (deploytool.fleet.ship). Bundles packed before
-# 2026-12-06 carry the whole venv as LEGACY_VENV_ARCHIVE; install takes either.
+# 2026-12-06 (format 1, deploytool 0.1.0) carry the whole venv as LEGACY_VENV_ARCHIVE; install takes either.
 VENV_PARTS = "venv-parts"
 BASE_PART = "_base"  # a distribution's canonical name never starts with "_"
 LEGACY_VENV_ARCHIVE = "venv.tar.zst"
 _PART_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+_PYC = re.compile(r"(.+?)\.[a-z]+-\d+(?:\.opt-\d+)?\.pyc")  # NAME.cpython-311[.opt-1].pyc -> NAME
 
 Runner = Callable[..., object]  # proc.run or proc.run_tool: (argv, *, env=..., timeout=...)
 
@@ -141,6 +142,10 @@ def venv_archives(paths: Iterable[str]) -> list[str]:
     or every part. A bundle with neither, or with both, is refused (BundleError)."""
     paths = list(paths)
     parts = sorted(p for p in paths if p.startswith(VENV_PARTS + "/"))
+    odd = [p for p in parts if p.count("/") != 1 or not p.endswith(".tar.zst")]
+    if odd:
+        raise BundleError(f"the bundle's {odd[0]} is not a venv archive ({VENV_PARTS}/NAME.tar.zst)",
+                          hint="pack the bundle again")
     legacy = LEGACY_VENV_ARCHIVE in paths
     if parts and legacy:
         raise BundleError(f"the bundle carries both {LEGACY_VENV_ARCHIVE} and {VENV_PARTS}/: which venv is meant?",
@@ -157,16 +162,18 @@ def canonical_name(name: str) -> str:
 
 
 def part_owner(venv: Path) -> Callable[[str], str]:
-    """Which venv part a path (relative to the venv) goes into: the distribution whose dist-info RECORD lists it
-    (or lists the source of a __pycache__ .pyc, or whose dist-info directory holds it), else BASE_PART (pyvenv.cfg,
-    activate scripts, files no RECORD names). A path two RECORDs list goes to the first dist-info directory by name."""
+    """Which venv part a file or link (path relative to the venv) goes into: the distribution whose dist-info RECORD
+    lists it (or lists the source of a __pycache__ .pyc, or whose dist-info directory holds it), else BASE_PART
+    (pyvenv.cfg, activate scripts, files no RECORD names). A path two distributions' RECORDs list (a namespace
+    package's __init__.py) goes to BASE_PART, so that neither distribution's part depends on the other."""
     owner: dict[str, str] = {}
     info_dirs: dict[str, str] = {}
     for info in sorted(venv.glob("lib/python*/site-packages/*.dist-info")):
-        name = canonical_name(info.name[: -len(".dist-info")].rpartition("-")[0] or info.name)
-        if not _PART_NAME.fullmatch(name):
-            raise BundleError(f"venv: distribution {info.name!r} has a name that cannot name a bundle file",
-                              hint="remove that package from the lock")
+        stem = info.name[: -len(".dist-info")]
+        name = canonical_name(stem.rpartition("-")[0] or stem)  # NAME-VERSION.dist-info (NAME.dist-info: no version)
+        if not _PART_NAME.fullmatch(name) or name in info_dirs.values():
+            raise BundleError(f"venv: distribution {info.name!r} has a name that cannot name a bundle file of its "
+                              "own (empty, unusual, or another distribution's)", hint="remove that package from the lock")
         site = info.parent.relative_to(venv).as_posix()
         info_dirs[f"{site}/{info.name}"] = name
         try:
@@ -177,7 +184,7 @@ def part_owner(venv: Path) -> Callable[[str], str]:
             if row and row[0]:
                 rel = posixpath.normpath(f"{site}/{row[0]}")
                 if not rel.startswith("../"):
-                    owner.setdefault(rel, name)
+                    owner[rel] = name if owner.get(rel, name) == name else BASE_PART
 
     def of(rel: str) -> str:
         hit = owner.get(rel)
@@ -187,9 +194,27 @@ def part_owner(venv: Path) -> Callable[[str], str]:
         if head in info_dirs:
             return info_dirs[head]
         d, _, base = rel.rpartition("/")
-        if d.endswith("/__pycache__") and base.endswith(".pyc"):
-            src = f"{d[: -len('/__pycache__')]}/{base.split('.', 1)[0]}.py"
-            return owner.get(src, BASE_PART)
+        m = _PYC.fullmatch(base)
+        if d.endswith("/__pycache__") and m:
+            return owner.get(f"{d[: -len('/__pycache__')]}/{m.group(1)}.py", BASE_PART)
         return BASE_PART
 
     return of
+
+
+def part_of_dirs(dirs: Iterable[str], placed: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The part of each directory (paths relative to the venv): the one part that every file and link below it
+    went to (`placed`: (path, part)), so a distribution's package and dist-info directories travel with it and
+    a new version or subpackage changes its part alone; BASE_PART for a directory shared by several parts or
+    holding nothing (unpacking merges a directory that two parts create)."""
+    below: dict[str, set[str]] = {}
+    for rel, part in placed:
+        d = rel.rpartition("/")[0]
+        while d:
+            below.setdefault(d, set()).add(part)
+            d = d.rpartition("/")[0]
+    out = {}
+    for d in dirs:
+        parts = below.get(d, set())
+        out[d] = next(iter(parts)) if len(parts) == 1 else BASE_PART
+    return out

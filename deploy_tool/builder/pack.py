@@ -35,7 +35,7 @@ from deploy_tool.config import (
 )
 from deploy_tool.errors import BundleError, CheckFailed, InputError
 from deploy_tool.fsutil import atomic_write
-from deploy_tool.manifest import hash_file, hash_files, hash_native_libs, source_date_epoch
+from deploy_tool.manifest import FORMAT_VERSION, hash_file, hash_files, hash_native_libs, source_date_epoch
 from deploy_tool.proc import run_tool
 from deploy_tool.progress import waiting
 from deploy_tool.render import resolved_config_json
@@ -45,6 +45,7 @@ from deploy_tool.venv import (
     VENV_PLACEHOLDER,
     build_venv,
     compile_venv,
+    part_of_dirs,
     part_owner,
     pip_env,
     relocate_venv,
@@ -269,13 +270,17 @@ def venv_archive_excludes(venv: Path, rel: str) -> bool:
 
 
 def archive_venv_parts(venv: Path, out: Path, *, progress=None) -> list[Path]:
-    """The venv as one reproducible archive per part (venv.part_owner: each distribution's files, and BASE_PART
-    for the rest and every directory) under `out`; their paths, sorted. A distribution's archive depends on that
-    distribution's files alone, so two packs one wheel apart share the bytes of every other part."""
+    """The venv as one reproducible archive per part (venv.part_owner: each distribution's files, and the
+    directories only they fill, venv.part_of_dirs; BASE_PART for the rest) under `out`; their paths, sorted. A
+    distribution's archive depends on that distribution's files alone, so two packs one wheel apart (a rebuild, a
+    new version, a new module) share the bytes of every other part."""
     groups: dict[str, list[archive.Member]] = {BASE_PART: []}
     owner = part_owner(venv)
-    for m in archive.members_from_tree(venv, symlinks=True, exclude=lambda rel: venv_archive_excludes(venv, rel)):
-        groups.setdefault(BASE_PART if m.kind == "dir" else owner(m.name), []).append(m)
+    members = archive.members_from_tree(venv, symlinks=True, exclude=lambda rel: venv_archive_excludes(venv, rel))
+    placed = {m.name: owner(m.name) for m in members if m.kind != "dir"}
+    placed.update(part_of_dirs([m.name for m in members if m.kind == "dir"], placed.items()))
+    for m in members:
+        groups.setdefault(placed[m.name], []).append(m)
     sizes = {name: sum(os.stat(m.source).st_size for m in ms if isinstance(m.source, Path))
              for name, ms in groups.items()}
     out_paths, before = [], 0
@@ -466,7 +471,31 @@ def tool_wheels(cfg: Config) -> list[Path]:
     if not p.is_dir():
         raise InputError(f"bundle.tool_wheels_dir {p} does not exist", hint="run `deploytool lock` first (it fills "
                          "it with deploytool's own wheel and its dependencies')")
-    return sorted(x for x in p.iterdir() if x.suffix == ".whl")
+    wheels = sorted(x for x in p.iterdir() if x.suffix == ".whl")
+    for w in wheels:
+        if w.name.startswith("deploytool-"):
+            check_tool_reads_format(w)
+    return wheels
+
+
+_READS = re.compile(rb"^SUPPORTED_FORMAT_VERSIONS = frozenset\(\{([\d, ]+)\}\)", re.M)
+
+
+def check_tool_reads_format(wheel: Path) -> None:
+    """The deploytool a bundle carries must read the MANIFEST it is packed with: a box bootstraps with it, and it
+    becomes the box's deploytool. A wheel left by a `lock` of an older deploytool reads format 1 only."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            text = z.read("deploy_tool/manifest.py")
+    except (OSError, KeyError, zipfile.BadZipFile) as exc:
+        raise BundleError(f"tool wheel {wheel.name}: cannot read its deploy_tool/manifest.py ({exc})",
+                          hint="run `deploytool lock` again to rebuild deploytool's own wheel") from None
+    m = _READS.search(text)
+    reads = {int(v) for v in m.group(1).replace(b" ", b"").split(b",") if v} if m else set()
+    if FORMAT_VERSION not in reads:
+        raise BundleError(f"tool wheel {wheel.name} reads MANIFEST format {sorted(reads) or '?'}, and this bundle "
+                          f"is format {FORMAT_VERSION}: a box would install it with a deploytool that refuses it",
+                          hint="run `deploytool lock` again: it rebuilds deploytool's own wheel from this deploytool")
 
 
 def _same_fs(a: Path, d: Path) -> bool:

@@ -6,8 +6,8 @@ A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle
                             DEST (each checked before it is trusted: see TrustCache); a staging directory
                             DEST/.incoming-<release>-<random> seeded with every file it has, as a hard link to
                             the earlier bundle's or a local copy (link: True links, False copies, None links
-                            between bundles of MANIFEST format 2 and copies otherwise: a deploytool before
-                            2026-12-06 refuses a bundle file with other links, and reads format 1 only); the list
+                            between bundles of MANIFEST format 2 and copies otherwise: deploytool 0.1.0 may
+                            refuse a bundle file with other links, and reads format 1 only); the list
                             of the missing ones.
   (the controller sends the missing files into the staging directory with rsync)
   commit(dest, staging, manifest, ...)
@@ -381,10 +381,10 @@ def _place(src, dst, mode, link=False):
 
 def _link_wanted(link, manifest, source_format):
     """Whether a file the host has goes into the new bundle as a hard link: `link` when given; else (None) when both
-    the new bundle and the one the file comes from are of MANIFEST format 2 or later. Only a deploytool from
-    2026-12-06 on reads format 2 (one before refuses such a bundle by its format, before it looks at any file), and
-    every such deploytool installs a bundle file that has other links; a format-1 bundle may still be installed by
-    an older deploytool, which refuses a linked file, so its files gain no links unless asked."""
+    the new bundle and the one the file comes from are of MANIFEST format 2 or later. Only deploytool 0.2.0 or later
+    reads format 2 (0.1.0 refuses such a bundle by its format, before it looks at any file), and every such
+    deploytool installs a bundle file that has other links; a format-1 bundle may still be installed by deploytool
+    0.1.0, which may refuse a linked file, so its files gain no links unless asked."""
     if link is not None:
         return link
     return manifest.format_version >= 2 and source_format >= 2

@@ -15,8 +15,10 @@ description:
   - Installs the bundle directory O(bundle) on the host with deploytool's own C(install) (verify, unpack, units,
     pins, start the default backend behind the health gate). A host without deploytool is bootstrapped from the
     bundle (C(python3 BUNDLE/bootstrap)), with no network and no pip; so is a host whose deploytool does not read
-    the bundle's MANIFEST format (a deploytool from before 2026-12-06 and a bundle packed since, whose venv comes
-    as one archive per distribution), so that the bundle installs with the deploytool it carries.
+    the bundle's MANIFEST format (deploytool 0.1.0 and a bundle of format 2, packed by 0.2.0 or later, whose venv
+    comes as one archive per distribution), so that the bundle installs with the deploytool it carries. That
+    needs the bundle to carry deploytool's wheel (C(tool/wheels/deploytool-*.whl)); without it the host's refusal
+    is the task's failure.
   - Idempotent - the release already installed and serving is C(changed=false) (install says "no-op").
   - The config - a bundle is packed for one config and install refuses it under another. With O(config_content)
     (the fleet's config, e.g. C(lookup('file', 'deploytool.yaml'))) the module puts it at O(config) first (only
@@ -245,11 +247,11 @@ def main():
             args = (["--dry-run"] if module.check_mode else []) + ["install", bundle] + extra
             rc, data, out, err = dtu.dt(module, tool, *args, config=run_cfg)
             tool_after = dtu.tool_path(module) or tool
-            if rc == 6 and _format_too_new(dtu._reason(data, out, err)):
+            if rc == 6 and _format_too_new(data, dtu._reason(data, out, err)) and _carries_deploytool(bundle):
                 why = "the host's deploytool does not read this bundle's format"
         if why is not None:
             # the bundle installs itself with the deploytool it carries (a host without one, or with one older
-            # than the bundle's MANIFEST format: a bundle of 2026-12-06 on, on a deploytool from before)
+            # than the bundle's MANIFEST format: a format-2 bundle on deploytool 0.1.0)
             if module.check_mode:
                 rid = _manifest_id(bundle) or os.path.basename(bundle)
                 res.update(changed=True, action="bootstrap-planned", release=rid, bootstrapped=False,
@@ -301,10 +303,27 @@ def main():
             os.unlink(tmp_cfg)
 
 
-def _format_too_new(message):
-    """Whether an install failed only because the host's deploytool predates the bundle's MANIFEST format (the
-    words every deploytool since format 1 says it with: deploy_tool/manifest.py)."""
+def _format_too_new(data, message):
+    """Whether an install failed only because the host's deploytool predates the bundle's MANIFEST format: the
+    reason its --json error carries (deploy_tool/manifest.py, since format 1), else the words of its message."""
+    details = data.get("details") if isinstance(data, dict) else None
+    if isinstance(details, dict) and details.get("reason"):
+        return details["reason"] == "format-version-unsupported"
     return "format_version" in message and "is not supported" in message
+
+
+def _carries_deploytool(bundle):
+    """Whether the bundle's MANIFEST lists deploytool's own wheel (tool/wheels/deploytool-*.whl), which its
+    bootstrap installs with (read, not verified: the bootstrap verifies the signature before it uses any)."""
+    import json
+
+    try:
+        with open(os.path.join(bundle, "MANIFEST"), "rb") as f:
+            obj = json.loads(f.read().decode("utf-8"))
+        return any(str(e.get("path", "")).startswith("tool/wheels/deploytool-") and str(e["path"]).endswith(".whl")
+                   for e in obj["files"] if isinstance(e, dict))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ description:
   - Copies an unpacked deploytool bundle directory (what C(deploytool pack) writes) from the controller to
     O(dest)/<release> on the host, where <release> is the bundle id of its MANIFEST.
   - Files the host already has in earlier shipped bundles under O(dest), by SHA-256, are not sent again; they are
-    laid down locally in a staging directory after a check (see O(rehash)), as hard links between bundles packed
-    since 2026-12-06 and as copies otherwise (see O(link)). Only the missing files cross the network,
+    laid down locally in a staging directory after a check (see O(rehash)), as hard links between bundles of
+    MANIFEST format 2 (packed by deploytool 0.2.0 or later) and as copies otherwise (see O(link)). Only the missing files cross the network,
     with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
     file at the same path (the venv's archive of a distribution whose wheel changed) travels as a delta.
   - Every file of the staging directory is then checked against the MANIFEST (no extra or missing file; size, mode
@@ -53,12 +53,13 @@ options:
         bundles share what did not change and a release one file apart writes only that file. Only for files
         owned by the user the module runs as (root under become) with the wanted mode; a copy otherwise (or where
         the file system refuses a link).
-      - Omitted, files are linked between bundles of MANIFEST format 2 (packed by deploytool from 2026-12-06 on)
-        and copied where either bundle is of format 1. Only a deploytool from 2026-12-06 on reads format 2, and
-        every such one installs a linked file; a deploytool before refuses a bundle file with other links, so a
-        format-1 bundle it may still install gains none. V(true) links between any bundles (only where every host
-        runs a deploytool from 2026-12-06 on; else a revert to a linked format-1 bundle fails; to undo it, remove
-        the linked O(dest)/<release> directories and ship again with V(false)). V(false) always copies.
+      - Omitted, files are linked between bundles of MANIFEST format 2 (packed by deploytool 0.2.0 or later)
+        and copied where either bundle is of format 1. Only deploytool 0.2.0 or later reads format 2, and every
+        such one installs a linked file; deploytool 0.1.0 may refuse a bundle file with other links, so a format-1
+        bundle it may still install gains none. V(true) links between any bundles (only where every host runs
+        deploytool 0.2.0 or later; else a revert to a linked format-1 bundle may fail; to undo it, remove the
+        linked O(dest)/<release> directories and ship again with V(false)). V(false) always copies.
+      - Before deploytool 0.2.0 the default was V(false).
       - The bundles under O(dest) are then to be treated as read-only as a whole (a chmod, touch or edit of one
         file changes it in every bundle that shares it); a damaged shared file is refused by its hash in each
         bundle at that bundle's next ship, and sent again.
