@@ -1,4 +1,4 @@
-"""What the GPU rehearsal brought back from a real NVIDIA H200 (scripts/gpu-rehearsal.sh device; the data in
+"""What the GPU rehearsal brought back from a real NVIDIA GPU (scripts/gpu-rehearsal.sh device; the data in
 tests/data/gpu-rehearsal/, its README says what ran), read by deploytool's own parsers here, where no GPU exists:
 the driver's GPU list, the served process's device descriptors and GPU memory, the llama-server startup log at
 -lv 4 (capacity read-back, GPU use) and its one line when CUDA init fails, and what the box's `check` said of
@@ -37,8 +37,9 @@ def _server_logs() -> dict[int, str]:
     return {pid: "\n".join(lines) for pid, lines in out.items()}
 
 
-def test_the_driver_gpu_list_as_the_h200_wrote_it(tmp_path: Path) -> None:
-    """/proc/driver/nvidia/gpus/*/information as captured: driver_gpus finds GPU minor 0, the H200."""
+def test_the_driver_gpu_list_as_the_driver_wrote_it(tmp_path: Path) -> None:
+    """/proc/driver/nvidia/gpus/*/information as captured: driver_gpus finds GPU minor 0, and names it as nvidia-smi
+    did in the same capture (its `--query-gpu name,...` CSV line)."""
     text = (DATA / "machine.txt").read_text()
     sections = re.findall(r"## /proc/driver/nvidia/gpus/([^/]+)/information\n(.*?)(?=\n## )", text, re.S)
     assert sections, "no GPU information captured"
@@ -46,8 +47,11 @@ def test_the_driver_gpu_list_as_the_h200_wrote_it(tmp_path: Path) -> None:
         d = tmp_path / "proc/driver/nvidia/gpus" / bus
         d.mkdir(parents=True)
         (d / "information").write_text(info + "\n")
+    smi = re.search(r"^name, driver_version, compute_cap, memory.total \[MiB\]\n([^,\n]+),", text, re.M)
+    assert smi, "no nvidia-smi GPU line captured"
     gpus = gpu.driver_gpus(str(tmp_path))
-    assert gpus is not None and [(g.minor, g.model) for g in gpus] == [(0, "NVIDIA H200")]
+    assert gpus is not None and [(g.minor, g.model) for g in gpus] == [(0, smi.group(1))]
+    assert smi.group(1).startswith("NVIDIA H")  # the rehearsal's machines: one H100 or H200
 
 
 def test_the_served_process_held_its_gpu_and_used_its_memory() -> None:
