@@ -12,12 +12,15 @@ once and cached). Side by side, in one run, in this order:
   ship A rehash=true   the same again re-reading every earlier file on the hosts instead of trusting the record
   ship B     bundle B (one wheel rebuilt: that wheel, its archive among the venv's parts, the lock, config.json and
              the units differ) onto hosts that hold A, with the ship's default `link` (both bundles are of MANIFEST
-             format 2: the files the hosts have become hard links to A's)
+             format 2: the files the hosts have become hard links to A's); every changed file is small, so all go
+             along with the first module call (the bundle's smallest files, at most 2 MiB), which commits: no
+             rsync and no second call (its phases then show `prepare` alone)
   ship B copies  bundle B again, with link=false, onto hosts that hold A alone again (the first B removed): local
              copies of the files the hosts have, as for a bundle packed before 2026-12-06
   rsync B    for reference, rsync's own best for B: `rsync -a --no-whole-file` of B onto a copy of A
 
-Bytes are rsync's "Total bytes sent" (--stats), summed over the hosts. Goals (issue 17): ship A at most 1.5x
+Bytes are rsync's "Total bytes sent" (--stats) plus the file bytes sent along with the first module call, summed
+over the hosts. Goals (issue 17): ship A at most 1.5x
 rsync; ship B at most 10% of ship A's bytes and (issue 29) at most 20% of its time. Also printed: the fixed cost of
 any ad hoc task on these hosts (`ansible fleet -m ping`, median of 3), and ship B's time above it.
 

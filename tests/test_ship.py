@@ -431,20 +431,23 @@ bundle_files = st.dictionaries(paths, blobs, min_size=1, max_size=6).filter(
 
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(earlier=st.lists(bundle_files, max_size=3), target=bundle_files, tamper=st.sets(st.integers(0, 20)))
-def test_seeded_plus_sent_is_exactly_the_manifest(tmp_path_factory, earlier, target, tamper):
-    """Any earlier bundles on the host (any files, any paths, some tampered afterwards): the seeded files plus the
-    sent ones are exactly the MANIFEST, no tampered file is reused, and the result verifies."""
+@given(earlier=st.lists(bundle_files, max_size=3), target=bundle_files, tamper=st.sets(st.integers(0, 20)),
+       offer=st.none() | st.sets(paths))
+def test_seeded_plus_sent_is_exactly_the_manifest(tmp_path_factory, earlier, target, tamper, offer):
+    """Any earlier bundles on the host (any files, any paths, some tampered afterwards), and any of the target's
+    files sent along with the first call (`offer`; None: prepare alone, as before inline files): the seeded files,
+    the inline ones written and the ones still to send are exactly the MANIFEST, without overlap; no tampered file
+    is reused; the release lands in the first call exactly when nothing is left to send; the result verifies."""
     base = tmp_path_factory.mktemp("h")
     dest = base / "bundles"
     sc.RACY_NS = 20_000_000  # still above the file-timestamp tick; restored below (100 ms is the product's margin)
     try:
-        _seeded_plus_sent(base, dest, earlier, target, tamper)
+        _seeded_plus_sent(base, dest, earlier, target, tamper, offer)
     finally:
         sc.RACY_NS = 100_000_000
 
 
-def _seeded_plus_sent(base, dest, earlier, target, tamper):
+def _seeded_plus_sent(base, dest, earlier, target, tamper, offer=None):
     for i, files in enumerate(earlier):
         src, m = make_bundle(base / f"ctl{i}", files, inputs={"n": i})
         ship(dest, src, m, keep=10)
@@ -459,22 +462,95 @@ def _seeded_plus_sent(base, dest, earlier, target, tamper):
                 f.write(b"!")
             tampered.add(p)
     src, m = make_bundle(base / "ctl-t", target, inputs={"n": "target"})
-    prep = sc.prepare(str(dest), m)
     want = {e.path for e in m.files}
+    if offer is None:
+        prep = sc.prepare(str(dest), m)
+    else:
+        inline = {p: target[p] for p in offer if p in target}
+        prep = sc.ship(str(dest), m, inline, signature=b'{"sig":"x"}\n', keep=10)
+        inlined = set(prep["inlined"])
+        assert inlined <= set(inline) and not inlined & set(prep["missing"])
+        if prep["committed"]:
+            assert prep["missing"] == [] and prep["staging"] is None
+            assert prep["reused_files"] + len(inlined) == len(want)
+            assert tree(dest / m.bundle_id) == tree(src) and leftovers(dest) == []
+            return
     if prep["present"]:
         assert not any(str(p).startswith(str(dest / m.bundle_id) + "/") for p in tampered)
         assert tree(dest / m.bundle_id) == tree(src)
         return
     staging = Path(prep["staging"])
-    seeded = {p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()}
-    assert seeded | set(prep["missing"]) == want and not seeded & set(prep["missing"])
-    for rel in seeded:
+    inlined = set(prep["inlined"])
+    seeded = {p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()} - inlined
+    assert seeded | inlined | set(prep["missing"]) == want and not seeded & set(prep["missing"])
+    assert not seeded & inlined and prep["reused_files"] == len(seeded)
+    assert prep["missing"] or offer is None, "nothing was left to send, yet the first call did not commit"
+    for rel in seeded | inlined:
         assert (staging / rel).read_bytes() == target[rel]
         assert not any(os.path.samefile(staging / rel, t) for t in tampered if t.exists())
     send(src, str(staging), prep["missing"])
     sc.commit(str(dest), str(staging), m, signature=b'{"sig":"x"}\n', keep=10)
     assert tree(dest / m.bundle_id) == tree(src)
     assert leftovers(dest) == []
+
+
+def test_a_release_a_few_small_files_apart_lands_in_one_call(tmp_path, dest):
+    """The controller sends the bundle's small files along with the first call: what the host lacks of them is
+    written, the rest linked from the earlier bundle, and the commit follows in the same call (no rsync, no second
+    module call). Offered files the host has are not written again."""
+    src_a, ma = make_bundle(tmp_path / "ctl-a", FILES_A)
+    ship(dest, src_a, ma, link=True)
+    files_b = dict(FILES_A, **{"wheels/b-1.whl": b"wheel b, rebuilt", "units/y.service": b"[Unit]\nY\n"})
+    src_b, mb = make_bundle(tmp_path / "ctl-b", files_b)
+    small = {p: b for p, b in files_b.items() if len(b) < 100}
+    r = sc.ship(str(dest), mb, small, signature=b'{"sig":"x"}\n')
+    assert r["committed"] is True and r["missing"] == [] and r["staging"] is None, r
+    assert sorted(r["inlined"]) == ["units/y.service", "wheels/b-1.whl"], r
+    assert r["inlined_bytes"] == len(files_b["wheels/b-1.whl"]) + len(files_b["units/y.service"])
+    assert r["reused_files"] == 4 and r["linked_files"] == 4, r
+    assert tree(dest / mb.bundle_id) == tree(src_b) and leftovers(dest) == []
+    assert os.path.samefile(dest / mb.bundle_id / "venv.tar.zst", dest / ma.bundle_id / "venv.tar.zst")
+    # present: nothing written, nothing committed again
+    again = sc.ship(str(dest), mb, small, signature=b'{"sig":"x"}\n')
+    assert again["present"] is True and again["committed"] is False and again["inlined"] == []
+
+
+def test_inline_files_that_do_not_cover_the_change_leave_the_rest_to_send(tmp_path, dest):
+    src_a, ma = make_bundle(tmp_path / "ctl-a", FILES_A)
+    ship(dest, src_a, ma)
+    files_b = dict(FILES_A, **{"venv.tar.zst": b"W" * 5000, "wheels/b-1.whl": b"wheel b, rebuilt"})
+    src_b, mb = make_bundle(tmp_path / "ctl-b", files_b)
+    r = sc.ship(str(dest), mb, {"wheels/b-1.whl": files_b["wheels/b-1.whl"]})
+    assert r["committed"] is False and r["missing"] == ["venv.tar.zst"] and r["inlined"] == ["wheels/b-1.whl"], r
+    assert r["missing_bytes"] == 5000 and r["inlined_bytes"] == len(files_b["wheels/b-1.whl"])
+    assert Path(r["staging"], "wheels/b-1.whl").read_bytes() == files_b["wheels/b-1.whl"]
+    assert not (dest / mb.bundle_id).exists()
+    send(src_b, r["staging"], r["missing"])
+    sc.commit(str(dest), r["staging"], mb, signature=b'{"sig":"x"}\n')
+    assert tree(dest / mb.bundle_id) == tree(src_b) and leftovers(dest) == []
+
+
+@pytest.mark.parametrize("damage", ["other-bytes", "not-listed", "short"])
+def test_an_inline_file_unlike_the_manifest_is_refused_and_leaves_nothing(tmp_path, dest, damage):
+    src_a, ma = make_bundle(tmp_path / "ctl-a", FILES_A)
+    ship(dest, src_a, ma)
+    files_b = dict(FILES_A, **{"wheels/b-1.whl": b"wheel b, rebuilt"})
+    src_b, mb = make_bundle(tmp_path / "ctl-b", files_b)
+    before = sorted(p.name for p in dest.iterdir())
+    inline = {"wheels/b-1.whl": files_b["wheels/b-1.whl"]}
+    if damage == "other-bytes":
+        inline["wheels/b-1.whl"] = b"WHEEL B, REBUILT"  # same size, other bytes: the commit's hash check
+        reason, named = "hash-mismatch", "wheels/b-1.whl"
+    elif damage == "not-listed":
+        inline["wheels/evil.whl"] = b"x"
+        reason, named = "bad-inline", "wheels/evil.whl"
+    else:
+        inline["wheels/b-1.whl"] = b"wheel b"
+        reason, named = "size-mismatch", "wheels/b-1.whl"
+    with pytest.raises(sc.ShipError) as exc:
+        sc.ship(str(dest), mb, inline, signature=b'{"sig":"x"}\n')
+    assert exc.value.reason == reason and named in str(exc.value), exc.value
+    assert sorted(p.name for p in dest.iterdir()) == before and leftovers(dest) == []
 
 
 def test_rsync_stats_are_read_from_real_rsync_output(tmp_path):

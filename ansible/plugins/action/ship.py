@@ -3,6 +3,8 @@ with rsync over the play's own ssh connection, and have the host verify and rena
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shlex
 import shutil
@@ -35,6 +37,12 @@ except ImportError:  # the collection's own (ship_core's, which the host runs to
 MODULE = "deploytool.fleet.ship"
 DEFAULT_DEST = "/var/lib/deploytool/bundles"
 MAX_BASIS = 20  # rsync takes at most 20 --copy-dest directories
+# The bundle's smallest files go along with the first module call, whether or not the host has them: a release a
+# few small files apart (a rebuilt pure-Python wheel and its venv part, the lock, config.json, the units) then
+# lands in that one call, with no rsync and no second round trip. 2 MiB of base64 costs a host a few ms; a round
+# trip costs ansible's module start (0.2-0.4 s on the fleet bed: bench/RESULTS.md).
+INLINE_FILE_MAX = 256 << 10
+INLINE_TOTAL_MAX = 2 << 20
 
 
 def read_manifest_bytes(raw):
@@ -48,6 +56,10 @@ def read_manifest_bytes(raw):
     except DeployError as exc:
         raise ShipError("%s" % exc, getattr(exc, "reason", "manifest-malformed")) from None
     return Manifest(raw, m.bundle_id, [Entry(f.path, f.size, f.mode, f.sha256) for f in m.files], m.format_version)
+
+
+def sizes_of(manifest):
+    return dict((e.path, e.size) for e in manifest.files)
 
 
 def _flag(args, name, default=False):
@@ -102,22 +114,31 @@ class ActionModule(ActionBase):
                   "signature": to_text(signature) if signature is not None else None}
 
         timings = {}
+        first = dict(common, phase="prepare")
+        inline_bytes = 0
+        if not check:
+            inline = self._inline(src, manifest)
+            inline_bytes = sum(sizes_of(manifest)[p] for p in inline)
+            first = dict(common, phase="ship", inline=json.dumps(inline) if inline else None)
         t1 = time.monotonic()
-        prep = self._execute_module(module_name=MODULE, module_args=dict(common, phase="prepare"),
-                                    task_vars=task_vars)
-        timings["prepare"] = round(time.monotonic() - t1, 3)
+        prep = self._execute_module(module_name=MODULE, module_args=first, task_vars=task_vars)
+        timings["prepare"] = round(time.monotonic() - t1, 3)  # with the commit, when it came in the same call
         if prep.get("unreachable") or prep.get("failed"):
             prep.pop("invocation", None)  # it holds the whole MANIFEST
             prep.setdefault("msg", "ship: the host could not say what it has")
+            if prep.get("failed") and not prep.get("unreachable"):
+                prep["msg"] = "ship of %s to %s failed on the host: %s" % (
+                    manifest.bundle_id, os.path.join(dest, manifest.bundle_id), prep["msg"])
             return dict(result, **prep)
         out = {"path": prep["path"], "release": manifest.bundle_id, "reused_files": prep["reused_files"],
                "linked_files": prep.get("linked_files", 0),
                "refused": prep.get("refused", []), "removed": [], "literal_bytes": 0, "timings": timings,
                "host_hashed_bytes": prep.get("hashed_bytes", 0)}
-        sizes = dict((e.path, e.size) for e in manifest.files)
+        sizes = sizes_of(manifest)
         missing = prep["missing"]
+        inlined = prep.get("inlined", [])
         if diff:
-            sent = set(missing)
+            sent = set(missing) | set(inlined)
             lines = ["%s %s (%d bytes)" % ("+" if p in sent else "=", p, sizes[p]) for p in sorted(sizes)]
             result["diff"] = {"before_header": "%s (host has)" % prep["path"], "after_header": "%s (+ sent, = reused)"
                               % prep["path"], "before": "",
@@ -128,6 +149,11 @@ class ActionModule(ActionBase):
         if check:
             out.update(changed=True, sent_files=len(missing), sent_bytes=prep["missing_bytes"],
                        seconds=round(time.monotonic() - t0, 3))
+            return dict(result, **out)
+
+        if prep.get("committed"):
+            out.update(changed=True, sent_files=len(inlined), sent_bytes=inline_bytes, inline_bytes=inline_bytes,
+                       removed=prep.get("removed", []), seconds=round(time.monotonic() - t0, 3))
             return dict(result, **out)
 
         staging = prep["staging"]
@@ -151,7 +177,8 @@ class ActionModule(ActionBase):
             done["msg"] = "ship of %s to %s failed on the host: %s" % (
                 manifest.bundle_id, prep["path"], done.get("msg", "?"))
             return dict(result, **done)
-        out.update(changed=True, sent_files=len(missing), sent_bytes=stats.get("sent_bytes", 0),
+        out.update(changed=True, sent_files=len(missing) + len(inlined),
+                   sent_bytes=stats.get("sent_bytes", 0) + inline_bytes, inline_bytes=inline_bytes,
                    literal_bytes=stats.get("literal_bytes", 0), matched_bytes=stats.get("matched_bytes", 0),
                    removed=done.get("removed", []),
                    host_hashed_bytes=out["host_hashed_bytes"] + done.get("hashed_bytes", 0),
@@ -159,6 +186,27 @@ class ActionModule(ActionBase):
         return dict(result, **out)
 
     # ------------------------------------------------------------------ controller side
+
+    @staticmethod
+    def _inline(src, manifest):
+        """{path: base64} of the bundle's smallest files, each at most INLINE_FILE_MAX, together at most
+        INLINE_TOTAL_MAX (smallest first). Read from `src` as they are now: the host checks every one against the
+        MANIFEST before the commit, as it does what rsync sends."""
+        out, total = {}, 0
+        for e in sorted(manifest.files, key=lambda e: (e.size, e.path)):
+            if e.size > INLINE_FILE_MAX or total + e.size > INLINE_TOTAL_MAX:
+                break
+            try:
+                with open(os.path.join(src, e.path), "rb") as f:
+                    data = f.read(e.size + 1)
+            except OSError as exc:
+                raise AnsibleActionFail("bundle %s: cannot read %s (%s)" % (src, e.path, exc.strerror)) from None
+            if len(data) != e.size:
+                raise AnsibleActionFail("bundle %s: %s is %d bytes, the MANIFEST says %d: the bundle directory was "
+                                        "changed after it was packed" % (src, e.path, len(data), e.size))
+            out[e.path] = to_text(base64.b64encode(data))
+            total += e.size
+        return out
 
     @staticmethod
     def _read_bundle(src):

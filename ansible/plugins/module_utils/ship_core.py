@@ -10,6 +10,12 @@ A host keeps shipped bundles at DEST/<release>/ (release = the MANIFEST's bundle
                             refuse a bundle file with other links, and reads format 1 only); the list
                             of the missing ones.
   (the controller sends the missing files into the staging directory with rsync)
+  ship(dest, manifest, inline, ...)
+                            prepare with the small files the controller sent along in the same call (`inline`,
+                            {path: bytes}): those the host lacks are written into the staging directory, and when
+                            nothing else is missing the commit follows at once. A release a few small files apart
+                            (a rebuilt pure-Python wheel, the lock, the units) then takes one module call and no
+                            rsync; otherwise it returns what is still missing, as prepare does.
   commit(dest, staging, manifest, ...)
                             EVERY file of the staging directory checked against the MANIFEST (no extra or missing
                             file, size, mode, SHA-256), then MANIFEST and MANIFEST.sig written and the directory
@@ -537,18 +543,57 @@ def _same_signature(final, signature):
         return False
 
 
-def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link=None):
+def _check_inline(manifest, inline):
+    """`inline` ({path: bytes}, the files the controller sent along) checked against the MANIFEST's paths and
+    sizes; their hashes are checked with every other staged file by the commit."""
+    if inline is None:
+        return {}
+    if not isinstance(inline, dict):
+        raise ShipError("inline must map MANIFEST paths to file contents", "bad-inline")
+    want = manifest.by_path()
+    for path, data in inline.items():
+        e = want.get(path)
+        if e is None:
+            raise ShipError("inline file %r is not in the MANIFEST" % (path,), "bad-inline", path)
+        if not isinstance(data, bytes) or len(data) != e.size:
+            raise ShipError("inline file %s is %s bytes, the MANIFEST says %d" % (
+                path, len(data) if isinstance(data, bytes) else "not", e.size), "size-mismatch", path)
+    return inline
+
+
+def _write_new(path, data, mode):
+    """`data` at `path` with `mode`, through a random temporary name renamed into place (as rsync writes)."""
+    tmp = "%s.part-%s" % (path, uuid.uuid4().hex[:12])
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link=None, inline=None):
     """Which files the host has, a staging directory seeded with them (not in check mode), and what is missing.
 
-    Returns a dict: present (the release is already there and verified: nothing to do), staging, missing (paths),
-    missing_bytes, reused_files, reused_bytes, refused (earlier files that failed their check), basis (earlier
-    bundles for rsync's --copy-dest, newest first), hashed_bytes (what had to be read to trust files)."""
+    `inline` ({path: bytes}): files the controller sent along; those the host lacks are written into the staging
+    directory (as rsync would) and are not missing.
+
+    Returns a dict: present (the release is already there and verified: nothing to do), staging, missing (paths
+    still to send), missing_bytes, inlined (paths written from `inline`), inlined_bytes, reused_files,
+    reused_bytes, refused (earlier files that failed their check), basis (earlier bundles for rsync's --copy-dest,
+    newest first), hashed_bytes (what had to be read to trust files). In check mode nothing is written and
+    missing names every file the host lacks."""
     dest = _check_dest(dest)
+    inline = _check_inline(manifest, inline)
     release = manifest.bundle_id
     final = os.path.join(dest, release)
     out = {"release": release, "path": final, "present": False, "staging": None, "missing": [],
-           "missing_bytes": 0, "reused_files": 0, "reused_bytes": 0, "linked_files": 0, "refused": [], "basis": [],
-           "hashed_bytes": 0}
+           "missing_bytes": 0, "inlined": [], "inlined_bytes": 0, "reused_files": 0, "reused_bytes": 0,
+           "linked_files": 0, "refused": [], "basis": [], "hashed_bytes": 0}
     if check_mode and not os.path.isdir(dest):
         out["missing"] = [e.path for e in manifest.files]
         out["missing_bytes"] = manifest.total_size
@@ -598,6 +643,17 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
                 dst = os.path.join(staging, e.path)
                 out["linked_files"] += _place(src, dst, e.mode, link=_link_wanted(link, manifest, fmt))
                 touched.append((dst, e.sha256, None))
+            # written before the records' wait below, so the commit finds them past the clock tick and need not
+            # wait again before hashing them
+            sent = [e for e in missing if e.path in inline]
+            for e in sent:
+                _mkparents(staging, e.path)
+                _write_new(os.path.join(staging, e.path), inline[e.path], e.mode)
+            out["inlined"] = [e.path for e in sent]
+            out["inlined_bytes"] = sum(e.size for e in sent)
+            rest = [e for e in missing if e.path not in inline]
+            out["missing"] = [e.path for e in rest]
+            out["missing_bytes"] = sum(e.size for e in rest)
             _refresh(cache, touched)
             cache.save()
         except BaseException:
@@ -605,6 +661,20 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
             raise
         out["staging"] = staging
         return out
+
+
+def ship(dest, manifest, inline, signature=None, keep=3, rehash=False, link=None):
+    """prepare() with `inline`, then, when nothing is left to send, commit() in the same call: one module call for
+    a release whose changed files the controller sent along. Returns prepare's dict with `committed` (and, when
+    true, commit's `removed`, `trusted_files` and the hashed bytes of both)."""
+    out = prepare(dest, manifest, rehash=rehash, signature=signature, link=link, inline=inline)
+    out["committed"] = False
+    if out["present"] or out["missing"]:
+        return out
+    done = commit(dest, out["staging"], manifest, signature=signature, keep=keep, rehash=rehash)
+    out.update(committed=True, staging=None, removed=done["removed"], trusted_files=done["trusted_files"],
+               hashed_bytes=out["hashed_bytes"] + done["hashed_bytes"])
+    return out
 
 
 def sweep_stale(dest, cache, older_than=STALE_SECONDS):

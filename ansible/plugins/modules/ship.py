@@ -16,6 +16,11 @@ description:
     MANIFEST format 2 (packed by deploytool 0.2.0 or later) and as copies otherwise (see O(link)). Only the missing files cross the network,
     with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
     file at the same path (the venv's archive of a distribution whose wheel changed) travels as a delta.
+  - The bundle's smallest files (each at most 256 KiB, together at most 2 MiB) go along with the first module
+    call, whether or not the host has them; those the host lacks are written from there. When that covers all it
+    lacks (a release a few small files apart, such as a rebuilt pure-Python wheel and its part of the venv, the
+    lock and the units), the host verifies and renames in that same call, so such a release takes one module call per host
+    and no rsync.
   - Every file of the staging directory is then checked against the MANIFEST (no extra or missing file; size, mode
     and SHA-256 of each) and only then is the directory renamed to O(dest)/<release> in one rename. A failed ship
     leaves neither O(dest)/<release> nor the staging directory. A release the host already has (checked) is
@@ -70,9 +75,15 @@ options:
     elements: str
     default: []
   phase:
-    description: Internal (set by the action plugin); prepare, commit or abort.
+    description: Internal (set by the action plugin); ship (prepare with O(inline), and commit when nothing is
+      left to send), prepare, commit or abort.
     type: str
-    choices: [prepare, commit, abort]
+    choices: [ship, prepare, commit, abort]
+  inline:
+    description: Internal; the bundle's small files sent along with the first call, as a JSON object of path to
+      base64 content (one string, so that hiding it from the task's logged invocation cannot touch any other
+      value), so a release a few small files apart needs no rsync and one module call.
+    type: str
   manifest:
     description: Internal; the MANIFEST's text.
     type: str
@@ -129,10 +140,15 @@ sent_files:
   type: int
   returned: always
 sent_bytes:
-  description: Bytes on the wire from the controller to the host, as rsync counts them (in check mode, the size of
-    the files that would be sent).
+  description: Bytes from the controller to the host, as rsync counts them, plus RV(inline_bytes) (in check mode,
+    the size of the files that would be sent).
   type: int
   returned: always
+inline_bytes:
+  description: File bytes sent along with the first module call (the bundle's smallest files, needed or not);
+    counted in RV(sent_bytes).
+  type: int
+  returned: on a change
 literal_bytes:
   description: File data rsync had to send literally (the rest was matched in the basis files).
   type: int
@@ -160,6 +176,9 @@ removed:
   returned: on a change
 """
 
+import base64
+import binascii
+import json
 import os
 import traceback
 
@@ -170,7 +189,27 @@ from ansible_collections.deploytool.fleet.plugins.module_utils.ship_core import 
     commit,
     parse_manifest,
     prepare,
+    ship,
 )
+
+
+def _decode(inline):
+    """The JSON text {path: base64 text} as {path: bytes}; None stays None."""
+    if inline is None:
+        return None
+    try:
+        files = json.loads(inline)
+    except ValueError:
+        raise ShipError("inline is not a JSON object", "bad-inline") from None
+    if not isinstance(files, dict):
+        raise ShipError("inline is not a JSON object", "bad-inline")
+    out = {}
+    for path, text in files.items():
+        try:
+            out[path] = base64.b64decode(text, validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise ShipError("inline file %r is not base64" % (path,), "bad-inline", path) from None
+    return out
 
 
 def main():
@@ -182,7 +221,8 @@ def main():
             rehash=dict(type="bool", default=False),
             link=dict(type="bool"),
             rsync_opts=dict(type="list", elements="str", default=[]),
-            phase=dict(type="str", choices=["prepare", "commit", "abort"]),
+            phase=dict(type="str", choices=["ship", "prepare", "commit", "abort"]),
+            inline=dict(type="str", no_log=True),
             manifest=dict(type="str"),
             signature=dict(type="str", no_log=False),
             staging=dict(type="str"),
@@ -203,7 +243,11 @@ def main():
         if not p["manifest"]:
             module.fail_json(msg="manifest is required")
         m = parse_manifest(p["manifest"])
-        if p["phase"] == "prepare":
+        if p["phase"] == "ship" and not module.check_mode:
+            out = ship(dest, m, _decode(p["inline"]), signature=p["signature"], keep=p["keep"], rehash=p["rehash"],
+                       link=p["link"])
+            module.exit_json(changed=not out["present"], **out)
+        if p["phase"] in ("ship", "prepare"):
             out = prepare(dest, m, check_mode=module.check_mode, rehash=p["rehash"], signature=p["signature"],
                           link=p["link"])
             module.exit_json(changed=not out["present"], **out)
