@@ -142,13 +142,16 @@ def test_a_bundle_that_does_not_match_its_manifest_fails_naming_the_file_and_lea
 
 
 def test_a_failed_transfer_leaves_nothing_on_the_host(bed):
-    before = bed.host_listing("h1")
-    args = json.dumps({"src": str(bed.b), "dest": DEST, "rsync_opts": ["--no-such-option"]})
+    # a directory holding no bundle yet, so the large files must cross by rsync (the small ones went along with
+    # the first call and were written into the staging directory, which the abort removes)
+    other = DEST + "-empty"
+    args = json.dumps({"src": str(bed.b), "dest": other, "rsync_opts": ["--no-such-option"]})
     run = bed.f.ansible("h1", "-m", TASK, "-a", args, timeout=120)
     assert run.returncode == 2, run
     r = run.task_results(TASK)["h1"]
     assert r["_status"] == "failed" and "rsync of" in r["msg"] and "--no-such-option" in r["msg"], r
-    assert bed.host_listing("h1") == before
+    left = bed.f.exec("h1", "ls", "-A", other)
+    assert left.returncode == 0 and sorted(left.stdout.split()) == [".ship-trust.json", ".ship.lock"], left
 
 
 def test_a_release_one_wheel_apart_sends_only_that(bed):
