@@ -13,7 +13,7 @@ once and cached). Side by side, in one run, in this order:
   ship B     bundle B (one wheel rebuilt: that wheel, its archive among the venv's parts, the lock, config.json and
              the units differ) onto hosts that hold A, with the ship's default `link` (both bundles are of MANIFEST
              format 2: the files the hosts have become hard links to A's); every changed file is small, so all go
-             along with the first module call (the bundle's smallest files, at most 2 MiB), which commits: no
+             along with the first module call (the bundle's smallest files, at most 512 KiB), which commits: no
              rsync and no second call (its phases then show `prepare` alone)
   ship B copies  bundle B again, with link=false, onto hosts that hold A alone again (the first B removed): local
              copies of the files the hosts have, as for a bundle packed before 2026-12-06

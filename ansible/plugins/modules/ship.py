@@ -16,7 +16,7 @@ description:
     MANIFEST format 2 (packed by deploytool 0.2.0 or later) and as copies otherwise (see O(link)). Only the missing files cross the network,
     with rsync over the play's own ssh connection, and the previous bundles serve as rsync's basis, so a changed
     file at the same path (the venv's archive of a distribution whose wheel changed) travels as a delta.
-  - The bundle's smallest files (each at most 256 KiB, together at most 2 MiB) go along with the first module
+  - The bundle's smallest files (each at most 64 KiB, together at most 512 KiB) go along with the first module
     call, whether or not the host has them; those the host lacks are written from there. When that covers all it
     lacks (a release a few small files apart, such as a rebuilt pure-Python wheel and its part of the venv, the
     lock and the units), the host verifies and renames in that same call, so such a release takes one module call per host
