@@ -553,6 +553,85 @@ def test_an_inline_file_unlike_the_manifest_is_refused_and_leaves_nothing(tmp_pa
     assert sorted(p.name for p in dest.iterdir()) == before and leftovers(dest) == []
 
 
+def test_inline_bytes_for_a_file_the_host_has_are_not_used(tmp_path, dest):
+    """What goes along for a file the host already has is never written (the host's checked copy is reused), so
+    the ship lands; a size that is not the MANIFEST's is refused whatever the host has."""
+    src_a, ma = make_bundle(tmp_path / "ctl-a", FILES_A)
+    ship(dest, src_a, ma)
+    files_b = dict(FILES_A, **{"wheels/b-1.whl": b"wheel b, rebuilt"})
+    src_b, mb = make_bundle(tmp_path / "ctl-b", files_b)
+    with pytest.raises(sc.ShipError) as exc:
+        sc.ship(str(dest), mb, {"wheels/b-1.whl": files_b["wheels/b-1.whl"], "wheels/a-1.whl": b"WHEEL A!"})
+    assert exc.value.reason == "size-mismatch" and exc.value.path == "wheels/a-1.whl"
+    assert leftovers(dest) == [] and not (dest / mb.bundle_id).exists()
+    r = sc.ship(str(dest), mb, {"wheels/b-1.whl": files_b["wheels/b-1.whl"], "wheels/a-1.whl": b"WHEEL A"},
+                signature=b'{"sig":"x"}\n')
+    assert r["committed"] is True and r["inlined"] == ["wheels/b-1.whl"], r
+    assert tree(dest / mb.bundle_id) == tree(src_b)
+
+
+def test_ship_refuses_a_bad_keep_before_it_lays_anything_down(tmp_path, dest):
+    src_a, ma = make_bundle(tmp_path / "ctl-a", FILES_A)
+    for keep in (0, -1, True, "3"):
+        with pytest.raises(sc.ShipError) as exc:
+            sc.ship(str(dest), ma, dict(FILES_A), keep=keep)
+        assert exc.value.reason == "bad-keep"
+        assert not dest.exists() or leftovers(dest) == [] and not (dest / ma.bundle_id).exists()
+
+
+INLINE = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from ansible.errors import AnsibleActionFail
+from ansible_collections.deploytool.fleet.plugins.action import ship
+out = {"budget": [ship.INLINE_FILE_MAX, ship.INLINE_TOTAL_MAX], "bundles": []}
+for d in sys.argv[2:]:
+    try:
+        m, _sig = ship.ActionModule._read_bundle(d)
+        out["bundles"].append(sorted(ship.ActionModule._inline(d, m)))
+    except AnsibleActionFail as exc:
+        out["bundles"].append("refused: " + str(exc))
+print(json.dumps(out))
+'''
+
+
+def test_the_ship_action_sends_along_the_smallest_files_within_its_budget_and_only_the_manifests_bytes(tmp_path):
+    """The action plugin, run by ansible-core's Python: the files sent along with the first call are the smallest,
+    each within the per-file budget, together within the total (smallest first, so one that would overflow it ends
+    the list); a listed file that is a symlink, or whose bytes are not the MANIFEST's, is refused on the controller,
+    before anything reaches a host."""
+    coll = tmp_path / "coll" / "ansible_collections" / "deploytool"
+    coll.mkdir(parents=True)
+    (coll / "fleet").symlink_to(REPO / "ansible")
+    probe = subprocess.run([str(FLEET_PYTHON), "-c", INLINE, str(tmp_path / "coll")], capture_output=True,
+                           text=True, cwd=tmp_path, check=False, env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+    assert probe.returncode == 0, probe.stderr
+    per_file, total = json.loads(probe.stdout)["budget"]
+    n = total // (per_file // 2)  # files of half the per-file budget: n fit, the next does not
+    files = {f"w/{i:03d}.whl": bytes([i]) * (per_file // 2) for i in range(n + 2)}
+    files.update({"big.tar.zst": b"B" * (per_file + 1), "tiny": b"t", "units/x.service": b"[Unit]\n"})
+    good, _ = make_bundle(tmp_path / "a", files)
+    linked, _ = make_bundle(tmp_path / "b", {"tiny": b"t", "other": b"o" * 100})
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s")
+    (linked / "tiny").unlink()
+    (linked / "tiny").symlink_to(secret)
+    changed, _ = make_bundle(tmp_path / "c", {"tiny": b"t", "other": b"o" * 100})
+    (changed / "other").write_bytes(b"O" * 100)
+    r = subprocess.run([str(FLEET_PYTHON), "-c", INLINE, str(tmp_path / "coll"), str(good), str(linked),
+                        str(changed)], capture_output=True, text=True, cwd=tmp_path, check=False,
+                       env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    sent, refused_link, refused_bytes = json.loads(r.stdout)["bundles"]
+    # "tiny" and the unit first, then as many half-budget wheels as the total leaves room for
+    room = (total - 1 - len(b"[Unit]\n")) // (per_file // 2)
+    assert sent == sorted(["tiny", "units/x.service"] + [f"w/{i:03d}.whl" for i in range(room)]), sent
+    assert "big.tar.zst" not in sent and sum(len(files[p]) for p in sent) <= total
+    assert refused_link.startswith("refused: ") and "tiny" in refused_link and "secret" not in refused_link
+    assert refused_bytes.startswith("refused: ") and "other does not match the MANIFEST (SHA-256 differs)" in \
+        refused_bytes, refused_bytes
+
+
 def test_rsync_stats_are_read_from_real_rsync_output(tmp_path):
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "f").write_bytes(os.urandom(300_000))

@@ -97,7 +97,9 @@ def test_reship_sends_nothing_and_reports_no_change(bed):
     assert run.returncode == 0, run
     for r in run.task_results(TASK).values():
         assert r["_status"] == "ok" and r["changed"] is False, r
-        assert r["sent_files"] == 0 and r["sent_bytes"] == 0
+        # nothing but the small files that go along with the first call (the controller cannot know before it asks)
+        assert r["sent_files"] == 0 and r["sent_bytes"] == r["inline_bytes"] <= 512 << 10, r
+        assert set(r["timings"]) == {"prepare"}, r["timings"]
     assert all(s["changed"] == 0 for s in run.stats.values()), run.stats
     # the host trusted its files by their records (nothing read); with rehash=true it reads them all again
     assert all(r["host_hashed_bytes"] == 0 for r in run.task_results(TASK).values())
@@ -141,9 +143,51 @@ def test_a_bundle_that_does_not_match_its_manifest_fails_naming_the_file_and_lea
         shutil.rmtree(bad, ignore_errors=True)
 
 
+def larger_change(b: Path) -> Path:
+    """A copy of bundle `b` (hard links) whose smallest file over the inline budget (64 KiB) is other bytes, with a
+    MANIFEST made again for it (the ship does not check the signature: install does): a release that needs rsync on
+    hosts that hold `b`."""
+    import hashlib
+
+    from deploy_tool.manifest import FileEntry, Manifest, compute_bundle_id
+
+    m = Manifest.from_bytes((b / "MANIFEST").read_bytes())
+    big = min((f for f in m.files if f.size > 64 << 10), key=lambda f: f.size)
+    out = Path(str(b) + "-larger")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(b, out, copy_function=os.link)
+    data = b"\0" * 16 + (b / big.path).read_bytes()[16:]
+    (out / big.path).unlink()  # a new file: the link's other name, in `b`, keeps its bytes
+    (out / big.path).write_bytes(data)
+    os.chmod(out / big.path, big.mode)
+    files = tuple(FileEntry(f.path, f.size, f.mode, hashlib.sha256(data).hexdigest()) if f.path == big.path else f
+                  for f in m.files)
+    new = Manifest(m.format_version, compute_bundle_id(files, m.inputs, m.native_libs, m.format_version), m.created,
+                   m.inputs, files, m.native_libs)
+    (out / "MANIFEST").write_bytes(new.to_bytes())
+    (out / "MANIFEST.sig").unlink()
+    return out
+
+
 def test_a_failed_transfer_leaves_nothing_on_the_host(bed):
-    # a directory holding no bundle yet, so the large files must cross by rsync (the small ones went along with
-    # the first call and were written into the staging directory, which the abort removes)
+    # onto a host that holds the first bundle, with one file over the inline budget changed: the staging directory
+    # holds links to the first bundle's files and the small files sent along, and the failed rsync's abort removes
+    # it, keeping the first bundle's records
+    larger = larger_change(bed.a)
+    try:
+        before = bed.host_listing("h1")
+        args = json.dumps({"src": str(larger), "dest": DEST, "rsync_opts": ["--no-such-option"]})
+        run = bed.f.ansible("h1", "-m", TASK, "-a", args, timeout=120)
+        assert run.returncode == 2, run
+        r = run.task_results(TASK)["h1"]
+        assert r["_status"] == "failed" and "rsync of 1 file(s)" in r["msg"] and "--no-such-option" in r["msg"], r
+        assert bed.host_listing("h1") == before
+        again = bed.ship(bed.a, pattern="h1").task_results(TASK)["h1"]
+        assert again["changed"] is False and again["host_hashed_bytes"] == 0, again  # the records held
+    finally:
+        shutil.rmtree(larger, ignore_errors=True)
+    # a directory holding no bundle yet: the large files must cross by rsync (the small ones went along with the
+    # first call and were written into the staging directory, which the abort removes)
     other = DEST + "-empty"
     args = json.dumps({"src": str(bed.b), "dest": other, "rsync_opts": ["--no-such-option"]})
     run = bed.f.ansible("h1", "-m", TASK, "-a", args, timeout=120)

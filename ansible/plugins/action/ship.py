@@ -4,6 +4,7 @@ with rsync over the play's own ssh connection, and have the host verify and rena
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shlex
@@ -145,7 +146,9 @@ class ActionModule(ActionBase):
                               % prep["path"], "before": "",
                               "after": "" if prep["present"] else "\n".join(lines) + "\n"}
         if prep["present"]:
-            out.update(changed=False, sent_files=0, sent_bytes=0, seconds=round(time.monotonic() - t0, 3))
+            # the small files went along all the same (the controller cannot know before it asks)
+            out.update(changed=False, sent_files=0, sent_bytes=inline_bytes, inline_bytes=inline_bytes,
+                       seconds=round(time.monotonic() - t0, 3))
             return dict(result, **out)
         if check:
             out.update(changed=True, sent_files=len(missing), sent_bytes=prep["missing_bytes"],
@@ -191,20 +194,30 @@ class ActionModule(ActionBase):
     @staticmethod
     def _inline(src, manifest):
         """{path: base64} of the bundle's smallest files, each at most INLINE_FILE_MAX, together at most
-        INLINE_TOTAL_MAX (smallest first). Read from `src` as they are now: the host checks every one against the
-        MANIFEST before the commit, as it does what rsync sends."""
+        INLINE_TOTAL_MAX (smallest first). Each is read without following a symlink and must be the MANIFEST's
+        bytes (SHA-256, here: what goes along reaches every host, also those that have the file, so nothing else
+        may); the host checks them again before its commit, as it does what rsync sends."""
         out, total = {}, 0
         for e in sorted(manifest.files, key=lambda e: (e.size, e.path)):
             if e.size > INLINE_FILE_MAX or total + e.size > INLINE_TOTAL_MAX:
                 break
+            path = os.path.join(src, e.path)
             try:
-                with open(os.path.join(src, e.path), "rb") as f:
-                    data = f.read(e.size + 1)
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
                 raise AnsibleActionFail("bundle %s: cannot read %s (%s)" % (src, e.path, exc.strerror)) from None
-            if len(data) != e.size:
-                raise AnsibleActionFail("bundle %s: %s is %d bytes, the MANIFEST says %d: the bundle directory was "
-                                        "changed after it was packed" % (src, e.path, len(data), e.size))
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise AnsibleActionFail("bundle %s: %s is not a regular file" % (src, e.path))
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    data = f.read(e.size + 1)
+            finally:
+                os.close(fd)
+            if len(data) != e.size or hashlib.sha256(data).hexdigest() != e.sha256:
+                raise AnsibleActionFail("bundle %s: %s does not match the MANIFEST (%s): the bundle directory was "
+                                        "changed after it was packed" % (
+                                            src, e.path, "%d bytes, the MANIFEST says %d" % (len(data), e.size)
+                                            if len(data) != e.size else "SHA-256 differs"))
             out[e.path] = to_text(base64.b64encode(data))
             total += e.size
         return out

@@ -643,8 +643,8 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
                 dst = os.path.join(staging, e.path)
                 out["linked_files"] += _place(src, dst, e.mode, link=_link_wanted(link, manifest, fmt))
                 touched.append((dst, e.sha256, None))
-            # written before the records' wait below, so the commit finds them past the clock tick and need not
-            # wait again before hashing them
+            # written before the records' wait below (where there is one: files were reused), so the commit then
+            # finds them past the clock tick and need not wait again before hashing them
             sent = [e for e in missing if e.path in inline]
             for e in sent:
                 _mkparents(staging, e.path)
@@ -667,6 +667,8 @@ def ship(dest, manifest, inline, signature=None, keep=3, rehash=False, link=None
     """prepare() with `inline`, then, when nothing is left to send, commit() in the same call: one module call for
     a release whose changed files the controller sent along. Returns prepare's dict with `committed` (and, when
     true, commit's `removed`, `trusted_files` and the hashed bytes of both)."""
+    if not _is_int(keep) or keep < 1:  # before prepare: a refused commit would leave its staging directory
+        raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
     out = prepare(dest, manifest, rehash=rehash, signature=signature, link=link, inline=inline)
     out["committed"] = False
     if out["present"] or out["missing"]:

@@ -24,7 +24,7 @@ description:
   - Every file of the staging directory is then checked against the MANIFEST (no extra or missing file; size, mode
     and SHA-256 of each) and only then is the directory renamed to O(dest)/<release> in one rename. A failed ship
     leaves neither O(dest)/<release> nor the staging directory. A release the host already has (checked) is
-    C(changed=false) and nothing is sent.
+    C(changed=false); nothing is sent but the small files that went along with the first call.
   - The MANIFEST signature is not checked here; the host may have no deploytool yet. C(deploytool install) and
     bootstrap check it against the box's trusted keys before anything of the bundle is used.
   - The task runs as an action plugin on the controller (reading the bundle's MANIFEST, running rsync) and this
@@ -136,7 +136,8 @@ release:
   type: str
   returned: always
 sent_files:
-  description: Files sent (in check mode, that would be sent).
+  description: Files the host lacked and received, by rsync or along with the first call (in check mode, that it
+    lacks).
   type: int
   returned: always
 sent_bytes:
@@ -145,10 +146,10 @@ sent_bytes:
   type: int
   returned: always
 inline_bytes:
-  description: File bytes sent along with the first module call (the bundle's smallest files, needed or not);
-    counted in RV(sent_bytes).
+  description: File bytes sent along with the first module call (the bundle's smallest files, needed or not; as
+    base64, about 4/3 of it crosses); counted in RV(sent_bytes).
   type: int
-  returned: on a change
+  returned: when not in check mode
 literal_bytes:
   description: File data rsync had to send literally (the rest was matched in the basis files).
   type: int
