@@ -164,6 +164,7 @@ def larger_change(b: Path) -> Path:
                   for f in m.files)
     new = Manifest(m.format_version, compute_bundle_id(files, m.inputs, m.native_libs, m.format_version), m.created,
                    m.inputs, files, m.native_libs)
+    (out / "MANIFEST").unlink()  # a link to `b`'s, as every file of the copy: never written through
     (out / "MANIFEST").write_bytes(new.to_bytes())
     (out / "MANIFEST.sig").unlink()
     return out
@@ -173,7 +174,9 @@ def test_a_failed_transfer_leaves_nothing_on_the_host(bed):
     # onto a host that holds the first bundle, with one file over the inline budget changed: the staging directory
     # holds links to the first bundle's files and the small files sent along, and the failed rsync's abort removes
     # it, keeping the first bundle's records
+    original = (bed.a / "MANIFEST").read_bytes()
     larger = larger_change(bed.a)
+    assert (bed.a / "MANIFEST").read_bytes() == original  # the cached bundle is untouched
     try:
         before = bed.host_listing("h1")
         args = json.dumps({"src": str(larger), "dest": DEST, "rsync_opts": ["--no-such-option"]})
