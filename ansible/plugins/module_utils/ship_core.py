@@ -564,15 +564,9 @@ def _check_inline(manifest, inline):
 def _write_new(path, data, mode):
     """`data` at `path` with `mode`, through a random temporary name renamed into place (as rsync writes)."""
     tmp = "%s.part-%s" % (path, uuid.uuid4().hex[:12])
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
+    with open(tmp, "xb") as f:  # O_EXCL: never through a name that exists, a symlink included
+        f.write(data)
+    os.chmod(tmp, mode)
     os.rename(tmp, path)
 
 
