@@ -10,6 +10,9 @@ systemd and sshd in namespaces of its own, real ansible-core) is brought up, and
   rollout    `ansible-playbook rollout.yml` of that release (tests/support/fleet_release.py) to the N hosts: the
              canary, then the batches (default serial [1, "50%", "100%"]), each host shipped, bootstrapped,
              installed and gated from the controller
+  rollout 2  `rollout.yml` of a second release of the same fleet, one setting of the backend's environment apart
+             (its units, env files and config differ: small files, which go along with the ship's first module call,
+             so each host's ship is one call): what a rollout costs when little changed
   switch     `ansible-playbook switch.yml -e backend=llamacpp` (serial 1, each host gated)
 
 --serial gives the rollout other batches (deploytool_serial), e.g. 100%: all N hosts in one batch, the same
@@ -29,7 +32,7 @@ overlay's upper layer, a tmpfs of at most FLEET_HOST_TMPFS_SIZE, 4 GiB by defaul
 checked gone after each N (running_fleet).
 
 Printed: the seconds of each per N; the marginal cost of one more host, (t3 - t1) / 2 and (t6 - t3) / 3, for the
-rollout, the switch and rsync; the rollout's marginal cost over rsync's. Goal (issue 29): the marginal cost of a
+rollout, the second rollout, each one's ship step, the switch and rsync; the rollout's marginal cost over rsync's. Goal (issue 29): the marginal cost of a
 rollout per added host at most 1.5x the marginal cost of rsync of the same bundle to one more host in parallel.
 The machine's load before and after (--json: everything as JSON). Only one fleet can be up on a machine: this waits
 for another run's fleet to go first.
@@ -249,7 +252,7 @@ def _batches(n: int, serial: list) -> list[int]:
     return out
 
 
-def one_size(n: int, rel: Release, serial: list | None, cpu: bool = True) -> dict:
+def one_size(n: int, rel: Release, rel2: Release, serial: list | None, cpu: bool = True) -> dict:
     row: dict = {"hosts": n}
     with contextlib.ExitStack() as stack:
         meter = CpuMeter()
@@ -261,10 +264,11 @@ def one_size(n: int, rel: Release, serial: list | None, cpu: bool = True) -> dic
         row.update(load_before=_loadavg(), mem_available_up_mib=_mem_available() // MIB)
         row["up_s"] = round(f.up_seconds, 2)
         f.install_collection()
-        extra = f.dir / "extra.json"
-        extra.write_text(json.dumps({"deploytool_bundle": str(rel.bundle), "deploytool_config": str(rel.config),
-                                     "deploytool_keys": str(rel.pubkey), "deploytool_port": PORT,
-                                     **({"deploytool_serial": serial} if serial else {})}))
+        extra, extra2 = f.dir / "extra.json", f.dir / "extra-2.json"
+        for path, r in ((extra, rel), (extra2, rel2)):
+            path.write_text(json.dumps({"deploytool_bundle": str(r.bundle), "deploytool_config": str(r.config),
+                                        "deploytool_keys": str(r.pubkey), "deploytool_port": PORT,
+                                        **({"deploytool_serial": serial} if serial else {})}))
         row["rollout_batches"] = _batches(n, serial or [1, "50%", "100%"])
         run = f.ansible("fleet", "-m", "ansible.builtin.copy", "-a",
                         f"src={rel.model} dest={Path(MODEL).parent}/", timeout=600)
@@ -287,6 +291,15 @@ def one_size(n: int, rel: Release, serial: list | None, cpu: bool = True) -> dic
         row["rollout_s"] = round(run.seconds, 2)
         # the ship step alone (what compares with rsync): the slowest host's, as the action timed it
         row["ship_max_s"] = round(max(r.get("seconds", 0.0) for r in run.task_results("ship").values()), 2)
+        c0 = meter.read(f)
+        run = f.playbook(PLAYBOOKS / "rollout.yml", "--forks", forks, "-e", f"@{extra2}", timeout=3600)
+        row["rollout2_cpu"] = _spent(c0, meter.read(f))
+        if run.returncode != 0:
+            _fail(f"second rollout to {n}", run)
+        row["rollout2_s"] = round(run.seconds, 2)
+        ships = run.task_results("ship").values()
+        row["ship2_max_s"] = round(max(r.get("seconds", 0.0) for r in ships), 2)
+        row["ship2_one_call"] = all(set(r.get("timings", {})) == {"prepare"} for r in ships)
         c0 = meter.read(f)
         run = f.playbook(PLAYBOOKS / "switch.yml", "--forks", forks, "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
                          timeout=1800)
@@ -354,24 +367,26 @@ def main() -> int:
     rows: dict[int, dict] = {}
     try:
         t0 = time.monotonic()
-        rel = make_release(d)
+        rel = make_release(d / "r1")
         pack_s = time.monotonic() - t0
+        rel2 = make_release(d / "r2", env={"FLEET_RELEASE": "2"}, keys=d / "r1" / "keys")
         bundle_bytes = sum(x["size"] for x in json.loads((rel.bundle / "MANIFEST").read_text())["files"])
         for n in sizes:
-            rows[n] = one_size(n, rel, serial, cpu=not args.no_cpu)
+            rows[n] = one_size(n, rel, rel2, serial, cpu=not args.no_cpu)
             if not args.json:
                 r = rows[n]
-                print(f"  {n} host(s) done: rollout {r['rollout_s']} s, switch {r['switch_s']} s, "
+                print(f"  {n} host(s) done: rollout {r['rollout_s']} s, second rollout {r['rollout2_s']} s, "
+                      f"switch {r['switch_s']} s, "
                       f"rsync {r['rsync_s']} s (load {r['load_before']} -> {r['load_after']})", file=sys.stderr)
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    m = {k: marginal(rows, k) for k in ("rollout_s", "ship_max_s", "switch_s", "rsync_s")}
+    m = {k: marginal(rows, k) for k in ("rollout_s", "ship_max_s", "rollout2_s", "ship2_max_s", "switch_s", "rsync_s")}
     ratios = [{"from": x["from"], "to": x["to"], "rollout_per_host_s": x["num_per_host_s"],
                "rsync_per_host_s": x["den_per_host_s"], "ratio": x["ratio"],
                "met": None if x["ratio"] is None else x["ratio"] <= GOAL}
               for x in _per_host_ratio(m["rollout_s"], m["rsync_s"])]
     cpu_m = {f"{what}_{side}": marginal(rows, f"{what}_cpu", f"{side}_s")
-             for what in ("rsync", "rollout", "switch") for side in ("controller", "hosts")}
+             for what in ("rsync", "rollout", "rollout2", "switch") for side in ("controller", "hosts")}
     controller_ratios = _per_host_ratio(cpu_m["rollout_controller"], cpu_m["rsync_controller"])
     per_host = [h for r in rows.values() for h in r["per_host"].values()]
     summary = {"started": started, "cores": os.cpu_count(), "load_start": load0, "load_end": _loadavg(),
@@ -391,15 +406,17 @@ def main() -> int:
     print(f"{started}; cpu-demo bundle {bundle_bytes / 1e6:.0f} MB; {os.cpu_count()} cores; "
           f"load {load0} at the start, {summary['load_end']} at the end")
     print(f"  rollout serial {summary['rollout_serial']}")
-    print(f"  {'hosts':>5} {'up':>7} {'rsync':>8} {'rollout':>9} {'batches':>8} {'ship':>7} {'switch':>8} {'(module)':>9}"
-          "   load before -> after")
+    print(f"  {'hosts':>5} {'up':>7} {'rsync':>8} {'rollout':>9} {'batches':>8} {'ship':>7} {'rollout 2':>10}"
+          f" {'ship':>7} {'switch':>8} {'(module)':>9}   load before -> after")
     for n, r in rows.items():
         b = "+".join(map(str, r["rollout_batches"]))
         print(f"  {n:>5} {r['up_s']:>6.1f}s {r['rsync_s']:>7.1f}s {r['rollout_s']:>8.1f}s {b:>8} {r['ship_max_s']:>6.1f}s"
+              f" {r['rollout2_s']:>9.1f}s {r['ship2_max_s']:>6.1f}s{'' if r['ship2_one_call'] else '*'}"
               f" {r['switch_s']:>7.1f}s {r['switch_module_s']:>8.1f}s   {r['load_before']} -> {r['load_after']}")
-    print("  (ship: the rollout's ship step, the slowest host's; (module): the switch modules' own seconds, summed)")
-    for key, name in (("rollout_s", "rollout"), ("ship_max_s", "its ship step"), ("switch_s", "switch"),
-                      ("rsync_s", "rsync")):
+    print("  (ship: each rollout's ship step, the slowest host's; * a host's second ship took more than one module "
+          "call; (module): the switch modules' own seconds, summed)")
+    for key, name in (("rollout_s", "rollout"), ("ship_max_s", "its ship step"), ("rollout2_s", "2nd rollout"),
+                      ("ship2_max_s", "its ship step"), ("switch_s", "switch"), ("rsync_s", "rsync")):
         parts = [f"{x['from']}->{x['to']}: {x['per_host_s']:.2f} s" for x in m[key]]
         print(f"  per added host, {name:<13} {'; '.join(parts) or '(needs two host counts)'}")
     for x in ratios:
@@ -417,8 +434,8 @@ def main() -> int:
         for n, r in rows.items():
             print(f"  {n:>5} host(s): " + ", ".join(
                 f"{what} {r[what + '_cpu']['controller_s']:.1f} / {r[what + '_cpu']['hosts_s']:.1f}"
-                for what in ("rsync", "rollout", "switch")))
-        for what in ("rsync", "rollout", "switch"):
+                for what in ("rsync", "rollout", "rollout2", "switch")))
+        for what in ("rsync", "rollout", "rollout2", "switch"):
             parts = [f"{a['from']}->{a['to']}: {a['per_host_s']:.2f} / {b['per_host_s']:.2f} s"
                      for a, b in zip(cpu_m[f"{what}_controller"], cpu_m[f"{what}_hosts"], strict=True)]
             print(f"  CPU per added host, {what:<8} controller / hosts: {'; '.join(parts) or '(needs two host counts)'}")
