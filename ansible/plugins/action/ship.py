@@ -41,9 +41,9 @@ MAX_BASIS = 20  # rsync takes at most 20 --copy-dest directories
 # The bundle's smallest files go along with the first module call, whether or not the host has them: a release a
 # few small files apart (a rebuilt pure-Python wheel and its venv part, the lock, config.json, the units) then
 # lands in that one call, with no rsync and no second round trip (on the fleet bed such a ship took 1.87 s in three
-# calls and an rsync, 1.28-1.43 s in one call on a quiet machine). The budget is not free: on the bed, 2 MiB a host made that ship 0.13-0.21 s slower than 512 KiB
-# (bench/RESULTS.md, 2026-12-06 23:36), which still holds every pure-Python wheel of the cpu-demo bundle up to
-# 64 KiB and its venv part.
+# calls and an rsync, 1.28-1.43 s in one call on a quiet machine). The budget is not free: on the bed, 2 MiB a host
+# made that ship 0.13-0.21 s slower than 512 KiB (bench/RESULTS.md, 2026-12-06 23:36), which still holds every
+# pure-Python wheel of the cpu-demo bundle up to 64 KiB and its venv part.
 INLINE_FILE_MAX = 64 << 10
 INLINE_TOTAL_MAX = 512 << 10
 
