@@ -32,8 +32,9 @@ overlay's upper layer, a tmpfs of at most FLEET_HOST_TMPFS_SIZE, 4 GiB by defaul
 checked gone after each N (running_fleet).
 
 Printed: the seconds of each per N; the marginal cost of one more host, (t3 - t1) / 2 and (t6 - t3) / 3, for the
-rollout, the second rollout, each one's ship step, the switch and rsync; the rollout's marginal cost over rsync's. Goal (issue 29): the marginal cost of a
-rollout per added host at most 1.5x the marginal cost of rsync of the same bundle to one more host in parallel.
+rollout, the second rollout, each one's ship step, the switch and rsync; the rollout's marginal cost over rsync's.
+Goal (issue 29): the marginal cost of a rollout per added host at most 1.5x the marginal cost of rsync of the same
+bundle to one more host in parallel.
 The machine's load before and after (--json: everything as JSON). Only one fleet can be up on a machine: this waits
 for another run's fleet to go first.
 

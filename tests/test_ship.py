@@ -588,7 +588,8 @@ out = {"budget": [ship.INLINE_FILE_MAX, ship.INLINE_TOTAL_MAX], "bundles": []}
 for d in sys.argv[2:]:
     try:
         m, _sig = ship.ActionModule._read_bundle(d)
-        out["bundles"].append(sorted(ship.ActionModule._inline(d, m)))
+        files, _total = ship.ActionModule._inline(d, m)
+        out["bundles"].append(sorted(files))
     except AnsibleActionFail as exc:
         out["bundles"].append("refused: " + str(exc))
 print(json.dumps(out))

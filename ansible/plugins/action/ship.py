@@ -61,10 +61,6 @@ def read_manifest_bytes(raw):
     return Manifest(raw, m.bundle_id, [Entry(f.path, f.size, f.mode, f.sha256) for f in m.files], m.format_version)
 
 
-def sizes_of(manifest):
-    return dict((e.path, e.size) for e in manifest.files)
-
-
 def _flag(args, name, default=False):
     """A boolean task argument (`default` when absent or null); anything but a boolean's spelling fails the task."""
     if args.get(name) is None:
@@ -120,8 +116,7 @@ class ActionModule(ActionBase):
         first = dict(common, phase="prepare")
         inline_bytes = 0
         if not check:
-            inline = self._inline(src, manifest)
-            inline_bytes = sum(sizes_of(manifest)[p] for p in inline)
+            inline, inline_bytes = self._inline(src, manifest)
             first = dict(common, phase="ship", inline=json.dumps(inline) if inline else None)
         t1 = time.monotonic()
         prep = self._execute_module(module_name=MODULE, module_args=first, task_vars=task_vars)
@@ -137,7 +132,7 @@ class ActionModule(ActionBase):
                "linked_files": prep.get("linked_files", 0),
                "refused": prep.get("refused", []), "removed": [], "literal_bytes": 0, "timings": timings,
                "host_hashed_bytes": prep.get("hashed_bytes", 0)}
-        sizes = sizes_of(manifest)
+        sizes = dict((e.path, e.size) for e in manifest.files)
         missing = prep["missing"]
         inlined = prep.get("inlined", [])
         if diff:
@@ -194,8 +189,8 @@ class ActionModule(ActionBase):
 
     @staticmethod
     def _inline(src, manifest):
-        """{path: base64} of the bundle's smallest files, each at most INLINE_FILE_MAX, together at most
-        INLINE_TOTAL_MAX (smallest first). Each is read without following a symlink and must be the MANIFEST's
+        """({path: base64}, their bytes) of the bundle's smallest files, each at most INLINE_FILE_MAX, together at
+        most INLINE_TOTAL_MAX (smallest first). Each is read without following a symlink and must be the MANIFEST's
         bytes (SHA-256, here: what goes along reaches every host, also those that have the file, so nothing else
         may); the host checks them again before its commit, as it does what rsync sends."""
         out, total = {}, 0
@@ -221,7 +216,7 @@ class ActionModule(ActionBase):
                                             if len(data) != e.size else "SHA-256 differs"))
             out[e.path] = to_text(base64.b64encode(data))
             total += e.size
-        return out
+        return out, total
 
     @staticmethod
     def _read_bundle(src):

@@ -355,6 +355,17 @@ def _mkparents(root, rel):
         os.makedirs(os.path.join(root, d), mode=0o755, exist_ok=True)
 
 
+def _part_name(path):
+    """A random name beside `path` to write it through, which no MANIFEST can know in advance: a file placed
+    earlier in this staging directory (say "a.part" before "a") is never written over."""
+    return "%s.part-%s" % (path, uuid.uuid4().hex[:12])
+
+
+def _check_keep(keep):
+    if not _is_int(keep) or keep < 1:
+        raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
+
+
 def _place(src, dst, mode, link=False):
     """Put trusted file `src` at `dst` with `mode`: a local copy, nothing over the network. With `link`, a hard link
     to `src` instead where it already has that mode and belongs to this user (root), so kept bundles share it; a
@@ -365,9 +376,7 @@ def _place(src, dst, mode, link=False):
     temporary name renamed into place; commit writes only MANIFEST and MANIFEST.sig, as new files; removing a bundle
     removes its names, not the inodes the others still name. deploytool's install copies each file into a private
     staging directory and hashes the bytes as it writes them."""
-    # a random name beside it, which no MANIFEST can know in advance: a file placed earlier in this staging
-    # directory (say "a.part" before "a") is never written over
-    tmp = "%s.part-%s" % (dst, uuid.uuid4().hex[:12])
+    tmp = _part_name(dst)
     if link:
         st = os.lstat(src)
         if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.geteuid():
@@ -563,7 +572,7 @@ def _check_inline(manifest, inline):
 
 def _write_new(path, data, mode):
     """`data` at `path` with `mode`, through a random temporary name renamed into place (as rsync writes)."""
-    tmp = "%s.part-%s" % (path, uuid.uuid4().hex[:12])
+    tmp = _part_name(path)
     with open(tmp, "xb") as f:  # O_EXCL: never through a name that exists, a symlink included
         f.write(data)
     os.chmod(tmp, mode)
@@ -619,8 +628,12 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
         out["refused"] = refused
         out["basis"] = bundle_dirs(dest)[:20]
         missing = [e for e in manifest.files if e.sha256 not in found]
-        out["missing"] = [e.path for e in missing]
-        out["missing_bytes"] = sum(e.size for e in missing)
+        sent = [] if check_mode else [e for e in missing if e.path in inline]  # written below from `inline`
+        rest = [e for e in missing if check_mode or e.path not in inline]
+        out["missing"] = [e.path for e in rest]
+        out["missing_bytes"] = sum(e.size for e in rest)
+        out["inlined"] = [e.path for e in sent]
+        out["inlined_bytes"] = sum(e.size for e in sent)
         reused = [e for e in manifest.files if e.sha256 in found]
         out["reused_files"] = len(reused)
         out["reused_bytes"] = sum(e.size for e in reused)
@@ -639,15 +652,9 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
                 touched.append((dst, e.sha256, None))
             # written before the records' wait below (where there is one: files were reused), so the commit then
             # finds them past the clock tick and need not wait again before hashing them
-            sent = [e for e in missing if e.path in inline]
             for e in sent:
                 _mkparents(staging, e.path)
                 _write_new(os.path.join(staging, e.path), inline[e.path], e.mode)
-            out["inlined"] = [e.path for e in sent]
-            out["inlined_bytes"] = sum(e.size for e in sent)
-            rest = [e for e in missing if e.path not in inline]
-            out["missing"] = [e.path for e in rest]
-            out["missing_bytes"] = sum(e.size for e in rest)
             _refresh(cache, touched)
             cache.save()
         except BaseException:
@@ -661,8 +668,7 @@ def ship(dest, manifest, inline, signature=None, keep=3, rehash=False, link=None
     """prepare() with `inline`, then, when nothing is left to send, commit() in the same call: one module call for
     a release whose changed files the controller sent along. Returns prepare's dict with `committed` (and, when
     true, commit's `removed`, `trusted_files` and the hashed bytes of both)."""
-    if not _is_int(keep) or keep < 1:  # before prepare: a refused commit would leave its staging directory
-        raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
+    _check_keep(keep)  # before prepare: a refused commit would leave its staging directory
     out = prepare(dest, manifest, rehash=rehash, signature=signature, link=link, inline=inline)
     out["committed"] = False
     if out["present"] or out["missing"]:
@@ -731,8 +737,7 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
     release = manifest.bundle_id
     staging = _staging_ok(dest, staging, release)
     final = os.path.join(dest, release)
-    if not _is_int(keep) or keep < 1:
-        raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
+    _check_keep(keep)
     cache = None
     try:
         if not os.path.isdir(staging):

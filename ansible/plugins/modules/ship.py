@@ -19,8 +19,8 @@ description:
   - The bundle's smallest files (each at most 64 KiB, together at most 512 KiB) go along with the first module
     call, whether or not the host has them; those the host lacks are written from there. When that covers all it
     lacks (a release a few small files apart, such as a rebuilt pure-Python wheel and its part of the venv, the
-    lock and the units), the host verifies and renames in that same call, so such a release takes one module call per host
-    and no rsync.
+    lock and the units), the host verifies and renames in that same call, so such a release takes one module call
+    per host and no rsync.
   - Every file of the staging directory is then checked against the MANIFEST (no extra or missing file; size, mode
     and SHA-256 of each) and only then is the directory renamed to O(dest)/<release> in one rename. A failed ship
     leaves neither O(dest)/<release> nor the staging directory. A release the host already has (checked) is
