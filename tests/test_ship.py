@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -567,6 +568,36 @@ def test_inline_bytes_for_a_file_the_host_has_are_not_used(tmp_path, dest):
     r = sc.ship(str(dest), mb, {"wheels/b-1.whl": files_b["wheels/b-1.whl"], "wheels/a-1.whl": b"WHEEL A"},
                 signature=b'{"sig":"x"}\n')
     assert r["committed"] is True and r["inlined"] == ["wheels/b-1.whl"], r
+    assert tree(dest / mb.bundle_id) == tree(src_b)
+
+
+def test_every_file_the_host_writes_is_its_own_until_it_is_whole(tmp_path, dest, monkeypatch):
+    """Copies of what the host has (link=false), files sent along, MANIFEST and MANIFEST.sig are created 0600 and
+    get their mode only once written, whatever the umask: no other user can open one for writing meanwhile and
+    change it after the commit's check."""
+    src_a, ma = make_bundle(tmp_path / "ctl-a", FILES_A)
+    ship(dest, src_a, ma)
+    files_b = dict(FILES_A, **{"wheels/b-1.whl": b"wheel b, rebuilt"})
+    src_b, mb = make_bundle(tmp_path / "ctl-b", files_b)
+    seen = []
+    real = os.fchmod
+
+    def spy(fd, mode):
+        st_ = os.fstat(fd)
+        seen.append((stat.S_IMODE(st_.st_mode), st_.st_size, mode))
+        real(fd, mode)
+
+    monkeypatch.setattr(sc.os, "fchmod", spy)
+    old = os.umask(0)
+    try:
+        r = sc.ship(str(dest), mb, {"wheels/b-1.whl": files_b["wheels/b-1.whl"]}, signature=b'{"sig":"x"}\n',
+                    link=False)
+    finally:
+        os.umask(old)
+    assert r["committed"] is True and r["linked_files"] == 0 and r["inlined"] == ["wheels/b-1.whl"], r
+    sizes = sorted([len(b) for b in files_b.values()] + [len(mb.raw), len(b'{"sig":"x"}\n')])
+    assert sorted(size for _m, size, _w in seen) == sizes, seen  # every file whole before its mode
+    assert {m for m, _s, _w in seen} == {0o600}, seen
     assert tree(dest / mb.bundle_id) == tree(src_b)
 
 

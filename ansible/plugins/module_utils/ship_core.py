@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -361,6 +362,40 @@ def _part_name(path):
     return "%s.part-%s" % (path, uuid.uuid4().hex[:12])
 
 
+def _write_through(dst, mode, write):
+    """`dst` with `mode`, written by `write(fd)` into a new file at a random name beside it and renamed into place.
+    The file is created 0600, so no other user can open it while it is written, whatever the umask; a copy is
+    reached by another user only once it is whole and has its mode, and a write through an fd opened earlier is
+    not possible."""
+    tmp = _part_name(dst)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        write(fd)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    os.rename(tmp, dst)
+
+
+def _copy_into(src, fd):
+    with open(src, "rb") as f:
+        size, off = os.fstat(f.fileno()).st_size, 0
+        while off < size:
+            n = os.sendfile(fd, f.fileno(), off, size - off)
+            if not n:
+                raise ShipError("%s shrank while it was copied" % src, "size-mismatch", src)
+            off += n
+
+
+def _write_all(data, fd, fsync=False):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    if fsync:
+        os.fsync(fd)
+
+
 def _check_keep(keep):
     if not _is_int(keep) or keep < 1:
         raise ShipError("keep must be an integer of at least 1, got %r" % (keep,), "bad-keep")
@@ -376,10 +411,10 @@ def _place(src, dst, mode, link=False):
     temporary name renamed into place; commit writes only MANIFEST and MANIFEST.sig, as new files; removing a bundle
     removes its names, not the inodes the others still name. deploytool's install copies each file into a private
     staging directory and hashes the bytes as it writes them."""
-    tmp = _part_name(dst)
     if link:
         st = os.lstat(src)
         if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.geteuid():
+            tmp = _part_name(dst)
             try:
                 os.link(src, tmp, follow_symlinks=False)
             except OSError as exc:
@@ -388,9 +423,7 @@ def _place(src, dst, mode, link=False):
             else:
                 os.rename(tmp, dst)
                 return True
-    shutil.copyfile(src, tmp)
-    os.chmod(tmp, mode)
-    os.rename(tmp, dst)
+    _write_through(dst, mode, lambda fd: _copy_into(src, fd))
     return False
 
 
@@ -570,15 +603,6 @@ def _check_inline(manifest, inline):
     return inline
 
 
-def _write_new(path, data, mode):
-    """`data` at `path` with `mode`, through a random temporary name renamed into place (as rsync writes)."""
-    tmp = _part_name(path)
-    with open(tmp, "xb") as f:  # O_EXCL: never through a name that exists, a symlink included
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.rename(tmp, path)
-
-
 def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link=None, inline=None):
     """Which files the host has, a staging directory seeded with them (not in check mode), and what is missing.
 
@@ -654,7 +678,8 @@ def prepare(dest, manifest, check_mode=False, rehash=False, signature=None, link
             # finds them past the clock tick and need not wait again before hashing them
             for e in sent:
                 _mkparents(staging, e.path)
-                _write_new(os.path.join(staging, e.path), inline[e.path], e.mode)
+                data = functools.partial(_write_all, inline[e.path])
+                _write_through(os.path.join(staging, e.path), e.mode, data)
             _refresh(cache, touched)
             cache.save()
         except BaseException:
@@ -748,12 +773,8 @@ def commit(dest, staging, manifest, signature=None, keep=3, rehash=False):
             for name, data in ((MANIFEST_NAME, manifest.raw), (SIGNATURE_NAME, signature)):
                 if data is None:
                     continue
-                p = os.path.join(staging, name)
-                with open(p, "wb") as f:
-                    f.write(data if isinstance(data, bytes) else data.encode("ascii"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(p, 0o644)
+                raw = data if isinstance(data, bytes) else data.encode("ascii")
+                _write_through(os.path.join(staging, name), 0o644, functools.partial(_write_all, raw, fsync=True))
             dfd = os.open(staging, os.O_RDONLY)
             try:
                 os.fsync(dfd)
