@@ -866,7 +866,7 @@ def extract_archive(archive: str | os.PathLike[str] | Sequence[str | os.PathLike
                     dest: str | os.PathLike[str], *, symlinks: bool = True,
                     max_total: int = DEFAULT_MAX_TOTAL, max_entries: int = DEFAULT_MAX_ENTRIES,
                     progress: ProgressFn | None = None, system_tools: bool | None = None,
-                    digests: dict[str, str] | None = None) -> Extracted:
+                    digests: dict[str, str] | None = None, names: list[list[str]] | None = None) -> Extracted:
     """Safely unpack a tar/tar.zst, or several one after another, into `dest` (created, private, must not exist);
     removed again on any error. Several archives unpack as one: a path two of them hold as a file or link is a
     duplicate entry; directories merge; the limits count them all.
@@ -874,7 +874,8 @@ def extract_archive(archive: str | os.PathLike[str] | Sequence[str | os.PathLike
     With the system's `zstd` and GNU `tar` (`system_tools` None: where present, see `unpack_tools`), they do the
     decompressing and the writing, and this process only checks: every header passes the same checks as below
     before `tar` sees a byte of it (`_extract_with_tools`). `digests`: filled with {member name: SHA-256} of every
-    file's bytes as they were written (handed to the writer), so a caller need not read the tree back."""
+    file's bytes as they were written (handed to the writer), so a caller need not read the tree back. `names`:
+    one list per archive appended, every entry's name in it (what a later install may take from this one)."""
     archives = [archive] if isinstance(archive, str | os.PathLike) else list(archive)
     tools = unpack_tools() if system_tools is None or system_tools else None
     if system_tools and tools is None:
@@ -885,7 +886,8 @@ def extract_archive(archive: str | os.PathLike[str] | Sequence[str | os.PathLike
     if tools is not None:
         try:
             for a, before in zip(archives, itertools.accumulate([0] + sizes), strict=False):
-                _extract_with_tools(a, ex, tools, counter, before, digests)
+                _extract_with_tools(a, ex, tools, counter, before, digests,
+                                    _new_list(names))
         except BaseException:
             ex.remove()
             raise
@@ -905,8 +907,11 @@ def extract_archive(archive: str | os.PathLike[str] | Sequence[str | os.PathLike
         for a, before, size in zip(archives, itertools.accumulate([0] + sizes), sizes, strict=False):
             with open_tar_stream(a) as stream:
                 reader = TarReader(stream, what=str(a))
+                listed = _new_list(names)
                 for e in reader:
                     ex.check(e)
+                    if listed is not None:
+                        listed.append(e.name)
                     if e.kind == "file" and e.size <= SMALL_FILE:
                         ex.reserve(e)
                         data = [bytes(b) for b in reader.chunks()]
@@ -1002,8 +1007,16 @@ class _Tee(io.RawIOBase):
         self.held[-1] = last[:-BLOCK] + bytes(hdr)
 
 
+def _new_list(lists: list[list[str]] | None) -> list[str] | None:
+    if lists is None:
+        return None
+    lists.append([])
+    return lists[-1]
+
+
 def _extract_with_tools(archive: str | os.PathLike[str], ex: SafeExtractor, tools: tuple[str, str],
-                        counter: ByteCounter, before: int, digests: dict[str, str] | None = None) -> None:
+                        counter: ByteCounter, before: int, digests: dict[str, str] | None = None,
+                        names: list[str] | None = None) -> None:
     """`zstd -d | (check here) | tar -x` into ex.dest: the stream is read by TarReader and each entry passes
     SafeExtractor.check (paths, links, devices, duplicates, limits) before its header (with the mode normalized
     as SafeExtractor writes it) goes on to tar; nothing that failed a check reaches tar, and a failure kills both
@@ -1053,6 +1066,8 @@ def _extract_with_tools(archive: str | os.PathLike[str], ex: SafeExtractor, tool
         try:
             for e in reader:
                 ex.check(e)
+                if names is not None:
+                    names.append(e.name)
                 for parent in _parents(e.name):
                     ex.dirs.add(parent)
                 if e.kind == "dir":

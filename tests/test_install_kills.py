@@ -110,7 +110,9 @@ def make_bundles(tmp_path_factory: pytest.TempPathFactory) -> Bundles:
 
     zlib = Path(os.path.realpath(read_ld_so_cache()["libz.so.1"][0])).read_bytes()  # a native library (NEEDS libc)
     whl = _wheel(d / "wheels" / "tinypkg-1.0-py3-none-any.whl", "tinypkg", "1.0",
-                 {"tinypkg/__init__.py": b"VALUE = 1\n", "tinypkg/libtiny.so.1": zlib})
+                 {"tinypkg/__init__.py": b"VALUE = 1\n", "tinypkg/libtiny.so.1": zlib,
+                  # a script pip points at the venv's python: install relocates it
+                  "tinypkg-1.0.data/scripts/tiny-hello": b"#!python\nprint('hello')\n"})
     _wheel(d / "tool-wheels" / "tinytool-1.0-py3-none-any.whl", "tinytool", "1.0",
            {"tinytool/__init__.py": b"VALUE = 2\n"})
     req = d / "requirements.in"

@@ -37,7 +37,7 @@ from typing import Any
 
 from deploy_tool import archive, binaries, checks, proc, strictmodes, venv
 from deploy_tool import bundle as bundle_mod
-from deploy_tool.box import bootstrap, fingerprint, frontctl, sequence
+from deploy_tool.box import bootstrap, fingerprint, frontctl, sequence, venvreuse
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.probe.gate import api_key, queue_start, run_gate
 from deploy_tool.box.state import Operation, State, Step, Store
@@ -684,21 +684,68 @@ class _Install:
             venv.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
         else:
             t0 = time.monotonic()
-            # the Python writer hashes each file as it writes it, for the checks after; through the system's tar
-            # the data never enters this process (splice) and they read the files back from the page cache
-            digests: dict[str, str] | None = None if archive.unpack_tools() else {}
-            parts = [stage / rel for rel in venv.venv_archives(f.path for f in self.vb.manifest.files)]
-            archive.extract_archive(parts, stage / "venv", symlinks=True, progress=self.progress, digests=digests)
-            if digests:
-                self._note_written(stage / "venv", digests, "venv/")
+            donor, shared = self._shared_parts()
+            linked = self._unpack_parts(shared, donor)
+            if linked is None:  # what was linked is not as pinned: every part unpacked instead
+                donor, shared = None, []
+                linked = self._unpack_parts([], None)
             t1 = time.monotonic()
             venv.finish_venv(cfg.bundle.python, stage / "venv")
             t2 = time.monotonic()
-            venv.relocate_venv(stage / "venv", (self.vb.manifest.inputs.get("venv_placeholder", venv.VENV_PLACEHOLDER),
-                                                str(stage / "venv")), str(venv_final))
+            olds: tuple[str, ...] = (self.vb.manifest.inputs.get("venv_placeholder", venv.VENV_PLACEHOLDER),
+                                     str(stage / "venv"))
+            if donor is not None:  # scripts linked from the donor name its venv
+                olds += (str(Path(self.cfg.paths.releases_dir) / donor.rid / "venv"), str(donor.root / "venv"))
+            venv.relocate_venv(stage / "venv", olds, str(venv_final))
             return {"mode": "unpack", "unpack_s": round(t1 - t0, 3), "finish_s": round(t2 - t1, 3),
-                    "relocate_s": round(time.monotonic() - t2, 3)}
+                    "relocate_s": round(time.monotonic() - t2, 3),
+                    **({"reused_parts": len(shared), "linked_files": linked, "from": donor.rid} if donor else {})}
         return {"mode": "rebuild"}
+
+    def _shared_parts(self) -> tuple[venvreuse.Donor | None, list[str]]:
+        """The current release and the venv parts this release can take from it (venvreuse), or (None, [])."""
+        want = {f.path: f.sha256 for f in self.vb.manifest.files if f.path.startswith(venv.VENV_PARTS + "/")}
+        if not want:
+            return None, []
+        try:
+            donor = venvreuse.find_donor(self.cfg, self.rid)
+        except venvreuse.NoReuse as exc:
+            self.log(f"venv: every part unpacked: {exc}")
+            return None, []
+        return donor, venvreuse.shared_parts(donor, want)
+
+    def _unpack_parts(self, shared: list[str], donor: venvreuse.Donor | None) -> int | None:
+        """Unpack the venv's archives but `shared`, link those from `donor`, and record what each part holds
+        (venvreuse.INDEX). How many files were linked, or None when a linked one is not as pinned (the venv is
+        removed then)."""
+        stage, dest = self.stage, self.stage / "venv"
+        # the Python writer hashes each file as it writes it, for the checks after; through the system's tar
+        # the data never enters this process (splice) and they read the files back from the page cache
+        digests: dict[str, str] | None = None if archive.unpack_tools() else {}
+        archives = venv.venv_archives(f.path for f in self.vb.manifest.files)
+        unpack = [rel for rel in archives if rel not in shared]
+        names: list[list[str]] = []
+        archive.extract_archive([stage / rel for rel in unpack], dest, symlinks=True, progress=self.progress,
+                                digests=digests, names=names)
+        if digests:
+            self._note_written(dest, digests, "venv/")
+        index = dict(zip(unpack, names, strict=True))
+        linked: list[venvreuse.Linked] = []
+        if donor is not None and shared:
+            try:
+                linked = venvreuse.link_parts(donor, shared, dest)
+            except venvreuse.NoReuse as exc:
+                self.log(f"venv: every part unpacked: {exc}")
+                shutil.rmtree(dest)
+                return None
+            at = time.time_ns()
+            for f in linked:
+                self.written.put(f"{self.final}/venv/{f.name}", f.st, "sha256", f.sha256, at)
+            index.update({rel: donor.parts[rel][1] for rel in shared})
+        if archives != [venv.LEGACY_VENV_ARCHIVE]:
+            sha = {f.path: f.sha256 for f in self.vb.manifest.files}
+            venvreuse.write_index(stage, {rel: (sha[rel], index[rel]) for rel in archives})
+        return len(linked)
 
     def native_libs(self) -> dict[str, Any]:
         check_os_libraries(self.cfg, self.stage)

@@ -1,0 +1,168 @@
+"""The venv parts a new release shares with the current one, taken from it instead of unpacked again.
+
+A format-2 bundle carries the venv as one archive per distribution (deploy_tool.venv), so a release one wheel apart
+from the installed one differs in that wheel's part alone. Install used to unpack every part anyway: on the real box
+3.7 GB written again, and 3.7 GB more disk, for each such release. Now every install records in the release which
+entries each part unpacked to (INDEX), and the next install hard-links the entries of each part whose archive is
+the same (the same SHA-256 in both signed MANIFESTs) from the current release, and unpacks only the others.
+`_base` is always unpacked: `python -m venv` rewrites its files in place.
+
+Why a linked file is as good as an unpacked one: after linking, its bytes are hashed and must equal the current
+release's pin for that path, which is what the units' ExecStartPre check holds that release to (taken at its
+install from bytes unpacked out of a verified archive, or by a deliberate `deploytool pin`), and the index itself
+must equal its pin. Any difference, an entry that is not pinned or not a root-owned file, link or directory, a
+link that cannot be made (another file system): the partial venv is dropped and every part is unpacked, as before.
+
+Two releases then share those inodes. A change to one is a change to both, which both pins catch; removing either
+leaves the other whole (`deploytool releases` counts a shared file in each). The replaced release's verify cache
+misses once on them: a link moves a file's ctime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy_tool import venv
+from deploy_tool.box import fingerprint
+from deploy_tool.config import Config
+from deploy_tool.errors import DeployError
+from deploy_tool.fsutil import atomic_write
+from deploy_tool.hashing import open_file, parallel, sha256_fd
+
+INDEX = "venv-parts.index.json"
+INDEX_FORMAT = 1
+INDEX_MAX_BYTES = 256 << 20
+
+
+class NoReuse(Exception):
+    """Why the parts cannot be taken from the current release (install then unpacks every part)."""
+
+
+@dataclass(frozen=True)
+class Donor:
+    """The current release, as its pins and its index describe it."""
+
+    rid: str
+    root: Path
+    entries: dict[str, str]  # its pinned tree: path in the release -> treepin value
+    parts: dict[str, tuple[str, list[str]]]  # INDEX: part path -> (its archive's SHA-256, the entries it unpacked)
+
+
+@dataclass(frozen=True)
+class Linked:
+    """A file linked into the new venv: its name there, its fstat before it was read, its SHA-256 (the pin's)."""
+
+    name: str
+    st: os.stat_result
+    sha256: str
+
+
+def write_index(release: Path, parts: dict[str, tuple[str, list[str]]]) -> None:
+    body = {"format": INDEX_FORMAT, "parts": {p: {"sha256": sha, "names": names}
+                                             for p, (sha, names) in sorted(parts.items())}}
+    atomic_write(release / INDEX, json.dumps(body, separators=(",", ":")).encode(), 0o644)
+
+
+def _pinned_sha(value: str | None) -> str | None:
+    """The SHA-256 of a root-owned regular file's treepin value (`file 0644 <sha>`), else None."""
+    parts = (value or "").split(" ")
+    return parts[2] if len(parts) == 3 and parts[0] == "file" and len(parts[2]) == 64 else None
+
+
+def find_donor(cfg: Config, rid: str) -> Donor:
+    """The current release, when it is another than `rid` and its pins and index can be trusted; NoReuse says why
+    not."""
+    cur = fingerprint.current_release(cfg)
+    if cur is None or cur == rid:
+        raise NoReuse("no other release is current")
+    root = Path(os.path.realpath(cfg.paths.current))
+    for name in [cfg.default_backend, *sorted(set(cfg.backends) - {cfg.default_backend})]:
+        try:
+            ps = fingerprint.load_pins(cfg, name)
+        except DeployError:
+            continue
+        tree = ps.trees.get("release")
+        if ps.release == cur and tree is not None and os.path.realpath(tree.root) == str(root):
+            break
+    else:
+        raise NoReuse(f"no pins of release {cur}")
+    want = _pinned_sha(tree.entries.get(INDEX))
+    if want is None:
+        raise NoReuse(f"release {cur} has no pinned {INDEX} (installed by deploytool 0.2.0 or older)")
+    try:
+        fd, st = open_file(root / INDEX, follow_symlinks=False)
+        try:
+            if st.st_size > INDEX_MAX_BYTES:
+                raise NoReuse(f"{INDEX} of release {cur} is {st.st_size} bytes")
+            raw = os.pread(fd, st.st_size + 1, 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise NoReuse(f"cannot read {INDEX} of release {cur}: {exc.strerror or exc}") from None
+    if hashlib.sha256(raw).hexdigest() != want:
+        raise NoReuse(f"{INDEX} of release {cur} differs from its pin")
+    try:
+        d = json.loads(raw)
+        parts = {str(p): (str(v["sha256"]), [str(n) for n in v["names"]]) for p, v in d["parts"].items()}
+        if d.get("format") != INDEX_FORMAT:
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise NoReuse(f"{INDEX} of release {cur} is not a format-{INDEX_FORMAT} index") from None
+    return Donor(cur, root, tree.entries, parts)
+
+
+def shared_parts(donor: Donor, want: dict[str, str]) -> list[str]:
+    """The parts of `want` ({part path: SHA-256}, from the new release's MANIFEST) the donor unpacked from the
+    same archive; never `_base`."""
+    base = f"{venv.VENV_PARTS}/{venv.BASE_PART}.tar.zst"
+    return sorted(p for p, sha in want.items() if p != base and p in donor.parts and donor.parts[p][0] == sha)
+
+
+def link_parts(donor: Donor, parts: list[str], dest: Path) -> list[Linked]:
+    """Make the entries of `parts` in the venv `dest` (the other parts already unpacked there): directories made,
+    symlinks written, files hard-linked from the donor's venv, then every linked file hashed and held to the donor's
+    pin. NoReuse on anything that is not exactly as pinned; the caller drops `dest` then."""
+    files: list[tuple[str, str]] = []
+    for part in parts:
+        for name in sorted(donor.parts[part][1]):
+            rel = f"venv/{name}"
+            value = donor.entries.get(rel)
+            if value is None or name.startswith("/") or ".." in name.split("/"):
+                raise NoReuse(f"{rel} of {part} is not pinned in release {donor.rid}")
+            at = dest / name
+            sha = _pinned_sha(value)
+            try:
+                if value.startswith("dir "):
+                    if not at.is_dir():
+                        at.mkdir(0o755)
+                elif value.startswith("link -> "):
+                    os.symlink(value[len("link -> "):], at)
+                elif sha is not None:
+                    os.link(donor.root / rel, at, follow_symlinks=False)
+                    files.append((name, sha))
+                else:
+                    raise NoReuse(f"{rel} of release {donor.rid} is pinned as {value.split(' ')[0]}, "
+                                  "not as root's file, link or directory")
+            except OSError as exc:
+                raise NoReuse(f"cannot link {rel} from release {donor.rid}: {exc.strerror or exc}") from None
+
+    def check(item: tuple[str, str]) -> Linked:
+        name, sha = item
+        try:
+            fd, st = open_file(dest / name, follow_symlinks=False)
+        except OSError as exc:
+            raise NoReuse(f"cannot read venv/{name} linked from release {donor.rid}: {exc.strerror or exc}") from None
+        try:
+            got, _ = sha256_fd(fd, regular=True)
+        finally:
+            os.close(fd)
+        if got != sha:
+            raise NoReuse(f"venv/{name} of release {donor.rid} differs from its pin")
+        return Linked(name, st, got)
+
+    return parallel(check, files)
+
