@@ -14,6 +14,10 @@ with a sandboxed systemd 252 there as the box's (as `make demo` has it; --no-san
   zstd|tar       `zstd -d -c BUNDLE.tar.zst | tar -x`, then `zstd -d -c PART | tar -x` of each of the venv's
                  archives it holds (venv-parts/*.tar.zst, or a bundle's one venv.tar.zst before 2026-12-06): the same
                  bytes laid down with no checks at all (the goal: install at most 2x this)
+  upgrade        `deploytool install --no-start B` onto the box `install` left, B one wheel apart from the bundle
+                 (tests/support/ship_bundles.py's rebuilt wheel, packed once beside it): the venv parts B shares
+                 with the installed release are hard-linked from it and hashed against its pins, the changed one
+                 unpacked (deploy_tool.box.venvreuse)
   install-rebuild  (--rebuild) the same install with --rebuild (pip --no-index --require-hashes from the wheels)
   pip            (--pip) `python -m venv` + `pip install --no-index --no-deps` of the bundle's wheels
 
@@ -21,7 +25,7 @@ Printed: the median per method and its ratio to zstd|tar, and where install's ti
 marks: verify, unpack, venv finish and relocation, native library hashes, the tool venv wait, laying down, units,
 pin, daemon-reload, commit, CLI start and exit), with the load average before and after.
 
-Usage: python bench/bench_install.py [--runs 3] [--json] [--no-sandbox] [--rebuild] [--pip] [--fresh]
+Usage: python bench/bench_install.py [--runs 3] [--json] [--no-sandbox] [--rebuild] [--pip] [--fresh] [--no-upgrade]
 """
 
 from __future__ import annotations
@@ -57,13 +61,17 @@ def timed(argv: list[str], **kw) -> float:
 
 def run_install(cfg: Path, reset, bundle: Path, *, rebuild: bool = False,
                 env: dict[str, str] | None = None) -> tuple[float, dict[str, float]]:
-    reset()
+    if reset is not None:
+        reset()
     t0 = time.monotonic()
     r = dt(cfg, "--json", "install", "--no-start", *(["--rebuild"] if rebuild else []), str(bundle), env=env)
     wall = time.monotonic() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout)
     return wall, breakdown(rep, wall)
+
+
+LINKED: list[tuple[int, int]] = []  # (venv parts linked, files linked) of each install, in order
 
 
 def breakdown(rep: dict, wall: float) -> dict[str, float]:
@@ -80,6 +88,7 @@ def breakdown(rep: dict, wall: float) -> dict[str, float]:
             out["unpack the venv's archives"] = s["unpack_s"]
             out["venv finish (python -m venv) + relocate"] = s["finish_s"] + s["relocate_s"]
             out["venv-ready: rest (staging rename)"] = d - s["unpack_s"] - s["finish_s"] - s["relocate_s"]
+            LINKED.append((s.get("reused_parts", 0), s.get("linked_files", 0)))
         else:
             name = {"native-libs-checked": "OS libraries + native library hashes", "tool-ready": "tool venv (wait)",
                     "release-laid-down": "lay down (rename, modes)", "units-written": "units + env files",
@@ -99,6 +108,7 @@ def main() -> int:
     ap.add_argument("--no-sandbox", action="store_true", help="systemctl is /bin/true instead of a sandboxed systemd")
     ap.add_argument("--rebuild", action="store_true", help="also time install --rebuild")
     ap.add_argument("--pip", action="store_true", help="also time a plain pip install of the wheels")
+    ap.add_argument("--no-upgrade", action="store_true", help="do not time the install of a release one wheel apart")
     a = ap.parse_args()
     from deploy_tool.archive import UNPACK_ENV, unpack_tools
     from tests.support.sandbox import RUN_PARENT, free_port, new_run_dir
@@ -131,11 +141,24 @@ def main() -> int:
             (d / ".packed").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
         else:
             say(f"the cached cpu-demo bundle in {d / 'artifacts'} (packed {(d / '.packed').read_text().strip()})")
+        if not a.no_upgrade and not (d / ".packed-b").is_file():
+            from tests.support.ship_bundles import one_wheel_variant
+
+            say("packing a bundle one wheel apart (cached for the next run) ...")
+            for stale in ("wheels-b", "artifacts-b"):
+                shutil.rmtree(d / stale, ignore_errors=True)
+            one_wheel_variant(cfg)
+            (d / ".packed-b").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
         data = yaml.safe_load(cfg.read_text())
         assert data["paths"]["unit_dir"] == str(cache / "sandbox" / "etc-systemd-system") or sb is None, unit_dir
         data["systemd"]["systemctl"] = ["/bin/true"] if sb is None else ["systemctl"]
         data["systemd"]["sandbox"] = str(sb.dir) if sb else None
         cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+        cfg_b = d / "deploytool-b.yaml"  # B's config (its own paths.config, else the same box)
+        if not a.no_upgrade:
+            data_b = yaml.safe_load(cfg_b.read_text())
+            data_b["systemd"] = data["systemd"]
+            cfg_b.write_text(yaml.safe_dump(data_b, sort_keys=False))
         box = Box(cfg)
 
         def reset() -> None:
@@ -150,6 +173,11 @@ def main() -> int:
         assert (bdir / "venv-parts").is_dir() or (bdir / "venv.tar.zst").is_file(), bdir
         python = data["bundle"]["python"]
         times: dict[str, list[float]] = {"install": [], "install-py": [], "zstd|tar": [], "zstd|tar venv only": []}
+        if not a.no_upgrade:
+            times["upgrade"] = []
+            bundle_b = bundle_in(d / "artifacts-b")
+        splits_up: list[dict[str, float]] = []
+        up_linked = (0, 0)
         if a.rebuild:
             times["install-rebuild"] = []
         if a.pip:
@@ -160,6 +188,12 @@ def main() -> int:
             wall, split = run_install(cfg, reset, bundle)
             times["install"].append(wall)
             splits.append(split)
+            if not a.no_upgrade:
+                wall, split = run_install(cfg_b, None, bundle_b)  # onto what install left
+                assert LINKED[-1][0] > 0, f"the upgrade linked no venv part: {LINKED[-1]}"
+                up_linked = LINKED[-1]
+                times["upgrade"].append(wall)
+                splits_up.append(split)
             wall, split = run_install(cfg, reset, bundle, env={UNPACK_ENV: "python"})
             times["install-py"].append(wall)
             splits_py.append(split)
@@ -201,9 +235,10 @@ def main() -> int:
     def med_steps(ss: list[dict[str, float]]) -> dict[str, float]:
         return {k: statistics.median(s.get(k, 0.0) for s in ss) for k in ss[0]} if ss and ss[0] else {}
 
-    steps, steps_py = med_steps(splits), med_steps(splits_py)
+    steps, steps_py, steps_up = med_steps(splits), med_steps(splits_py), med_steps(splits_up)
     base = med["zstd|tar"]
     res = {"runs": a.runs, "median_s": med, "all_s": times, "install_steps_s": steps, "install_py_steps_s": steps_py,
+           "upgrade_steps_s": steps_up,
            "ratio_install_vs_zstd_tar": med["install"] / base, "ratio_install_py_vs_zstd_tar": med["install-py"] / base,
            "bundle_bytes": bundle_bytes, "manifest_bytes": release_bytes, "unpack_tools": unpack_tools(),
            "sandbox": sb is not None, "loadavg_before": load0, "loadavg_after": load1, "cpus": os.cpu_count()}
@@ -217,10 +252,14 @@ def main() -> int:
         print(f"  {k:20} {v:7.2f}s  {v / base:5.2f}x zstd|tar   (runs: {', '.join(f'{x:.2f}' for x in times[k])})")
     print(f"install / zstd|tar: {med['install'] / base:.2f}x (goal <= 2x); with the Python writer "
           f"{med['install-py'] / base:.2f}x")
+    if "upgrade" in med:
+        print(f"upgrade / install: {med['upgrade'] / med['install']:.2f}x (a release one wheel apart onto the first;"
+              f" it linked {up_linked[0]} venv parts, {up_linked[1]} files, and unpacked the rest)")
     if steps:
-        print("where install's time goes (median seconds between the CLI's step marks; Python writer beside):")
+        print("where install's time goes (median seconds between the CLI's step marks; the Python writer, and the"
+              " upgrade, beside):")
         for k, v in steps.items():
-            print(f"    {k:62} {v:6.2f}s   {steps_py.get(k, 0.0):6.2f}s")
+            print(f"    {k:62} {v:6.2f}s   {steps_py.get(k, 0.0):6.2f}s   {steps_up.get(k, 0.0):6.2f}s")
     return 0
 
 

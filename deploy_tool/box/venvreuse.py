@@ -92,7 +92,8 @@ def find_donor(cfg: Config, rid: str) -> Donor:
         raise NoReuse(f"no pins of release {cur}")
     want = _pinned_sha(tree.entries.get(INDEX))
     if want is None:
-        raise NoReuse(f"release {cur} has no pinned {INDEX} (installed by deploytool 0.2.0 or older)")
+        raise NoReuse(f"release {cur} has no pinned {INDEX} (installed with --rebuild, from a bundle of format 1, "
+                      "or by a deploytool that did not record it)")
     try:
         fd, st = open_file(root / INDEX, follow_symlinks=False)
         try:
