@@ -10,11 +10,16 @@ import csv
 import hashlib
 import json
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deploy_tool.box import venvreuse
+from tests.support.examples import examples
 from tests.test_install_kills import FU, Box, F, L, _rid, _serving, _with_a
 
 SCRIPT = "bin/tiny-hello"
@@ -125,3 +130,144 @@ def test_a_current_release_not_as_pinned_gives_nothing_and_every_part_is_unpacke
     assert any("every part unpacked" in ln and why in ln for ln in box.log), box.log
     assert _contents(va) == before_a
     assert box.verify(F).ok
+
+
+# ------------------------------------------------------------------------------------------------ link_parts alone
+
+PART = "venv-parts/pkg.tar.zst"
+TREE = {"pkg": None, "pkg/a.py": (0o644, b"A = 1\n"), "pkg/b.so": (0o755, b"\x7fELF" + bytes(300)),
+        "pkg/data": None, "pkg/data/x.txt": (0o644, b"x" * 5000), "pkg/link": "a.py",
+        "bin/tool": (0o755, b"#!/opt/r/A/venv/bin/python\n")}
+_FILE = ["content", "longer", "chmod-0600", "chmod-4755", "unlink", "to-symlink", "to-dir", "pin-owner", "pin-mode"]
+MUTATIONS = sorted({(m, n) for n, k in TREE.items()
+                    for m in (_FILE if isinstance(k, tuple) else ["unlink", "retarget", "pin-owner", "link-escape"]
+                              if isinstance(k, str) else ["pin-owner", "pin-dir-mode"])}
+                   | {("index-escape", "pkg"), ("index-unpinned", "pkg")})
+
+
+def _donor(root: Path) -> venvreuse.Donor:
+    from deploy_tool.box import treepin
+
+    for name, what in TREE.items():
+        p = root / "venv" / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if what is None:
+            p.mkdir(exist_ok=True)
+        elif isinstance(what, str):
+            p.symlink_to(what)
+        else:
+            p.write_bytes(what[1])
+            p.chmod(what[0])
+    entries = {}
+    for name in TREE:
+        p = root / "venv" / name
+        st_ = p.lstat()
+        content = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() and not p.is_symlink() else \
+            os.readlink(p) if p.is_symlink() else ""
+        entries[f"venv/{name}"] = treepin.value(st_, content)
+    return venvreuse.Donor("A", root, entries, {PART: ("0" * 64, sorted(TREE))})
+
+
+def _mutate(d: venvreuse.Donor, how: str, victim: str) -> venvreuse.Donor:
+    p = d.root / "venv" / victim
+    rel = f"venv/{victim}"
+    kind = TREE[victim]
+    entries, names = dict(d.entries), list(d.parts[PART][1])
+    is_file = p.is_file() and not p.is_symlink()
+    if how in ("content", "longer", "chmod-0600", "chmod-4755", "to-dir") and isinstance(kind, tuple) and is_file:
+        data = p.read_bytes()
+        p.unlink()
+        if how == "to-dir":
+            p.mkdir()
+        else:
+            p.write_bytes({"content": bytes([data[0] ^ 1]) + data[1:], "longer": data + b"\n"}.get(how, data))
+            p.chmod({"chmod-0600": 0o600, "chmod-4755": 0o4755}.get(how, kind[0]))
+    elif how in ("unlink", "to-symlink") and kind is not None and os.path.lexists(p) and not p.is_dir():
+        p.unlink()
+        if how == "to-symlink":
+            p.symlink_to("a.py")
+    elif how == "retarget" and p.is_symlink():
+        p.unlink()
+        p.symlink_to("data")
+    elif how == "pin-owner":
+        entries[rel] = entries[rel].replace(" ", " 1000:1000 ", 1) if " -> " not in entries[rel] else \
+            entries[rel].replace("link ", "link 0:5 ")
+    elif how == "pin-mode" and isinstance(kind, tuple):
+        entries[rel] = entries[rel].replace(f"{kind[0]:04o}", "0600")
+    elif how == "pin-dir-mode" and kind is None:
+        entries[rel] = "dir 0700"
+    elif how == "index-escape":
+        names.append("../../etc/evil")
+    elif how == "index-unpinned":
+        names.append("pkg/planted.pth")
+    elif how == "link-escape" and isinstance(kind, str):
+        entries[rel] = "link -> ../../../../etc"
+    else:
+        return d  # the mutation does not apply to this entry: nothing changed
+    return venvreuse.Donor(d.rid, d.root, entries, {PART: (d.parts[PART][0], names)})
+
+
+def _tree_of(venv: Path) -> dict[str, tuple]:
+    out = {}
+    for name in TREE:
+        p = venv / name
+        st_ = p.lstat()
+        if p.is_symlink():
+            out[name] = ("link", os.readlink(p))
+        elif p.is_dir():
+            out[name] = ("dir", stat.S_IMODE(st_.st_mode))
+        else:
+            out[name] = ("file", stat.S_IMODE(st_.st_mode), p.read_bytes())
+    return out
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(muts=st.lists(st.sampled_from(MUTATIONS), max_size=3))
+def test_linked_parts_are_exactly_the_pinned_tree_or_nothing(muts: list[tuple[str, str]]) -> None:
+    _linked_or_nothing(muts)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids="{0[0]}:{0[1]}".format)
+def test_each_change_alone_is_refused_or_harmless(mutation: tuple[str, str]) -> None:
+    """Every single change of the list, on its own (the property above draws them in combinations): refused, but
+    a symlink of the donor's retargeted or removed: a link is made from its pinned target, so the tree is right."""
+    on_disk_link = mutation[0] in ("retarget", "unlink") and isinstance(TREE[mutation[1]], str)
+    assert _linked_or_nothing([mutation]) == ("linked" if on_disk_link else "refused")
+
+
+def _linked_or_nothing(muts: list[tuple[str, str]]) -> str:
+    """Whatever was done to the current release or its pins and index since: link_parts either refuses (NoReuse;
+    install then unpacks every part) or lays down exactly the tree the pins describe (kinds, modes, bytes, link
+    targets), never writing through to the donor; with nothing done it links."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "A"
+        pristine = _donor(root)
+        expected = _tree_of(root / "venv")
+        d = pristine
+        for how, victim in muts:
+            d = _mutate(d, how, victim)
+        donor_before = {n: _tree_of_one(root / "venv" / n) for n in TREE}
+        dest = Path(tmp) / "B"
+        (dest / "bin").mkdir(parents=True)  # as `_base` leaves it
+        try:
+            linked = venvreuse.link_parts(d, [PART], dest)
+        except venvreuse.NoReuse:
+            assert d is not pristine, "refused though nothing was changed"
+            outcome = "refused"
+        else:
+            assert _tree_of(dest) == expected
+            assert {f.name for f in linked} == {n for n, k in TREE.items() if isinstance(k, tuple)}
+            assert all(f.sha256 == hashlib.sha256((dest / f.name).read_bytes()).hexdigest() for f in linked)
+            outcome = "linked"
+        assert {n: _tree_of_one(root / "venv" / n) for n in TREE} == donor_before
+        return outcome
+
+
+def _tree_of_one(p: Path) -> tuple | None:
+    if p.is_symlink():
+        return ("link", os.readlink(p))
+    if not p.exists():
+        return None
+    if p.is_dir():
+        return ("dir", stat.S_IMODE(p.lstat().st_mode))
+    return ("file", stat.S_IMODE(p.lstat().st_mode), p.read_bytes())

@@ -23,10 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy_tool import venv
+from deploy_tool import archive, venv
 from deploy_tool.box import fingerprint
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError
@@ -67,10 +68,13 @@ def write_index(release: Path, parts: dict[str, tuple[str, list[str]]]) -> None:
     atomic_write(release / INDEX, json.dumps(body, separators=(",", ":")).encode(), 0o644)
 
 
-def _pinned_sha(value: str | None) -> str | None:
-    """The SHA-256 of a root-owned regular file's treepin value (`file 0644 <sha>`), else None."""
+def _pinned_file(value: str | None) -> tuple[int, str] | None:
+    """(mode, SHA-256) of a treepin value of a root-owned regular file with a mode an unpack gives (`file 0644
+    <sha>`, `file 0755 <sha>`), else None."""
     parts = (value or "").split(" ")
-    return parts[2] if len(parts) == 3 and parts[0] == "file" and len(parts[2]) == 64 else None
+    if len(parts) == 3 and parts[0] == "file" and parts[1] in ("0644", "0755") and len(parts[2]) == 64:
+        return int(parts[1], 8), parts[2]
+    return None
 
 
 def find_donor(cfg: Config, rid: str) -> Donor:
@@ -90,8 +94,8 @@ def find_donor(cfg: Config, rid: str) -> Donor:
             break
     else:
         raise NoReuse(f"no pins of release {cur}")
-    want = _pinned_sha(tree.entries.get(INDEX))
-    if want is None:
+    pinned = _pinned_file(tree.entries.get(INDEX))
+    if pinned is None:
         raise NoReuse(f"release {cur} has no pinned {INDEX} (installed with --rebuild, from a bundle of format 1, "
                       "or by a deploytool that did not record it)")
     try:
@@ -104,7 +108,7 @@ def find_donor(cfg: Config, rid: str) -> Donor:
             os.close(fd)
     except OSError as exc:
         raise NoReuse(f"cannot read {INDEX} of release {cur}: {exc.strerror or exc}") from None
-    if hashlib.sha256(raw).hexdigest() != want:
+    if hashlib.sha256(raw).hexdigest() != pinned[1]:
         raise NoReuse(f"{INDEX} of release {cur} differs from its pin")
     try:
         d = json.loads(raw)
@@ -127,7 +131,7 @@ def link_parts(donor: Donor, parts: list[str], dest: Path) -> list[Linked]:
     """Make the entries of `parts` in the venv `dest` (the other parts already unpacked there): directories made,
     symlinks written, files hard-linked from the donor's venv, then every linked file hashed and held to the donor's
     pin. NoReuse on anything that is not exactly as pinned; the caller drops `dest` then."""
-    files: list[tuple[str, str]] = []
+    files: list[tuple[str, int, str]] = []
     for part in parts:
         for name in sorted(donor.parts[part][1]):
             rel = f"venv/{name}"
@@ -135,24 +139,29 @@ def link_parts(donor: Donor, parts: list[str], dest: Path) -> list[Linked]:
             if value is None or name.startswith("/") or ".." in name.split("/"):
                 raise NoReuse(f"{rel} of {part} is not pinned in release {donor.rid}")
             at = dest / name
-            sha = _pinned_sha(value)
+            file = _pinned_file(value)
             try:
-                if value.startswith("dir "):
+                if value == "dir 0755":
                     if not at.is_dir():
                         at.mkdir(0o755)
                 elif value.startswith("link -> "):
-                    os.symlink(value[len("link -> "):], at)
-                elif sha is not None:
+                    target = value[len("link -> "):]
+                    try:
+                        archive.check_symlink_target(name, target)  # as the unpack holds its links
+                    except DeployError as exc:
+                        raise NoReuse(f"{rel} of release {donor.rid}: {exc}") from None
+                    os.symlink(target, at)
+                elif file is not None:
                     os.link(donor.root / rel, at, follow_symlinks=False)
-                    files.append((name, sha))
+                    files.append((name, *file))
                 else:
-                    raise NoReuse(f"{rel} of release {donor.rid} is pinned as {value.split(' ')[0]}, "
-                                  "not as root's file, link or directory")
+                    raise NoReuse(f"{rel} of release {donor.rid} is pinned as {value!r}, not as root's file, "
+                                  "link or directory with the modes an unpack gives")
             except OSError as exc:
                 raise NoReuse(f"cannot link {rel} from release {donor.rid}: {exc.strerror or exc}") from None
 
-    def check(item: tuple[str, str]) -> Linked:
-        name, sha = item
+    def check(item: tuple[str, int, str]) -> Linked:
+        name, mode, sha = item
         try:
             fd, st = open_file(dest / name, follow_symlinks=False)
         except OSError as exc:
@@ -161,7 +170,7 @@ def link_parts(donor: Donor, parts: list[str], dest: Path) -> list[Linked]:
             got, _ = sha256_fd(fd, regular=True)
         finally:
             os.close(fd)
-        if got != sha:
+        if got != sha or stat.S_IMODE(st.st_mode) != mode or (st.st_uid, st.st_gid) != (0, 0):
             raise NoReuse(f"venv/{name} of release {donor.rid} differs from its pin")
         return Linked(name, st, got)
 
