@@ -87,7 +87,9 @@ def breakdown(rep: dict, wall: float) -> dict[str, float]:
         if s["step"] == "venv-ready" and "unpack_s" in s:
             out["unpack the venv's archives"] = s["unpack_s"]
             out["venv finish (python -m venv) + relocate"] = s["finish_s"] + s["relocate_s"]
-            out["venv-ready: rest (staging rename)"] = d - s["unpack_s"] - s["finish_s"] - s["relocate_s"]
+            out["link the shared parts, hash them against the pins"] = s.get("link_s", 0.0)
+            out["venv-ready: rest (staging rename)"] = (d - s["unpack_s"] - s["finish_s"] - s["relocate_s"]
+                                                        - s.get("link_s", 0.0))
             LINKED.append((s.get("reused_parts", 0), s.get("linked_files", 0)))
         else:
             name = {"native-libs-checked": "OS libraries + native library hashes", "tool-ready": "tool venv (wait)",

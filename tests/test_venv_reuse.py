@@ -10,7 +10,9 @@ import csv
 import hashlib
 import json
 import os
+import shutil
 import stat
+import struct
 import tempfile
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy_tool.box import venvreuse
+from deploy_tool.box import fingerprint, venvreuse
 from tests.support.examples import examples
 from tests.test_install_kills import FU, Box, F, L, _rid, _serving, _with_a
 
@@ -98,12 +100,12 @@ def test_an_upgrade_links_the_shared_parts_and_relocates_without_writing_through
     assert _serving(box) == {FU}
 
 
-@pytest.mark.parametrize("what", ["file", "index", "missing"])
+@pytest.mark.parametrize("what", ["file", "index", "missing", "repinned"])
 def test_a_current_release_not_as_pinned_gives_nothing_and_every_part_is_unpacked(box: Box, saved_a: Path,
                                                                                  what: str) -> None:
-    """A file of the shared part changed in A (not re-pinned), A's index changed, or a file of the part gone: B
-    links nothing from A, unpacks every part from its own signed archives, and installs; A's files are left as
-    they were found."""
+    """A file of the shared part changed in A (not re-pinned), A's index changed, a file of the part gone, or a
+    file changed and A pinned again on purpose: B links nothing from A, unpacks every part from its own signed
+    archives, and installs; A's files are left as they were found."""
     _with_a(box, saved_a)
     a, b = _rid(box.b.a), _rid(box.b.b)
     va = _venv(box, a)
@@ -116,8 +118,13 @@ def test_a_current_release_not_as_pinned_gives_nothing_and_every_part_is_unpacke
         d = json.loads(idx.read_text())
         idx.unlink()
         idx.write_text(json.dumps(d, indent=1))
-    else:
+    elif what == "missing":
         init.unlink()
+    else:  # a hotfix in A, pinned on purpose: B must still get the signed bytes
+        init.unlink()
+        init.write_bytes(b"VALUE = 666\n")
+        for name in (F, L):
+            fingerprint.pin(box.cfg, name, "hotfix", release=a)
     before_a = _contents(va)
     out = box.install(box.b.b, cfg=box.b.cfg_b)
     assert out.what == "installed", (out, box.log)
@@ -126,7 +133,8 @@ def test_a_current_release_not_as_pinned_gives_nothing_and_every_part_is_unpacke
     assert not {r for r in fa if r in fb and (fa[r].st_dev, fa[r].st_ino) == (fb[r].st_dev, fb[r].st_ino)}
     got = next(vb.glob("lib/python*/site-packages/tinypkg/__init__.py")).read_bytes()
     assert got == b"VALUE = 1\n"
-    why = {"file": "differs from its pin", "index": "differs from its pin", "missing": "cannot link"}[what]
+    why = {"file": "differs from its pin", "index": "differs from its pin", "missing": "cannot link",
+           "repinned": "pinned again since its install ('hotfix')"}[what]
     assert any("every part unpacked" in ln and why in ln for ln in box.log), box.log
     assert _contents(va) == before_a
     assert box.verify(F).ok
@@ -138,10 +146,11 @@ PART = "venv-parts/pkg.tar.zst"
 TREE = {"pkg": None, "pkg/a.py": (0o644, b"A = 1\n"), "pkg/b.so": (0o755, b"\x7fELF" + bytes(300)),
         "pkg/data": None, "pkg/data/x.txt": (0o644, b"x" * 5000), "pkg/link": "a.py",
         "bin/tool": (0o755, b"#!/opt/r/A/venv/bin/python\n")}
-_FILE = ["content", "longer", "chmod-0600", "chmod-4755", "unlink", "to-symlink", "to-dir", "pin-owner", "pin-mode"]
+_FILE = ["content", "longer", "chmod-0600", "chmod-4755", "unlink", "to-symlink", "to-dir", "pin-owner", "pin-mode",
+         "capability"]
 MUTATIONS = sorted({(m, n) for n, k in TREE.items()
                     for m in (_FILE if isinstance(k, tuple) else ["unlink", "retarget", "pin-owner", "link-escape"]
-                              if isinstance(k, str) else ["pin-owner", "pin-dir-mode"])}
+                              if isinstance(k, str) else ["pin-owner", "pin-dir-mode", "dir-to-symlink"])}
                    | {("index-escape", "pkg"), ("index-unpinned", "pkg")})
 
 
@@ -182,6 +191,18 @@ def _mutate(d: venvreuse.Donor, how: str, victim: str) -> venvreuse.Donor:
         else:
             p.write_bytes({"content": bytes([data[0] ^ 1]) + data[1:], "longer": data + b"\n"}.get(how, data))
             p.chmod({"chmod-0600": 0o600, "chmod-4755": 0o4755}.get(how, kind[0]))
+    elif how == "capability" and isinstance(kind, tuple) and is_file:
+        fd = os.open(p, os.O_RDONLY)
+        try:  # cap_sys_admin, effective: an xattr the pins do not cover
+            os.setxattr(fd, "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 21, 0, 0, 0))
+        finally:
+            os.close(fd)
+    elif how == "dir-to-symlink" and kind is None and p.is_dir() and not p.is_symlink():
+        # the directory moved out of the tree and a symlink to it left in its place: every file the same bytes
+        elsewhere = d.root.parent / f"elsewhere-{victim.replace('/', '-')}"
+        shutil.copytree(p, elsewhere, symlinks=True)
+        shutil.rmtree(p)
+        p.symlink_to(elsewhere)
     elif how in ("unlink", "to-symlink") and kind is not None and os.path.lexists(p) and not p.is_dir():
         p.unlink()
         if how == "to-symlink":
@@ -250,7 +271,7 @@ def _linked_or_nothing(muts: list[tuple[str, str]]) -> str:
         dest = Path(tmp) / "B"
         (dest / "bin").mkdir(parents=True)  # as `_base` leaves it
         try:
-            linked = venvreuse.link_parts(d, [PART], dest)
+            linked, _ = venvreuse.link_parts(d, [PART], dest)
         except venvreuse.NoReuse:
             assert d is not pristine, "refused though nothing was changed"
             outcome = "refused"
@@ -271,3 +292,34 @@ def _tree_of_one(p: Path) -> tuple | None:
     if p.is_dir():
         return ("dir", stat.S_IMODE(p.lstat().st_mode))
     return ("file", stat.S_IMODE(p.lstat().st_mode), p.read_bytes())
+
+
+@pytest.mark.parametrize("there", ["bin/activate", "pkg"])
+def test_a_name_the_new_venv_already_has_is_never_linked_over(tmp_path: Path, there: str) -> None:
+    """`python -m venv` ran before the links (it writes bin/activate and the like in place), and the unpacked parts
+    are there: a shared part's entry that exists already (a file, or a symlink where the part has a directory) is
+    refused, so nothing is written into, or through, what is there, and the donor is untouched."""
+    d = _donor(tmp_path / "A")
+    names = sorted(TREE) + (["bin/activate"] if there == "bin/activate" else [])
+    entries = dict(d.entries)
+    if there == "bin/activate":
+        (tmp_path / "A" / "venv" / "bin" / "activate").write_bytes(b"# a script a wheel called activate\n")
+        entries["venv/bin/activate"] = entries["venv/bin/tool"].replace(
+            entries["venv/bin/tool"].split()[-1],
+            hashlib.sha256(b"# a script a wheel called activate\n").hexdigest()).replace("0755", "0644")
+        os.chmod(tmp_path / "A" / "venv" / "bin" / "activate", 0o644)
+    d = venvreuse.Donor("A", d.root, entries, {PART: ("0" * 64, names)})
+    dest = tmp_path / "B"
+    (dest / "bin").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    if there == "bin/activate":
+        (dest / "bin" / "activate").write_bytes(b"# venv's own\n")
+    else:
+        (dest / "pkg").symlink_to(tmp_path / "other")
+    donor_before = {n: _tree_of_one(tmp_path / "A" / "venv" / n) for n in names}
+    with pytest.raises(venvreuse.NoReuse, match="exists|Not a directory|Too many levels"):
+        venvreuse.link_parts(d, [PART], dest)
+    assert not os.listdir(tmp_path / "other")
+    assert {n: _tree_of_one(tmp_path / "A" / "venv" / n) for n in names} == donor_before
+    if there == "bin/activate":
+        assert (dest / "bin" / "activate").read_bytes() == b"# venv's own\n"

@@ -684,25 +684,40 @@ class _Install:
             venv.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
         else:
             t0 = time.monotonic()
-            donor, shared = self._shared_parts()
-            linked = self._unpack_parts(shared, donor)
-            if linked is None:  # what was linked is not as pinned: every part unpacked instead
-                donor, shared = None, []
-                linked = self._unpack_parts([], None)
+            donor, shared = self._reusable()
+            index = self._unpack(exclude=shared)
             t1 = time.monotonic()
+            # before the links: `python -m venv` writes some files in place (activate scripts, pyvenv.cfg, the
+            # interpreter's names), which must never be the previous release's inodes; a part that holds one of
+            # those names then fails to link (it exists) and every part is unpacked
             venv.finish_venv(cfg.bundle.python, stage / "venv")
             t2 = time.monotonic()
+            linked = 0
+            if donor is not None and shared:
+                try:
+                    linked = self._link(donor, shared)
+                    index.update({rel: donor.parts[rel][1] for rel in shared})
+                except venvreuse.NoReuse as exc:
+                    self.log(f"venv: every part unpacked: {exc}")
+                    shutil.rmtree(stage / "venv")
+                    donor, shared = None, []
+                    index = self._unpack(exclude=[])
+                    venv.finish_venv(cfg.bundle.python, stage / "venv")
+            t3 = time.monotonic()
+            if index:
+                sha = {f.path: f.sha256 for f in self.vb.manifest.files}
+                venvreuse.write_index(stage, {rel: (sha[rel], names) for rel, names in index.items()})
             olds: tuple[str, ...] = (self.vb.manifest.inputs.get("venv_placeholder", venv.VENV_PLACEHOLDER),
                                      str(stage / "venv"))
             if donor is not None:  # scripts linked from the donor name its venv
                 olds += (str(Path(self.cfg.paths.releases_dir) / donor.rid / "venv"), str(donor.root / "venv"))
             venv.relocate_venv(stage / "venv", olds, str(venv_final))
             return {"mode": "unpack", "unpack_s": round(t1 - t0, 3), "finish_s": round(t2 - t1, 3),
-                    "relocate_s": round(time.monotonic() - t2, 3),
+                    "link_s": round(t3 - t2, 3), "relocate_s": round(time.monotonic() - t3, 3),
                     **({"reused_parts": len(shared), "linked_files": linked, "from": donor.rid} if donor else {})}
         return {"mode": "rebuild"}
 
-    def _shared_parts(self) -> tuple[venvreuse.Donor | None, list[str]]:
+    def _reusable(self) -> tuple[venvreuse.Donor | None, list[str]]:
         """The current release and the venv parts this release can take from it (venvreuse), or (None, [])."""
         want = {f.path: f.sha256 for f in self.vb.manifest.files if f.path.startswith(venv.VENV_PARTS + "/")}
         if not want:
@@ -714,37 +729,28 @@ class _Install:
             return None, []
         return donor, venvreuse.shared_parts(donor, want)
 
-    def _unpack_parts(self, shared: list[str], donor: venvreuse.Donor | None) -> int | None:
-        """Unpack the venv's archives but `shared`, link those from `donor`, and record what each part holds
-        (venvreuse.INDEX). How many files were linked, or None when a linked one is not as pinned (the venv is
-        removed then)."""
-        stage, dest = self.stage, self.stage / "venv"
+    def _unpack(self, *, exclude: list[str]) -> dict[str, list[str]]:
+        """Unpack the venv's archives but `exclude` into the staging venv; {part: the entries it unpacked} for a
+        bundle of parts (venvreuse.INDEX), {} for a format-1 bundle's one archive."""
+        dest = self.stage / "venv"
         # the Python writer hashes each file as it writes it, for the checks after; through the system's tar
         # the data never enters this process (splice) and they read the files back from the page cache
         digests: dict[str, str] | None = None if archive.unpack_tools() else {}
         archives = venv.venv_archives(f.path for f in self.vb.manifest.files)
-        unpack = [rel for rel in archives if rel not in shared]
+        unpack = [rel for rel in archives if rel not in exclude]
         names: list[list[str]] = []
-        archive.extract_archive([stage / rel for rel in unpack], dest, symlinks=True, progress=self.progress,
+        archive.extract_archive([self.stage / rel for rel in unpack], dest, symlinks=True, progress=self.progress,
                                 digests=digests, names=names)
         if digests:
             self._note_written(dest, digests, "venv/")
-        index = dict(zip(unpack, names, strict=True))
-        linked: list[venvreuse.Linked] = []
-        if donor is not None and shared:
-            try:
-                linked = venvreuse.link_parts(donor, shared, dest)
-            except venvreuse.NoReuse as exc:
-                self.log(f"venv: every part unpacked: {exc}")
-                shutil.rmtree(dest)
-                return None
-            at = time.time_ns()
-            for f in linked:
-                self.written.put(f"{self.final}/venv/{f.name}", f.st, "sha256", f.sha256, at)
-            index.update({rel: donor.parts[rel][1] for rel in shared})
-        if archives != [venv.LEGACY_VENV_ARCHIVE]:
-            sha = {f.path: f.sha256 for f in self.vb.manifest.files}
-            venvreuse.write_index(stage, {rel: (sha[rel], index[rel]) for rel in archives})
+        return {} if archives == [venv.LEGACY_VENV_ARCHIVE] else dict(zip(unpack, names, strict=True))
+
+    def _link(self, donor: venvreuse.Donor, shared: list[str]) -> int:
+        """Link the `shared` parts from `donor` into the staging venv; the files' hashes, checked against the
+        donor's pins, are the pin's (the written cache) unless a file changes after its read."""
+        linked, at = venvreuse.link_parts(donor, shared, self.stage / "venv")
+        for f in linked:
+            self.written.put(f"{self.final}/venv/{f.name}", f.st, "sha256", f.sha256, at)
         return len(linked)
 
     def native_libs(self) -> dict[str, Any]:

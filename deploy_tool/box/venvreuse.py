@@ -5,13 +5,17 @@ from the installed one differs in that wheel's part alone. Install used to unpac
 3.7 GB written again, and 3.7 GB more disk, for each such release. Now every install records in the release which
 entries each part unpacked to (INDEX), and the next install hard-links the entries of each part whose archive is
 the same (the same SHA-256 in both signed MANIFESTs) from the current release, and unpacks only the others.
-`_base` is always unpacked: `python -m venv` rewrites its files in place.
+`_base` is always unpacked, and `python -m venv` runs over the unpacked parts before anything is linked: it writes
+some files in place (activate scripts, pyvenv.cfg, the interpreter's names), so a part holding one of those names
+fails to link (the name exists) and every part is unpacked.
 
-Why a linked file is as good as an unpacked one: after linking, its bytes are hashed and must equal the current
-release's pin for that path, which is what the units' ExecStartPre check holds that release to (taken at its
-install from bytes unpacked out of a verified archive, or by a deliberate `deploytool pin`), and the index itself
-must equal its pin. Any difference, an entry that is not pinned or not a root-owned file, link or directory, a
-link that cannot be made (another file system): the partial venv is dropped and every part is unpacked, as before.
+Why a linked file is as good as an unpacked one: the current release's pins must be the ones its own install
+wrote (taken from bytes unpacked out of that release's verified archives; a deliberate `deploytool pin` since, a
+hotfix say, or recover's, and nothing is taken), and after linking each file is hashed and must equal that pin,
+with the pin's mode (0644 or 0755), root's, without file capabilities (an xattr no pin covers); the index itself
+must equal its pin. No path is followed through a symlink, in the current release or in the new one. Any
+difference, an entry that is not pinned or not a root-owned file, link or directory, a link that cannot be made
+(another file system, a name that exists): the partial venv is dropped and every part is unpacked, as before.
 
 Two releases then share those inodes. A change to one is a change to both, which both pins catch; removing either
 leaves the other whole (`deploytool releases` counts a shared file in each). The replaced release's verify cache
@@ -24,6 +28,7 @@ import hashlib
 import json
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +67,11 @@ class Linked:
     sha256: str
 
 
+def install_reason(rid: str) -> str:
+    """The reason install pins a release with (the pins a donor's must carry)."""
+    return f"install of release {rid}"
+
+
 def write_index(release: Path, parts: dict[str, tuple[str, list[str]]]) -> None:
     body = {"format": INDEX_FORMAT, "parts": {p: {"sha256": sha, "names": names}
                                              for p, (sha, names) in sorted(parts.items())}}
@@ -94,6 +104,10 @@ def find_donor(cfg: Config, rid: str) -> Donor:
             break
     else:
         raise NoReuse(f"no pins of release {cur}")
+    if ps.reason != install_reason(cur):
+        # a deliberate `deploytool pin` (a hotfix, a model change) or recover's: what it blessed is not what the
+        # signed archives held, and a release installed from signed archives must not inherit it
+        raise NoReuse(f"release {cur} was pinned again since its install ({ps.reason!r})")
     pinned = _pinned_file(tree.entries.get(INDEX))
     if pinned is None:
         raise NoReuse(f"release {cur} has no pinned {INDEX} (installed with --rebuild, from a bundle of format 1, "
@@ -127,38 +141,71 @@ def shared_parts(donor: Donor, want: dict[str, str]) -> list[str]:
     return sorted(p for p, sha in want.items() if p != base and p in donor.parts and donor.parts[p][0] == sha)
 
 
-def link_parts(donor: Donor, parts: list[str], dest: Path) -> list[Linked]:
-    """Make the entries of `parts` in the venv `dest` (the other parts already unpacked there): directories made,
-    symlinks written, files hard-linked from the donor's venv, then every linked file hashed and held to the donor's
-    pin. NoReuse on anything that is not exactly as pinned; the caller drops `dest` then."""
+class _Dirs:
+    """Directories under a root, each opened component by component without following a symlink, so a path is
+    the tree's own however its directories were replaced since (an intermediate symlink fails: ELOOP/ENOTDIR)."""
+
+    def __init__(self, root: Path) -> None:
+        self.fds = {"": os.open(root, _DIR_FLAGS)}
+
+    def fd(self, rel_dir: str) -> int:
+        if rel_dir not in self.fds:
+            parent, _, name = rel_dir.rpartition("/")
+            self.fds[rel_dir] = os.open(name, _DIR_FLAGS, dir_fd=self.fd(parent))
+        return self.fds[rel_dir]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def link_parts(donor: Donor, parts: list[str], dest: Path) -> tuple[list[Linked], int]:
+    """Make the entries of `parts` in the venv `dest` (the other parts unpacked there, and `python -m venv` run
+    over them, so nothing writes into these files after): directories made, symlinks written, files hard-linked
+    from the donor's venv, then every linked file hashed and held to the donor's pin. No path component is
+    followed through a symlink on either side. NoReuse on anything that is not exactly as pinned; the caller drops
+    `dest` then. Also returns when the links were all made (time.time_ns(), before any was read): what a value
+    computed from them counts as computed at (hashing.HashCache: a file changed since has a later ctime)."""
     files: list[tuple[str, int, str]] = []
-    for part in parts:
-        for name in sorted(donor.parts[part][1]):
-            rel = f"venv/{name}"
-            value = donor.entries.get(rel)
-            if value is None or name.startswith("/") or ".." in name.split("/"):
-                raise NoReuse(f"{rel} of {part} is not pinned in release {donor.rid}")
-            at = dest / name
-            file = _pinned_file(value)
-            try:
-                if value == "dir 0755":
-                    if not at.is_dir():
-                        at.mkdir(0o755)
-                elif value.startswith("link -> "):
-                    target = value[len("link -> "):]
-                    try:
-                        archive.check_symlink_target(name, target)  # as the unpack holds its links
-                    except DeployError as exc:
-                        raise NoReuse(f"{rel} of release {donor.rid}: {exc}") from None
-                    os.symlink(target, at)
-                elif file is not None:
-                    os.link(donor.root / rel, at, follow_symlinks=False)
-                    files.append((name, *file))
-                else:
-                    raise NoReuse(f"{rel} of release {donor.rid} is pinned as {value!r}, not as root's file, "
-                                  "link or directory with the modes an unpack gives")
-            except OSError as exc:
-                raise NoReuse(f"cannot link {rel} from release {donor.rid}: {exc.strerror or exc}") from None
+    src, dst = _Dirs(donor.root / "venv"), _Dirs(dest)
+    try:
+        for part in parts:
+            for name in sorted(donor.parts[part][1]):
+                rel = f"venv/{name}"
+                value = donor.entries.get(rel)
+                if value is None:  # an odd name (absolute, "..", "a//b", "a/") is never a pinned entry
+                    raise NoReuse(f"{rel} of {part} is not pinned in release {donor.rid}")
+                parent, _, base = name.rpartition("/")
+                file = _pinned_file(value)
+                try:
+                    at = dst.fd(parent)
+                    if value == "dir 0755":
+                        try:
+                            os.mkdir(base, 0o755, dir_fd=at)
+                        except FileExistsError:
+                            dst.fd(name)  # it must be a directory, not a link to one
+                    elif value.startswith("link -> "):
+                        target = value[len("link -> "):]
+                        try:
+                            archive.check_symlink_target(name, target)  # as the unpack holds its links
+                        except DeployError as exc:
+                            raise NoReuse(f"{rel} of release {donor.rid}: {exc}") from None
+                        os.symlink(target, base, dir_fd=at)
+                    elif file is not None:
+                        os.link(base, base, src_dir_fd=src.fd(parent), dst_dir_fd=at, follow_symlinks=False)
+                        files.append((name, *file))
+                    else:
+                        raise NoReuse(f"{rel} of release {donor.rid} is pinned as {value!r}, not as root's file, "
+                                      "link or directory with the modes an unpack gives")
+                except OSError as exc:
+                    raise NoReuse(f"cannot link {rel} from release {donor.rid}: {exc.strerror or exc}") from None
+    finally:
+        src.close()
+        dst.close()
+    at = time.time_ns()
 
     def check(item: tuple[str, int, str]) -> Linked:
         name, mode, sha = item
@@ -168,11 +215,20 @@ def link_parts(donor: Donor, parts: list[str], dest: Path) -> list[Linked]:
             raise NoReuse(f"cannot read venv/{name} linked from release {donor.rid}: {exc.strerror or exc}") from None
         try:
             got, _ = sha256_fd(fd, regular=True)
+            caps = _has_capabilities(fd)
         finally:
             os.close(fd)
-        if got != sha or stat.S_IMODE(st.st_mode) != mode or (st.st_uid, st.st_gid) != (0, 0):
+        if got != sha or stat.S_IMODE(st.st_mode) != mode or (st.st_uid, st.st_gid) != (0, 0) or caps:
             raise NoReuse(f"venv/{name} of release {donor.rid} differs from its pin")
-        return Linked(name, st, got)
+        return Linked(name, st, got)  # the stat before the read: a write since gives the pin another stat
 
-    return parallel(check, files)
+    return parallel(check, files), at
 
+
+def _has_capabilities(fd: int) -> bool:
+    """Whether the file carries file capabilities (an xattr the pins do not cover; an unpack never sets one)."""
+    try:
+        os.getxattr(fd, "security.capability")
+    except OSError:
+        return False  # ENODATA, or a file system without xattrs
+    return True
