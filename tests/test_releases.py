@@ -54,6 +54,39 @@ def _stale(bx: Box, rid: str = "0123456789abcdef", age_s: float = 86400) -> str:
     return rid
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(files=st.lists(st.tuples(st.sampled_from(["x", "y", "both", "x twice"]), st.integers(0, 20_000)),
+                      max_size=8))
+def test_what_removing_a_release_frees_leaves_out_what_another_shares(files: list[tuple[str, int]]) -> None:
+    """Two releases whose files are linked between them in any way (as install links the venv parts a release
+    shares with the one before): each one's size counts all its files, what removing it frees only those with no
+    name in the other, both together free all, and a file counts once however many names it has."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        x, y = Path(tmp, "x"), Path(tmp, "y")
+        x.mkdir()
+        y.mkdir()
+        blocks = {}
+        for i, (where, size) in enumerate(files):
+            first = (y if where == "y" else x) / f"f{i}"
+            first.write_bytes(os.urandom(size))
+            blocks[where, i] = first.stat().st_blocks * 512
+            if where == "both":
+                os.link(first, y / f"f{i}")
+            elif where == "x twice":
+                os.link(first, x / f"g{i}")
+        dirs = {d: d.stat().st_blocks * 512 for d in (x, y)}
+
+        def of(*wheres: str) -> int:
+            return sum(b for (w, _), b in blocks.items() if w in wheres)
+
+        assert releases.disk_usage(x) == (dirs[x] + of("x", "both", "x twice"), dirs[x] + of("x", "x twice"))
+        assert releases.disk_usage(y) == (dirs[y] + of("y", "both"), dirs[y] + of("y"))
+        everything = sum(dirs.values()) + of("x", "y", "both", "x twice")
+        assert releases.disk_usage(x, y) == (everything, everything)
+
+
 @pytest.fixture()
 def box_a(bundles: Bundles, saved_a: Path):
     bx = _box(bundles, keep=1)
@@ -76,7 +109,7 @@ def test_the_list_names_each_release_its_size_and_roles(box_a: Box) -> None:
 def test_an_install_prunes_beyond_keep_but_never_what_the_box_needs(box_a: Box) -> None:
     """keep 1: installing B removes a stale old release, keeps A (previous: the rollback's way back) and B."""
     old = _stale(box_a)
-    size = releases.disk_bytes(Path(box_a.cfg.paths.releases_dir) / old)
+    size = releases.disk_usage(Path(box_a.cfg.paths.releases_dir) / old)[1]
     out = box_a.install(box_a.b.b, cfg=dataclasses.replace(
         box_a.b.cfg_b, supervision=dataclasses.replace(box_a.b.cfg_b.supervision, keep_releases=1)))
     assert out.what == "installed", (out, box_a.log)

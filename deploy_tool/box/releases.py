@@ -3,7 +3,8 @@
 Every install lays down `releases/<id>` (the cpu-demo release is 1.5 GB, the real ftllm one several times that)
 and nothing else ever removed one, so a box's disk filled release by release. Now:
 
-  * `deploytool releases` lists each: id, bundle name and sequence (its MANIFEST), size on disk, when it was
+  * `deploytool releases` lists each: id, bundle name and sequence (its MANIFEST), size on disk and what removing
+    it frees (a venv part it shares with another release stays: deploy_tool.box.venvreuse), when it was
     installed and last active (history), and its roles: `current` (what `current` points at), `previous` (the
     release the state names as the one before), `last-good` (the release of the last health gate that passed).
   * `supervision.keep_releases` (3): a committed install, and a committed switch, prune the releases beyond the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -60,6 +62,7 @@ class Release:
     bundle_name: str | None = None
     sequence: int | None = None
     bytes: int = 0
+    frees: int = 0  # what removing it frees: its files that no other release shares
     installed: str | None = None  # the first install of it that history records
     last_active: str | None = None  # the last event that had it serving
     roles: list[str] = field(default_factory=list)
@@ -68,23 +71,27 @@ class Release:
         return asdict(self)
 
 
-def disk_bytes(path: Path) -> int:
-    """What the tree takes on disk (allocated blocks; a file with several links counted once; links not followed)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for top, dirs, files in os.walk(path):
-        for name in (*dirs, *files):
+def disk_usage(*paths: Path) -> tuple[int, int]:
+    """(what the trees take on disk, what removing them would free): allocated blocks, a file with several names
+    counted once; what they free leaves out every file that also has a name outside them (a release installed
+    after this one links the venv parts they share: deploy_tool.box.venvreuse). Symlinks are not followed."""
+    seen: dict[tuple[int, int], list[int]] = {}  # (dev, ino) -> [names seen, st_nlink, bytes]
+    for path in paths:
+        names = [str(path)]
+        for top, dirs, files in os.walk(path):
+            names.extend(os.path.join(top, n) for n in (*dirs, *files))
+        for name in names:
             try:
-                st = os.lstat(os.path.join(top, name))
+                st = os.lstat(name)
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            total += st.st_blocks * 512
-    with contextlib.suppress(OSError):
-        total += os.lstat(path).st_blocks * 512
-    return total
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                seen[key][0] += 1
+            else:  # a directory's st_nlink counts its subdirectories' "..": its only name is its own
+                seen[key] = [1, 1 if stat.S_ISDIR(st.st_mode) else st.st_nlink, st.st_blocks * 512]
+    total = sum(size for _, _, size in seen.values())
+    return total, sum(size for names, nlink, size in seen.values() if names >= nlink)
 
 
 def _manifest(path: Path) -> Manifest | None:
@@ -145,8 +152,9 @@ def releases(cfg: Config, st: State | None = None, events: list[dict[str, Any]] 
         m = _manifest(p)
         inputs = m.inputs if m is not None else {}
         seq = inputs.get("sequence")
+        size, frees = disk_usage(p) if sizes else (0, 0)
         r = Release(id=p.name, path=str(p), bundle_name=inputs.get("bundle_name"),
-                    sequence=seq if isinstance(seq, int) else None, bytes=disk_bytes(p) if sizes else 0,
+                    sequence=seq if isinstance(seq, int) else None, bytes=size, frees=frees,
                     roles=role.get(p.name, []))
         for e in events:
             if e.get("release") != p.name or e.get("ok") is not True:
@@ -189,9 +197,7 @@ class PruneResult:
     swept: list[str]
     dry_run: bool = False
 
-    @property
-    def freed(self) -> int:
-        return sum(r.bytes for r in self.removed)
+    freed: int = 0  # what removing them freed (or would): their files no kept release shares
 
     def to_json(self) -> dict[str, Any]:
         return {"removed": [r.to_json() for r in self.removed], "kept": [r.to_json() for r in self.kept],
@@ -208,16 +214,16 @@ def _prune_locked(cfg: Config, store: Store, keep: int, *, dry_run: bool, log: L
     gone = prune_plan(rels, keep)
     if not sizes:
         for r in gone:
-            r.bytes = disk_bytes(Path(r.path))
+            r.bytes, r.frees = disk_usage(Path(r.path))
+    freed = disk_usage(*(Path(r.path) for r in gone))[1] if gone else 0
     kept = [r for r in rels if r not in gone]
     if not dry_run:
         for r in gone:
             log(f"removing release {r.id} ({_human(r.bytes)}, installed {r.installed or '?'})")
             _remove(cfg, r.id)
         if gone or swept:
-            store.record("prune", ok=True, removed=[r.id for r in gone], freed_bytes=sum(r.bytes for r in gone),
-                         keep=keep, reason=why)
-    return PruneResult(gone, kept, swept, dry_run)
+            store.record("prune", ok=True, removed=[r.id for r in gone], freed_bytes=freed, keep=keep, reason=why)
+    return PruneResult(gone, kept, swept, dry_run, freed)
 
 
 def prune(cfg: Config, *, keep: int | None = None, dry_run: bool = False, wait: float = 0.0,
@@ -269,7 +275,7 @@ def remove(cfg: Config, rid: str, *, dry_run: bool = False, wait: float = 0.0,
         _refuse_pending(store.load(), f"remove release {rid}")
         r = pick()
         _remove(cfg, r.id)
-        store.record("prune", ok=True, removed=[r.id], freed_bytes=r.bytes, reason="releases remove")
+        store.record("prune", ok=True, removed=[r.id], freed_bytes=r.frees, reason="releases remove")
         log(f"removed release {r.id} ({_human(r.bytes)})")
         return r
 

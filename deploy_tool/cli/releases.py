@@ -6,6 +6,8 @@ command, as in cli/ops.py: the CLI loads every command to parse one, and verify'
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
@@ -26,13 +28,15 @@ def _table(rels: list) -> str:
     if not rels:
         return "no release is installed on this box"
     rows = [(r.id, f"{r.bundle_name or '?'} #{r.sequence if r.sequence is not None else '?'}", rel._human(r.bytes),
-             (r.installed or "?")[:19], (r.last_active or "-")[:19], ", ".join(r.roles) or "-") for r in rels]
-    head = ("RELEASE", "BUNDLE", "SIZE", "INSTALLED", "LAST ACTIVE", "ROLE")
+             rel._human(r.frees), (r.installed or "?")[:19], (r.last_active or "-")[:19], ", ".join(r.roles) or "-")
+            for r in rels]
+    head = ("RELEASE", "BUNDLE", "SIZE", "FREES", "INSTALLED", "LAST ACTIVE", "ROLE")
     w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(head)).rstrip()]
     lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
-    total = sum(r.bytes for r in rels)
-    lines.append(f"{len(rels)} release(s), {rel._human(total)} on disk")
+    total = rel.disk_usage(*(Path(r.path) for r in rels))[0]  # what they share counted once
+    lines.append(f"{len(rels)} release(s), {rel._human(total)} on disk (FREES: what removing one alone frees; "
+                 "the venv parts a release shares with another stay)")
     return "\n".join(lines)
 
 
@@ -43,9 +47,9 @@ def releases(cctx: click.Context, ctx: Ctx) -> None:
     """List the releases on this box, or prune or remove them.
 
     \b
-    Each release: its id, bundle name and sequence, size on disk, when it was installed and last served, and its
-    roles: current, previous, last-good (the last one whose health gate passed). Releases with a role are never
-    removed. A committed install or switch keeps the newest supervision.keep_releases (3) and those.
+    Each release: its id, bundle name and sequence, size on disk and what removing it would free (the venv parts
+    it shares with another release stay), when it was installed and last served, and its roles: current,
+    previous, last-good (the last one whose health gate passed). Releases with a role are never removed. A committed install or switch keeps the newest supervision.keep_releases (3) and those.
       deploytool releases                  the table (--json: every field)
       deploytool releases prune [--keep N] remove the ones beyond the newest N (--dry-run: which)
       deploytool releases remove ID        remove one
@@ -88,7 +92,7 @@ def remove(ctx: Ctx, release_id: str, wait: float) -> None:
     cfg = ctx.load_config()
     r = rel.remove(cfg, release_id, dry_run=ctx.dry_run, wait=wait, log=_log(ctx))
     ctx.emit({"removed": r.to_json(), "dry_run": ctx.dry_run},
-             f"{'would remove' if ctx.dry_run else 'removed'} release {r.id} ({rel._human(r.bytes)})")
+             f"{'would remove' if ctx.dry_run else 'removed'} release {r.id} ({rel._human(r.frees)} freed)")
 
 
 @click.command("uninstall")
