@@ -323,3 +323,36 @@ def test_a_name_the_new_venv_already_has_is_never_linked_over(tmp_path: Path, th
     assert {n: _tree_of_one(tmp_path / "A" / "venv" / n) for n in names} == donor_before
     if there == "bin/activate":
         assert (dest / "bin" / "activate").read_bytes() == b"# venv's own\n"
+
+
+def test_a_venv_of_more_directories_than_open_files_allowed_links(tmp_path: Path) -> None:
+    """Under sshd (an ansible module's shell) a process may hold 1024 descriptors; a real venv has thousands of
+    directories: link_parts holds only the path it is in open, on either side, so 300 directories link under a
+    limit of 64."""
+    import resource
+
+    from deploy_tool.box import treepin
+
+    root = tmp_path / "A"
+    names = []
+    for i in range(300):
+        d = root / "venv" / "pkg" / f"d{i:03}"
+        d.mkdir(parents=True)
+        (d / "m.py").write_bytes(b"X = %d\n" % i)
+        names += [f"pkg/d{i:03}", f"pkg/d{i:03}/m.py"]
+    names.append("pkg")
+    entries = {}
+    for n in names:
+        p = root / "venv" / n
+        entries[f"venv/{n}"] = treepin.value(p.lstat(), hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file()
+                                             else "")
+    d = venvreuse.Donor("A", root, entries, {PART: ("0" * 64, sorted(names))})
+    (tmp_path / "B").mkdir()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        linked, _ = venvreuse.link_parts(d, [PART], tmp_path / "B")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(linked) == 300
+    assert (tmp_path / "B" / "pkg" / "d299" / "m.py").read_bytes() == b"X = 299\n"

@@ -143,20 +143,31 @@ def shared_parts(donor: Donor, want: dict[str, str]) -> list[str]:
 
 class _Dirs:
     """Directories under a root, each opened component by component without following a symlink, so a path is
-    the tree's own however its directories were replaced since (an intermediate symlink fails: ELOOP/ENOTDIR)."""
+    the tree's own however its directories were replaced since (an intermediate symlink fails: ELOOP/ENOTDIR).
+    Only the directories on the path last asked for stay open: names come sorted, so a directory's entries reuse
+    its fd, and a venv's thousands of directories never hold as many descriptors (a shell under sshd has 1024)."""
 
     def __init__(self, root: Path) -> None:
-        self.fds = {"": os.open(root, _DIR_FLAGS)}
+        self.root = os.open(root, _DIR_FLAGS)
+        self.chain: list[tuple[str, int]] = []  # the open path below root: (relative path, fd), outermost first
 
     def fd(self, rel_dir: str) -> int:
-        if rel_dir not in self.fds:
-            parent, _, name = rel_dir.rpartition("/")
-            self.fds[rel_dir] = os.open(name, _DIR_FLAGS, dir_fd=self.fd(parent))
-        return self.fds[rel_dir]
+        parts = rel_dir.split("/") if rel_dir else []
+        keep = 0
+        while keep < min(len(self.chain), len(parts)) and self.chain[keep][0] == "/".join(parts[:keep + 1]):
+            keep += 1
+        for _, fd in self.chain[keep:]:
+            os.close(fd)
+        del self.chain[keep:]
+        for i in range(keep, len(parts)):
+            parent = self.chain[-1][1] if self.chain else self.root
+            self.chain.append(("/".join(parts[:i + 1]), os.open(parts[i], _DIR_FLAGS, dir_fd=parent)))
+        return self.chain[-1][1] if self.chain else self.root
 
     def close(self) -> None:
-        for fd in self.fds.values():
+        for _, fd in self.chain:
             os.close(fd)
+        os.close(self.root)
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -170,7 +181,11 @@ def link_parts(donor: Donor, parts: list[str], dest: Path) -> tuple[list[Linked]
     `dest` then. Also returns when the links were all made (time.time_ns(), before any was read): what a value
     computed from them counts as computed at (hashing.HashCache: a file changed since has a later ctime)."""
     files: list[tuple[str, int, str]] = []
-    src, dst = _Dirs(donor.root / "venv"), _Dirs(dest)
+    try:
+        src = _Dirs(donor.root / "venv")
+    except OSError as exc:
+        raise NoReuse(f"cannot open the venv of release {donor.rid}: {exc.strerror or exc}") from None
+    dst = _Dirs(dest)
     try:
         for part in parts:
             for name in sorted(donor.parts[part][1]):
