@@ -12,7 +12,8 @@ systemd and sshd in namespaces of its own, real ansible-core) is brought up, and
              installed and gated from the controller
   rollout 2  `rollout.yml` of a second release of the same fleet, one setting of the backend's environment apart
              (its units, env files and config differ: small files, which go along with the ship's first module call,
-             so each host's ship is one call): what a rollout costs when little changed
+             so each host's ship is one call, and every venv part is the first release's, so each host's install
+             links them: deploy_tool.box.venvreuse): what a rollout costs when little changed
   switch     `ansible-playbook switch.yml -e backend=llamacpp` (serial 1, each host gated)
 
 --serial gives the rollout other batches (deploytool_serial), e.g. 100%: all N hosts in one batch, the same
@@ -301,6 +302,9 @@ def one_size(n: int, rel: Release, rel2: Release, serial: list | None, cpu: bool
         ships = run.task_results("ship").values()
         row["ship2_max_s"] = round(max(r.get("seconds", 0.0) for r in ships), 2)
         row["ship2_one_call"] = all(set(r.get("timings", {})) == {"prepare"} for r in ships)
+        # every host's install took the venv from the release before (deploy_tool.box.venvreuse), not unpacked it
+        row["install2_linked"] = all(any(s.get("reused_parts") for s in (r.get("install") or {}).get("steps") or [])
+                                     for r in run.task_results("install").values())
         c0 = meter.read(f)
         run = f.playbook(PLAYBOOKS / "switch.yml", "--forks", forks, "-e", "backend=llamacpp", "-e", f"deploytool_port={PORT}",
                          timeout=1800)
@@ -412,10 +416,12 @@ def main() -> int:
     for n, r in rows.items():
         b = "+".join(map(str, r["rollout_batches"]))
         print(f"  {n:>5} {r['up_s']:>6.1f}s {r['rsync_s']:>7.1f}s {r['rollout_s']:>8.1f}s {b:>8} {r['ship_max_s']:>6.1f}s"
-              f" {r['rollout2_s']:>9.1f}s {r['ship2_max_s']:>6.1f}s{'' if r['ship2_one_call'] else '*'}"
+              f" {r['rollout2_s']:>8.1f}s{'' if r['install2_linked'] else '!'} {r['ship2_max_s']:>6.1f}s"
+              f"{'' if r['ship2_one_call'] else '*'}"
               f" {r['switch_s']:>7.1f}s {r['switch_module_s']:>8.1f}s   {r['load_before']} -> {r['load_after']}")
     print("  (ship: each rollout's ship step, the slowest host's; * a host's second ship took more than one module "
-          "call; (module): the switch modules' own seconds, summed)")
+          "call; ! a host's second install unpacked every venv part instead of linking the ones the first release "
+          "has; (module): the switch modules' own seconds, summed)")
     for key, name in (("rollout_s", "rollout"), ("ship_max_s", "its ship step"), ("rollout2_s", "2nd rollout"),
                       ("ship2_max_s", "its ship step"), ("switch_s", "switch"), ("rsync_s", "rsync")):
         parts = [f"{x['from']}->{x['to']}: {x['per_host_s']:.2f} s" for x in m[key]]
