@@ -222,6 +222,14 @@ class TestFleet:
         assert run.stats["h2"]["failures"] == 1, run.stats
         inst = run.task_results("install")
         assert inst["h1"]["bootstrapped"] is True and inst["h2"]["bootstrapped"] is False, inst
+        # h2's install (under sshd, as the module runs it) took the venv parts r2 shares with r1 from r1's release:
+        # linked, one inode in both (deploy_tool.box.venvreuse)
+        venv_step = next(s for s in inst["h2"]["install"]["steps"] if s["step"] == "venv-ready")
+        assert venv_step.get("reused_parts", 0) > 10 and venv_step["from"] == r1.bundle_id, venv_step
+        one = f.exec("h2", "sh", "-c", "cd /opt/deploytool/releases && n=0; for p in "
+                     f"{r1.bundle_id}/venv/lib/python3*/site-packages/*/__init__.py; do "
+                     f"[ {r2.bundle_id}/${{p#*/}} -ef $p ] && n=$((n+1)); done; echo $n")
+        assert one.returncode == 0 and int(one.stdout.strip()) > 10, one
         assert run.task_results("gate")["h2"]["reason"] == "unhealthy", run.task_results("gate")["h2"]
         assert "h3" not in run.stats or run.stats["h3"]["ok"] == 0, run.stats
         assert status(f, "h1")["release"] == r2.bundle_id and status(f, "h1")["code"] == 0
