@@ -52,9 +52,9 @@ def _index(bx: Box, rid: str) -> dict:
     return json.loads((bx.releases / rid / venvreuse.INDEX).read_text())["parts"]
 
 
-def _venv_mark(bx: Box) -> dict:
-    ev = [e for e in bx.history() if e["event"] == "install"][-1]
-    return next(s for s in ev.get("steps", []) if s["step"] == "venv-ready") if ev.get("steps") else {}
+def _venv_mark(result) -> dict:
+    """The venv-ready step of an install's result (what `install --json` reports)."""
+    return next(s for s in result.steps if s["step"] == "venv-ready")
 
 
 def _contents(venv: Path) -> dict[str, bytes]:
@@ -136,6 +136,8 @@ def test_a_current_release_not_as_pinned_gives_nothing_and_every_part_is_unpacke
     why = {"file": "differs from its pin", "index": "differs from its pin", "missing": "cannot link",
            "repinned": "pinned again since its install ('hotfix')"}[what]
     assert any("every part unpacked" in ln and why in ln for ln in box.log), box.log
+    if what in ("file", "missing"):  # refused while linking (not before): the step's report says why
+        assert why in _venv_mark(out.result)["reuse_refused"]
     assert _contents(va) == before_a
     assert box.verify(F).ok
 

@@ -692,12 +692,13 @@ class _Install:
             # those names then fails to link (it exists) and every part is unpacked
             venv.finish_venv(cfg.bundle.python, stage / "venv")
             t2 = time.monotonic()
-            linked = 0
+            linked, refused = 0, None
             if donor is not None and shared:
                 try:
                     linked = self._link(donor, shared)
                     index.update({rel: donor.parts[rel][1] for rel in shared})
                 except venvreuse.NoReuse as exc:
+                    refused = str(exc)  # in the step's report too: a fallback is slower, never silent
                     self.log(f"venv: every part unpacked: {exc}")
                     shutil.rmtree(stage / "venv")
                     donor, shared = None, []
@@ -714,7 +715,8 @@ class _Install:
             venv.relocate_venv(stage / "venv", olds, str(venv_final))
             return {"mode": "unpack", "unpack_s": round(t1 - t0, 3), "finish_s": round(t2 - t1, 3),
                     "link_s": round(t3 - t2, 3), "relocate_s": round(time.monotonic() - t3, 3),
-                    **({"reused_parts": len(shared), "linked_files": linked, "from": donor.rid} if donor else {})}
+                    **({"reused_parts": len(shared), "linked_files": linked, "from": donor.rid} if donor else {}),
+                    **({"reuse_refused": refused} if refused else {})}
         return {"mode": "rebuild"}
 
     def _reusable(self) -> tuple[venvreuse.Donor | None, list[str]]:
