@@ -61,6 +61,12 @@ def _contents(venv: Path) -> dict[str, bytes]:
     return {rel: (venv / rel).read_bytes() for rel, st in _files(venv).items() if not Path(venv / rel).is_symlink()}
 
 
+# the install tests run where tests/test_install_kills.py's two packed bundles are (tests/conftest.py): on its xdist
+# worker, not packed again on another
+ON_THE_BUNDLES_WORKER = pytest.mark.xdist_group("tests/test_install_kills.py")
+
+
+@ON_THE_BUNDLES_WORKER
 def test_an_upgrade_links_the_shared_parts_and_relocates_without_writing_through(box: Box, saved_a: Path) -> None:
     """A->B: every file of the shared part is A's inode in B, `_base` is unpacked anew; B's script names B's venv
     (and its RECORD row says so) while A's still names A's; both releases verify; B's index lists the same entries
@@ -100,7 +106,9 @@ def test_an_upgrade_links_the_shared_parts_and_relocates_without_writing_through
     assert _serving(box) == {FU}
 
 
-@pytest.mark.parametrize("what", ["file", "index", "missing", "repinned"])
+@ON_THE_BUNDLES_WORKER
+@pytest.mark.parametrize("what", ["file", pytest.param("index", marks=pytest.mark.slow),
+                                  pytest.param("missing", marks=pytest.mark.slow), "repinned"])
 def test_a_current_release_not_as_pinned_gives_nothing_and_every_part_is_unpacked(box: Box, saved_a: Path,
                                                                                  what: str) -> None:
     """A file of the shared part changed in A (not re-pinned), A's index changed, a file of the part gone, or a
