@@ -886,8 +886,7 @@ def extract_archive(archive: str | os.PathLike[str] | Sequence[str | os.PathLike
     if tools is not None:
         try:
             for a, before in zip(archives, itertools.accumulate([0] + sizes), strict=False):
-                _extract_with_tools(a, ex, tools, counter, before, digests,
-                                    _new_list(names))
+                _extract_with_tools(a, ex, tools, counter, before, digests, _new_list(names))
         except BaseException:
             ex.remove()
             raise

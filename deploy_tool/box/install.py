@@ -684,7 +684,9 @@ class _Install:
             venv.relocate_venv(stage / "venv", str(stage / "venv"), str(venv_final))
         else:
             t0 = time.monotonic()
-            donor, shared = self._reusable()
+            # the MANIFEST's venv parts (none in a format-1 bundle): what this release may share, and its index
+            part_sha = {f.path: f.sha256 for f in self.vb.manifest.files if f.path.startswith(venv.VENV_PARTS + "/")}
+            donor, shared = self._reusable(part_sha)
             index = self._unpack(exclude=shared)
             t1 = time.monotonic()
             # before the links: `python -m venv` writes some files in place (activate scripts, pyvenv.cfg, the
@@ -706,8 +708,7 @@ class _Install:
                     venv.finish_venv(cfg.bundle.python, stage / "venv")
             t3 = time.monotonic()
             if index:
-                sha = {f.path: f.sha256 for f in self.vb.manifest.files}
-                venvreuse.write_index(stage, {rel: (sha[rel], names) for rel, names in index.items()})
+                venvreuse.write_index(stage, {rel: (part_sha[rel], names) for rel, names in index.items()})
             olds: tuple[str, ...] = (self.vb.manifest.inputs.get("venv_placeholder", venv.VENV_PLACEHOLDER),
                                      str(stage / "venv"))
             if donor is not None:  # scripts linked from the donor name its venv
@@ -719,9 +720,9 @@ class _Install:
                     **({"reuse_refused": refused} if refused else {})}
         return {"mode": "rebuild"}
 
-    def _reusable(self) -> tuple[venvreuse.Donor | None, list[str]]:
-        """The current release and the venv parts this release can take from it (venvreuse), or (None, [])."""
-        want = {f.path: f.sha256 for f in self.vb.manifest.files if f.path.startswith(venv.VENV_PARTS + "/")}
+    def _reusable(self, want: dict[str, str]) -> tuple[venvreuse.Donor | None, list[str]]:
+        """The current release and which of the venv parts `want` ({part: SHA-256}) this release can take from it
+        (venvreuse), or (None, [])."""
         if not want:
             return None, []
         try:

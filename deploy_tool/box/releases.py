@@ -215,7 +215,8 @@ def _prune_locked(cfg: Config, store: Store, keep: int, *, dry_run: bool, log: L
     if not sizes:
         for r in gone:
             r.bytes, r.frees = disk_usage(Path(r.path))
-    freed = disk_usage(*(Path(r.path) for r in gone))[1] if gone else 0
+    # what they free together (a file several of them share and no kept one is freed too); one release: its own
+    freed = gone[0].frees if len(gone) == 1 else disk_usage(*(Path(r.path) for r in gone))[1]
     kept = [r for r in rels if r not in gone]
     if not dry_run:
         for r in gone:

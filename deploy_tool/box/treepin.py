@@ -30,7 +30,7 @@ from array import array
 
 ROOT = "."
 _KINDS = {stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "chardev", stat.S_IFBLK: "blockdev"}
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Walk:
@@ -71,7 +71,7 @@ def walk(root: str) -> Walk:
     while stack:
         prefix, path = stack.pop()
         try:
-            fd = os.open(path, _DIR_FLAGS)
+            fd = os.open(path, DIR_FLAGS)
         except OSError as exc:
             w.errors[prefix.rstrip("/") or ROOT] = exc.strerror or type(exc).__name__
             continue

@@ -24,7 +24,6 @@ misses once on them: a link moves a file's ctime.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -34,10 +33,11 @@ from pathlib import Path
 
 from deploy_tool import archive, venv
 from deploy_tool.box import fingerprint
+from deploy_tool.box.treepin import DIR_FLAGS
 from deploy_tool.config import Config
 from deploy_tool.errors import DeployError
 from deploy_tool.fsutil import atomic_write
-from deploy_tool.hashing import open_file, parallel, sha256_fd
+from deploy_tool.hashing import open_file, parallel, sha256_bytes, sha256_fd
 
 INDEX = "venv-parts.index.json"
 INDEX_FORMAT = 1
@@ -122,7 +122,7 @@ def find_donor(cfg: Config, rid: str) -> Donor:
             os.close(fd)
     except OSError as exc:
         raise NoReuse(f"cannot read {INDEX} of release {cur}: {exc.strerror or exc}") from None
-    if hashlib.sha256(raw).hexdigest() != pinned[1]:
+    if sha256_bytes(raw) != pinned[1]:
         raise NoReuse(f"{INDEX} of release {cur} differs from its pin")
     try:
         d = json.loads(raw)
@@ -148,7 +148,7 @@ class _Dirs:
     its fd, and a venv's thousands of directories never hold as many descriptors (a shell under sshd has 1024)."""
 
     def __init__(self, root: Path) -> None:
-        self.root = os.open(root, _DIR_FLAGS)
+        self.root = os.open(root, DIR_FLAGS)
         self.chain: list[tuple[str, int]] = []  # the open path below root: (relative path, fd), outermost first
 
     def fd(self, rel_dir: str) -> int:
@@ -161,16 +161,13 @@ class _Dirs:
         del self.chain[keep:]
         for i in range(keep, len(parts)):
             parent = self.chain[-1][1] if self.chain else self.root
-            self.chain.append(("/".join(parts[:i + 1]), os.open(parts[i], _DIR_FLAGS, dir_fd=parent)))
+            self.chain.append(("/".join(parts[:i + 1]), os.open(parts[i], DIR_FLAGS, dir_fd=parent)))
         return self.chain[-1][1] if self.chain else self.root
 
     def close(self) -> None:
         for _, fd in self.chain:
             os.close(fd)
         os.close(self.root)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def link_parts(donor: Donor, parts: list[str], dest: Path) -> tuple[list[Linked], int]:

@@ -49,7 +49,8 @@ def releases(cctx: click.Context, ctx: Ctx) -> None:
     \b
     Each release: its id, bundle name and sequence, size on disk and what removing it would free (the venv parts
     it shares with another release stay), when it was installed and last served, and its roles: current,
-    previous, last-good (the last one whose health gate passed). Releases with a role are never removed. A committed install or switch keeps the newest supervision.keep_releases (3) and those.
+    previous, last-good (the last one whose health gate passed). Releases with a role are never removed. A
+    committed install or switch keeps the newest supervision.keep_releases (3) and those.
       deploytool releases                  the table (--json: every field)
       deploytool releases prune [--keep N] remove the ones beyond the newest N (--dry-run: which)
       deploytool releases remove ID        remove one
