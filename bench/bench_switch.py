@@ -15,7 +15,7 @@ Sets up its own cpu-demo box (packed bundle, sandboxed systemd, `deploytool inst
    journal (the first thing the rollback does after stopping the dead target is start the previous backend;
    the journal's realtime stamps share the clock). Median of --runs. Goal: <= 1 s.
 
-Usage: python bench/bench_switch.py [--runs 3] [--crash-ms 300] [--json] [--keep]
+Usage: python bench/bench_switch.py [--runs 3] [--crash-ms 300] [--json] [--keep] [--trace] [--timeline] [--profile]
 """
 
 from __future__ import annotations
@@ -152,6 +152,64 @@ def profile(cfg: Path, *args: str, top: int = 30) -> list[tuple[float, str]]:
     return rows
 
 
+#: Run by the installed tool's interpreter: the CLI under a profile hook that stamps (wall clock) the calls into
+#: and returns from the switch's steps named in TIMELINE_STEPS, then exits as the CLI does.
+TIMELINE = r"""
+import os, runpy, sys, time
+want = set(os.environ["DT_TIMELINE"].split(","))
+def hook(frame, event, arg):
+    if event in ("call", "return"):
+        co = frame.f_code
+        where = co.co_filename.rpartition("deploy_tool/")[2] + ":" + co.co_name
+        if where in want:
+            sys.stderr.write(f"@@ {time.time():.6f} {'>' if event == 'call' else '<'} {where}\n")
+sys.setprofile(hook)
+sys.argv = ["deploytool", *sys.argv[1:]]
+try:
+    runpy.run_module("deploy_tool", run_name="__main__")
+finally:
+    sys.setprofile(None)
+"""
+TIMELINE_STEPS = ("cli/ops.py:switch", "box/operations.py:switch", "box/switch.py:run_preflight",
+                  "checks.py:run_checks", "box/fingerprint.py:verify", "box/switch.py:stop_current",
+                  "box/switch.py:start_target", "box/switch.py:set_enabled", "box/probe/health.py:wait_ready",
+                  "box/probe/health.py:smoke_completion", "box/probe/gate.py:runtime_truth",
+                  "box/probe/gate.py:started", "box/switch.py:commit")
+
+
+def timeline(cfg: Path, *args: str) -> list[tuple[float, str]]:
+    """One CLI run with its steps stamped: seconds since the process was spawned at each step's start and end
+    (the profile hook slows Python-heavy steps, the checks and verify, by about a third)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    e["DT_TIMELINE"] = ",".join(TIMELINE_STEPS)
+    python = Box(cfg).current / "tool" / "venv" / "bin" / "python"
+    t0 = time.time()
+    r = subprocess.run([str(python), "-I", "-c", TIMELINE, "--config", str(cfg), *args], capture_output=True,
+                       text=True, env=e, cwd=cfg.parent, timeout=600)
+    end = time.time() - t0
+    rows = []
+    for ln in r.stderr.splitlines():
+        if ln.startswith("@@ "):
+            _, stamp, edge, where = ln.split(" ", 3)
+            rows.append((float(stamp) - t0, f"{'start' if edge == '>' else 'end  '} {where}"))
+    rows.append((end, f"(exit {r.returncode})"))
+    return rows
+
+
+def unit_commands(cfg: Path, backend: str, runs: int = 5) -> dict[str, float]:
+    """Median wall seconds of the unit's own deploytool commands run by hand while `backend` serves: its
+    ExecStartPre (`verify BACKEND`, warm cache) and its ExecStartPost (`await-ready BACKEND`, the server ready)."""
+    out = {}
+    for name, args in (("verify", ("verify", backend)), ("await_ready", ("await-ready", backend))):
+        walls = []
+        for _ in range(runs):
+            wall, r = timed(cfg, *args)
+            assert r.returncode == 0, r.stdout + r.stderr
+            walls.append(wall)
+        out[name] = statistics.median(walls)
+    return out
+
+
 def journal(sb: Sandbox, unit: str) -> list[dict]:
     res = proc.run([*sb.journalctl_prefix(), "-o", "json", "-n", "400", "-u", unit, "--no-pager"], ok=(0, 1),
                    timeout=30)
@@ -200,6 +258,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also print one timestamped -v run of each switch")
     ap.add_argument("--keep", action="store_true", help="keep the box directory (the sandbox always goes down)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also run one switch each way with its steps stamped (preflight, stop, start, gate, commit), "
+                         "and time the units' own verify and await-ready by hand")
     ap.add_argument("--profile", action="store_true",
                     help="also run one switch each way under cProfile and print where its wall time goes")
     a = ap.parse_args()
@@ -235,6 +296,11 @@ def main() -> int:
         if a.trace:
             for alias in ("llamacpp", "ftllm"):
                 traces[alias] = trace(cfg, "switch", alias)
+        units: dict[str, dict[str, float]] = {}
+        if a.timeline:
+            for target, alias in (("llamacpp-tensor", "llamacpp"), ("ftllm-dflash", "ftllm")):
+                traces[f"timeline {alias}"] = timeline(cfg, "switch", alias)
+                units[target] = unit_commands(cfg, target)  # it serves now
         if a.profile:
             for alias in ("llamacpp", "ftllm"):
                 traces[f"profile {alias}"] = profile(cfg, "switch", alias)
@@ -255,12 +321,13 @@ def main() -> int:
     c2r = statistics.median(c["crash_to_rollback_s"] for c in crashes)
     res = {"runs": a.runs, "switch": med, "crash_ms": a.crash_ms, "crash_to_rollback_s": c2r,
            "crash_runs": crashes, "goal_overhead_s": 0.5, "goal_crash_to_rollback_s": 1.0,
-           "loadavg": os.getloadavg()}
+           "unit_commands": units, "loadavg": os.getloadavg()}
     if a.json:
         print(json.dumps({**res, "traces": traces}, indent=2))
         return 0
     for alias, lines in traces.items():
-        print(f"trace of `deploytool -v switch {alias}`:")
+        what = alias if alias.startswith(("timeline", "profile")) else f"trace of `deploytool -v switch {alias}`"
+        print(f"{what}:")
         for t, ln in lines:
             print(f"  {t:7.3f}  {ln[:160]}")
     print(f"switch control overhead, median of {a.runs} switches each way (CPU backends, tiny model, sandboxed "
@@ -272,6 +339,10 @@ def main() -> int:
               f"{m['overhead_s'] / 0.5:13.2f}x {m['current_stop_s']:12.3f}s")
     print("  (current exit: the backend being replaced, run directly, from SIGTERM to its exit; the target's start "
           "and its ExecStartPre check run while it exits, its server execs once it is gone)")
+    if units:
+        print("the units' own deploytool commands, run by hand while the backend serves, median of 5: "
+              + "; ".join(f"{t}: verify (ExecStartPre, cache warm) {u['verify']:.3f}s, await-ready (ExecStartPost, "
+                          f"server ready) {u['await_ready']:.3f}s" for t, u in units.items()))
     print(f"crash to rollback start (target exits {a.crash_ms} ms after start), median of {a.runs}: "
           f"{c2r:.3f}s ({c2r / 1.0:.2f}x the 1 s goal); runs: "
           + ", ".join(f"{c['crash_to_rollback_s']:.3f}s" for c in crashes))
