@@ -289,7 +289,7 @@ class Paths:
     deploytool: str = _doc("the deploytool the units' ExecStartPre runs (pinned inside the release)",
                            _abs_or_placeholder, default="{current}/tool/bin/deploytool")
     metrics_file: str | None = _doc("Prometheus metrics in node_exporter's textfile format, rewritten after every "
-                                    "install, switch, rollback and recover (`deploytool metrics`); written only "
+                                    "install, switch, rollback, recover and failover (`deploytool metrics`); written only "
                                     "when its directory exists (the default is the textfile directory of "
                                     "Debian's prometheus-node-exporter); empty or null: off", _metrics_path,
                                     default=DEFAULT_METRICS_FILE)

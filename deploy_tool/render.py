@@ -497,8 +497,21 @@ def render_failover(cfg: Config) -> RenderedFile:
                # %i: the instance, i.e. the failed backend's name (a backend name needs no unescaping)
                exec_start=Escaped(exec_line(failover_argv(cfg), "paths.deploytool (failover unit)") + " --from %i"),
                timeout_start=slowest + int(cfg.health.smoke_timeout_s) + 300,
-               state_dir=rw_path(cfg.paths.state_dir, "paths.state_dir"))
+               rw_paths=failover_rw_paths(cfg))
     return RenderedFile(FAILOVER_TEMPLATE, "unit", _render("failover.service.j2", **ctx), 0o644)
+
+
+def failover_rw_paths(cfg: Config) -> list[Escaped]:
+    """What the failover unit may write under ProtectSystem=strict: the state dir, and the directory of
+    paths.metrics_file where it lies outside it (a failover rewrites the metrics as every operation does; `-`:
+    node_exporter's directory need not exist, and then nothing is written there)."""
+    out = [rw_path(cfg.paths.state_dir, "paths.state_dir")]
+    metrics = cfg.paths.metrics_file
+    if metrics:
+        d = posixpath.dirname(metrics)
+        if posixpath.commonpath([d, cfg.paths.state_dir]) != cfg.paths.state_dir:
+            out.append(rw_path(d, "paths.metrics_file", missing_ok=True))
+    return out
 
 
 LIVENESS_UNIT = "deploytool-liveness.service"

@@ -20,6 +20,7 @@ import yaml
 
 from deploy_tool import config
 from deploy_tool.errors import DeployError
+from tests.support.demo_box import METRICS_FILE
 from tests.support.e2e import DT, REPO, dt  # noqa: F401  (fixtures demo, installed: tests/conftest.py)
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
@@ -226,7 +227,7 @@ def test_status_exit_code_and_metrics_follow_the_box(installed, systemd_sandbox)
 
     from tests.test_metrics import parse, value
 
-    prom = installed.parent / "demo-root/var/lib/deploytool/deploytool.prom"
+    prom = installed.parent / METRICS_FILE
     port = yaml.safe_load(installed.read_text())["serve"]["port"]
     r = dt(installed, "status")
     assert r.returncode == 0, r.stdout + r.stderr

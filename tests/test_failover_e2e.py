@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.clients import client_loop
+from tests.support.demo_box import METRICS_FILE
 from tests.support.e2e import dt
+from tests.test_metrics import parse, value
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.backends, pytest.mark.slow, pytest.mark.e2e]
 
@@ -181,6 +183,11 @@ def test_crash_loop_after_a_committed_switch_fails_over(installed, systemd_sandb
     assert env.systemd.is_enabled(FU) == "enabled" and env.systemd.is_enabled(LU) == "disabled"
     # the unit's last line follows the history event (the metrics are rewritten in between)
     wait_for(lambda: "failed over to ftllm-dflash" in failover_unit_journal(env, L), 30, "the failover's last line")
+    # ... by the failover unit itself, in node_exporter's directory outside the state dir (its sandbox lets it)
+    assert "metrics:" not in failover_unit_journal(env, L), failover_unit_journal(env, L)[-2000:]
+    fams = parse((cfg.parent / METRICS_FILE).read_text())
+    assert value(fams, "active_backend", backend=F) == 1 and value(fams, "active_backend", backend=L) == 0
+    assert value(fams, "failovers_total") == sum(1 for e in failovers(cfg) if e.get("ok") is True)
 
 
 def test_an_operators_stop_is_not_failed_over(installed, systemd_sandbox):

@@ -68,6 +68,8 @@ def _fields(text: st.SearchStrategy[str]) -> dict[str, st.SearchStrategy[Any]]:
         "paths.root": text.map(lambda t: "root-" + t),
         "paths.env_dir": text.map(lambda t: "env-" + t),
         "paths.config": text.map(lambda t: "cfg-" + t),
+        # the failover unit's ReadWritePaths= holds its directory where it is not inside the state dir
+        "paths.metrics_file": st.one_of(text.map(lambda t: "prom-" + t + "/m.prom"), text.map(lambda t: "m-" + t)),
         "paths.deploytool": st.one_of(text.map(lambda t: "{current}/" + t), text.map(lambda t: "dt-" + t)),
         "host.gpus": st.lists(st.integers(-2, 1100), max_size=3),
         f"backends.{F}.device": st.sampled_from(["cpu", "cuda"]),
@@ -278,10 +280,19 @@ def _check_rendered(cfg: config.Config, root: Path, stub: str = "#!/bin/sh\nexit
         env_path.write_text(env_text)
         (out / f"{name}.service").write_text(unit)
         units.append(out / f"{name}.service")
-    assert read_write_paths(by_name[render.FAILOVER_TEMPLATE].content) == [cfg.paths.state_dir]
+    assert read_write_paths(by_name[render.FAILOVER_TEMPLATE].content) == failover_writes(cfg)
     assert read_write_paths(by_name[render.LIVENESS_UNIT].content) == [f"-{cfg.paths.state_dir}",
                                                                       f"-{cfg.paths.unit_dir}"]
     return units
+
+
+def failover_writes(cfg: config.Config) -> list[str]:
+    """What the failover unit must be able to write: the state dir, and the metrics file's directory unless the
+    state dir holds it (`-`: it may not exist)."""
+    m = cfg.paths.metrics_file
+    inside = m is None or os.path.dirname(m) == cfg.paths.state_dir or \
+        os.path.dirname(m).startswith(cfg.paths.state_dir + "/")
+    return [cfg.paths.state_dir, *([] if inside else [f"-{os.path.dirname(m)}"])]
 
 
 def read_write_paths(unit: str) -> list[str]:
@@ -295,10 +306,10 @@ def test_read_write_paths_with_spaces_as_a_real_systemd_reads_them(sandbox_env: 
     """A box whose paths hold a space, a percent sign and non-ASCII: the failover and liveness units' ReadWritePaths=
     as the sandbox's systemd 252 loads them name exactly those directories (unquoted, a space would split one
     path into two, a relative one that systemd drops)."""
-    cfg = _load(_data({}), tmp_path, "c a%b é")
+    cfg = _load(_data({"paths.metrics_file": "node exporter %/m.prom"}), tmp_path, "c a%b é")
     by_name = {f.name: f for f in render.render_all(cfg)}
     sd = sandbox_env.systemd
-    want = {"rwprobe-failover@x.service": [cfg.paths.state_dir],
+    want = {"rwprobe-failover@x.service": [cfg.paths.state_dir, f"-{os.path.dirname(cfg.paths.metrics_file)}"],
             "rwprobe-liveness.service": [f"-{cfg.paths.state_dir}", f"-{cfg.paths.unit_dir}"]}
     assert " " in cfg.paths.state_dir and "%" in cfg.paths.state_dir
     sd.install_file("rwprobe-failover@.service", by_name[render.FAILOVER_TEMPLATE].content.encode())

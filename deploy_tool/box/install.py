@@ -478,8 +478,10 @@ def check_os_libraries(cfg: Config, release: Path) -> None:
 # Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
 # packing machine and the box without changing anything the box runs. Every other key reaches the box (unit and
 # env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
-# (paths.metrics_file and supervision.keep_releases are the box's own: no unit or env file holds them, and a
-# bundle packed before they existed must still install.)
+# (paths.metrics_file and supervision.keep_releases are the box's own: no env file holds them, and a bundle packed
+# before they existed must still install. The failover unit holds the directory of the packing config's
+# paths.metrics_file as a ReadWritePaths=: on a box that writes its metrics elsewhere, a failover's rewrite of them
+# is refused by its sandbox, with a warning in its journal, until a bundle packed with that path is installed.)
 PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.sequence", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
                   "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
                   "bundle.nccl.library", "bundle.nccl.force", "systemd", "paths.metrics_file",

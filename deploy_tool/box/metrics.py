@@ -1,7 +1,7 @@
 """The box's Prometheus metrics, in the text exposition format node_exporter's textfile collector reads.
 
 `render(cfg, rep, events)` turns a `status` report and the history into the metrics text; `refresh(cfg)` writes
-it to `paths.metrics_file` after every install, switch, rollback and recover (best effort: a metrics file that
+it to `paths.metrics_file` after every install, switch, rollback, recover and failover (best effort: a metrics file that
 cannot be written is a warning, never a failed operation); `deploytool metrics` prints or writes it on demand
 (a timer can run `deploytool metrics --write` to keep the serving gauge fresh between operations).
 

@@ -46,6 +46,10 @@ def _ok(r: subprocess.CompletedProcess[str], what: str) -> None:
     assert r.returncode == 0, f"{what} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
 
 
+#: Where make_demo's box keeps its Prometheus metrics, relative to its directory (see make_demo).
+METRICS_FILE = "demo-root/var/lib/prometheus/node-exporter/deploytool.prom"
+
+
 def make_demo(d: Path, *, sandbox_dir: Path | None, unit_dir: Path, port: int,
               serve: dict | None = None) -> Path:
     """A fresh cpu-demo directory at `d`, packed and signed; returns its config. Wheels come from .cache/wheels-demo.
@@ -60,6 +64,10 @@ def make_demo(d: Path, *, sandbox_dir: Path | None, unit_dir: Path, port: int,
     data["paths"]["unit_dir"] = str(unit_dir)
     data["serve"]["port"] = port
     data["serve"].update(serve or {})
+    # the metrics where a real box keeps them, in node_exporter's textfile directory outside the state dir (made
+    # here as its package makes it), so that every unit that rewrites them must be allowed to write there
+    data["paths"]["metrics_file"] = METRICS_FILE
+    (d / METRICS_FILE).parent.mkdir(parents=True)
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     cache = REPO / ".cache" / "wheels-demo"
     cache.mkdir(parents=True, exist_ok=True)
