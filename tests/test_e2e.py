@@ -462,6 +462,32 @@ def test_drifted_target_is_refused_before_anything_changes(installed, systemd_sa
     assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
 
 
+def test_a_config_edited_after_install_refuses_the_switch_and_the_box_keeps_serving(installed, systemd_sandbox):
+    """The box's config given another public port after install (the units, the front's socket included, run the
+    release's): `switch` refuses at preflight, exit 7 naming serve.port, nothing stops, clients are still answered
+    on the port the release serves, and `status` names the difference first."""
+    import urllib.request
+
+    orig = installed.read_bytes()
+    data = yaml.safe_load(orig)
+    port = data["serve"]["port"]
+    pid_before = systemd_sandbox.systemd.show("ftllm-dflash.service").main_pid
+    installed.write_text(yaml.safe_dump({**data, "serve": {**data["serve"], "port": port + 7}}, sort_keys=False))
+    try:
+        r = dt(installed, "switch", "llamacpp")
+        assert r.returncode == 7, r.stdout + r.stderr
+        assert "serve.port: release " in r.stderr and "nothing was changed" in r.stderr, r.stderr
+        s = dt(installed, "status", "--json")
+        reasons = json.loads(s.stdout)["verdict"]["reasons"]
+        assert reasons[0].startswith("the config differs") and "serve.port" in reasons[0], reasons
+    finally:
+        installed.write_bytes(orig)
+    assert systemd_sandbox.systemd.show("ftllm-dflash.service").main_pid == pid_before
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as resp:
+        assert resp.status == 200
+    assert dt(installed, "status").returncode == 0
+
+
 # Every switch kill point is killed on the fake driver (tests/test_state_machine.py, seconds); here, on a real
 # systemd, the two where units are in motion: the current one stopping, the target started and not yet committed.
 @pytest.mark.parametrize("step", ["stopping-current", "gate"])

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy_tool import config
-from deploy_tool.box import install
+from deploy_tool.box import install, packedconfig
 from deploy_tool.errors import BundleError
 from deploy_tool.render import resolved_config_json
 from tests.support.examples import examples
@@ -40,9 +40,9 @@ def test_same_config_passes(tmp_path: Path) -> None:
 
 
 def _leaves(cfg: config.Config) -> list[str]:
-    flat = install._flatten(json.loads(resolved_config_json(cfg)))
+    flat = packedconfig.flatten(json.loads(resolved_config_json(cfg)))
     return sorted(k for k, v in flat.items() if isinstance(v, str) and not any(
-        k == p or k.startswith(p + ".") for p in install.PACK_ONLY_KEYS))
+        k == p or k.startswith(p + ".") for p in packedconfig.PACK_ONLY_KEYS))
 
 
 @settings(max_examples=examples(40), deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])

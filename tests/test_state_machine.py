@@ -444,6 +444,52 @@ def test_refused_preflight_changes_nothing(box: Box, verdict: str, code: int) ->
     assert box.history()[-1]["outcome"] == "refused"
 
 
+def _packed_with(box: Box, key: str, value: Any) -> None:
+    """The installed release was packed from the box's config but for `key` (its config.json says `value`)."""
+    from deploy_tool.render import resolved_config_json
+
+    doc = json.loads(resolved_config_json(box.cfg))
+    *parents, leaf = key.split(".")
+    node = doc
+    for k in parents:
+        node = node[k]
+    node[leaf] = value
+    Path(box.cfg.paths.current).mkdir(parents=True, exist_ok=True)
+    (Path(box.cfg.paths.current) / "config.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(("key", "value"), [("serve.model_name", "the-packed-name"), (f"backends.{L}.threads", 7),
+                                            ("health.smoke_max_tokens", 3), ("serve.internal_port", 1)])
+def test_a_config_edited_after_install_is_refused_before_anything_changes(box: Box, key: str, value: Any) -> None:
+    """The box's config is no longer the one the release was packed with, which its units run (a changed port or
+    model name would make the gate probe what no unit serves, fail the target and then the rollback): a switch
+    and a rollback refuse at the preflight, exit 7 naming the key, and never stop the serving backend; status names
+    it first."""
+    from deploy_tool.box import status
+
+    box.installed(F)
+    pid = box.world.units[FU].proc.pid
+    _packed_with(box, key, value)
+    n = len(box.world.calls)
+    for op, args in (("switch", (L,)), ("rollback", ())):
+        box.store.save(State(active_backend=F, previous_backend=L, release="r1"))
+        out = box.run(op, *args)
+        assert out.code == ExitCode.DRIFT, out
+        assert key in out.error.message and "config.json" in (out.error.hint or ""), out.error.message
+    assert box.world.units[FU].proc.pid == pid  # never stopped
+    assert not [c for c in box.world.calls[n:] if c.method in ("stop", "start", "enable", "disable")]
+    assert box.history()[-1]["outcome"] == "refused"
+    reasons = status.collect(box.cfg, sd=box.world.systemd(), boot=False)["verdict"]["reasons"]
+    assert reasons[0].startswith("the config differs") and key in reasons[0], reasons
+
+
+def test_a_pack_only_key_of_the_box_is_not_refused(box: Box) -> None:
+    """paths.metrics_file is the box's own (deploy_tool.box.packedconfig.PACK_ONLY_KEYS): it may differ."""
+    box.installed(F)
+    _packed_with(box, "paths.metrics_file", "/elsewhere/deploytool.prom")
+    assert box.run("switch", L).action == "switched"
+
+
 def test_port_held_by_a_foreign_process_fails_fast_naming_it(box: Box) -> None:
     """ftllm stopped by hand and a foreign server on the port: the target's ExecStartPre names the holder, and
     so does the rollback's: exit 11 at once (no timeout waited out), nothing recorded active."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import shutil
 import stat
@@ -37,7 +36,7 @@ from typing import Any
 
 from deploy_tool import archive, binaries, checks, proc, strictmodes, venv
 from deploy_tool import bundle as bundle_mod
-from deploy_tool.box import bootstrap, fingerprint, frontctl, sequence, venvreuse
+from deploy_tool.box import bootstrap, fingerprint, frontctl, packedconfig, sequence, venvreuse
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.probe.gate import api_key, queue_start, run_gate
 from deploy_tool.box.state import Operation, State, Step, Store
@@ -65,7 +64,6 @@ from deploy_tool.render import (
     LEGACY_SECRETS_ENV,
     RenderedFile,
     render_api_key,
-    resolved_config_json,
 )
 
 Log = Callable[[str], None]
@@ -475,44 +473,6 @@ def check_os_libraries(cfg: Config, release: Path) -> None:
                                           for m in missing]})
 
 
-# Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
-# packing machine and the box without changing anything the box runs. Every other key reaches the box (unit and
-# env files, paths, the gate, the Python that builds the venv), so it must be what the bundle was packed with.
-# (paths.metrics_file and supervision.keep_releases are the box's own: no env file holds them, and a bundle packed
-# before they existed must still install. The failover unit holds the directory of the packing config's
-# paths.metrics_file as a ReadWritePaths=: on a box that writes its metrics elsewhere, a failover's rewrite of them
-# is refused by its sandbox, with a warning in its journal, until a bundle packed with that path is installed.)
-PACK_ONLY_KEYS = ("source_sha256", "bundle.name", "bundle.sequence", "bundle.requirements", "bundle.lock_mode", "bundle.lock",
-                  "bundle.wheels_dir", "bundle.tool_wheels_dir", "bundle.chat_template.source",
-                  "bundle.nccl.library", "bundle.nccl.force", "systemd", "paths.metrics_file",
-                  "supervision.keep_releases")
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, list) and d and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in d):
-        d = dict(d)  # a mapping kept as (key, value) pairs, e.g. a backend's env: compared key by key
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    if d == []:
-        return {}  # empty is absent: an empty env or argument list against a filled one names the filled keys
-    return {prefix[:-1]: d}
-
-
-def config_differences(packed: dict[str, Any], box: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key path, packed value, box value) for every key the box runs by that differs; pack-only keys aside."""
-    a, b = _flatten(packed), _flatten(box)
-    missing = object()
-
-    def pack_only(k: str) -> bool:
-        return any(k == p or k.startswith(p + ".") for p in PACK_ONLY_KEYS)
-
-    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
-            if not pack_only(k) and a.get(k, missing) != b.get(k, missing)]
-
-
 def check_config_matches(cfg: Config, packed_json: Path, rid: str) -> None:
     """Refuse a bundle packed for another config, naming the differing keys.
 
@@ -522,24 +482,17 @@ def check_config_matches(cfg: Config, packed_json: Path, rid: str) -> None:
     install unsigned files: the fix is to pack with this box's config (or install with the one it was packed
     from)."""
     try:
-        packed = json.loads(packed_json.read_bytes())
+        diffs = packedconfig.differences(cfg, packed_json)
     except (OSError, ValueError) as exc:
         raise BundleError(f"bundle {rid} carries no readable config.json: {exc}",
                           hint="pack the bundle again with `deploytool pack`") from None
-    diffs = config_differences(packed, json.loads(resolved_config_json(cfg)))
     if not diffs:
         return
-
-    def show(v: Any) -> str:
-        return "(unset)" if not isinstance(v, str | int | float | bool | list | dict | None) else json.dumps(v)[:60]
-
     where = cfg.source_path or "the config"
-    listed = "; ".join(f"{k}: bundle {show(a)}, here {show(b)}" for k, a, b in diffs[:4])
-    more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
-    raise BundleError(f"bundle {rid} was packed for another config than {where}: {listed}{more}",
+    raise BundleError(f"bundle {rid} was packed for another config than {where}: "
+                      f"{packedconfig.describe(diffs, 'bundle')}",
                       hint="pack the bundle with this box's config (`deploytool pack`), or install with the config "
                            "it was packed from", details={"differences": [k for k, _, _ in diffs]})
-
 
 
 def _start_installed(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, rid: str, final: Path, *,

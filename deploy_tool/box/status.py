@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from deploy_tool import gpu, proc, strictmodes
-from deploy_tool.box import fingerprint, frontctl, runtime
+from deploy_tool.box import fingerprint, frontctl, packedconfig, runtime
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.probe import health
 from deploy_tool.box.probe.gate import api_key, base_url, host_pid, runtime_truth
@@ -85,6 +85,9 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     elif active is not None:
         rep["gpu"] = {"cpu": True, "known": False, "detail": f"{active.name} runs on the CPU (device: cpu): no GPU"}
     rep["unsafe_paths"] = [u.to_json() for u in strictmodes.scan(cfg)]
+    diffs = packedconfig.installed_differences(cfg) if rep["installed"] else None
+    if diffs:  # the units run the release's config; the health check above probed what this one says
+        rep["config_differs"] = packedconfig.describe(diffs, "release")
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
     code, reasons = verdict(rep)
@@ -116,6 +119,10 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
     if op and not rep.get("operation_running"):
         pending.append(f"an interrupted {op.get('kind')} (step {op.get('step')}) awaits `deploytool recover`")
     degraded: list[str] = []
+    first: list[str] = []  # the cause of what else is found: named before it, whatever the verdict
+    if rep.get("config_differs"):
+        first.append(f"the config differs from the one the installed release was packed with, which its units "
+                     f"run (a switch refuses to start a backend until it matches): {rep['config_differs']}")
     if rep.get("systemd_error"):
         degraded.append(f"systemd cannot be asked: {rep['systemd_error']}")
     for name, u in sorted(units.items()):
@@ -140,9 +147,9 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
     rt = rep.get("runtime")
     if rt and rt.get("failures"):
         degraded.append(f"{active} loaded something unpinned: {rt['failures'][0]}")
-    code = (ExitCode.NOT_SERVING if down else ExitCode.PENDING if pending else ExitCode.DEGRADED if degraded
+    code = (ExitCode.NOT_SERVING if down else ExitCode.PENDING if pending else ExitCode.DEGRADED if degraded or first
             else ExitCode.OK)
-    return code, down + pending + degraded
+    return code, first + down + pending + degraded
 
 
 def _front(cfg: Config, sd: Any, store: Store) -> dict[str, Any]:

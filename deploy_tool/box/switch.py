@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deploy_tool import checks, strictmodes
-from deploy_tool.box import fingerprint, frontctl
+from deploy_tool.box import fingerprint, frontctl, packedconfig
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.probe.drain import DrainReport, drain
 from deploy_tool.box.probe.gate import GateReport, perf_gate, run_gate
@@ -250,9 +250,19 @@ Preflight = Callable[[Config, Backend], None]
 def run_preflight(cfg: Config, target: Backend, *,
                   run_checks: Callable[..., list[checks.Finding]] = checks.run_checks,
                   verify: Callable[[Config, Backend], fingerprint.VerifyReport] = fingerprint.verify) -> None:
-    """The preflight of a switch's target: its config checks (CheckFailed) and fingerprints (DriftError), and the
-    modes its ExecStartPre would refuse (UnsafePathError). `run_checks` and `verify` are the seams a test hands
+    """The preflight of a switch's target: the box's config against the installed release's (DriftError), its
+    config checks (CheckFailed) and fingerprints (DriftError), and the modes its ExecStartPre would refuse
+    (UnsafePathError). `run_checks` and `verify` are the seams a test hands
     in (Switcher(preflight=functools.partial(run_preflight, ...)))."""
+    diffs = packedconfig.installed_differences(cfg)
+    if diffs:  # the gate would probe what the config says, the units serve what the release was packed with
+        where = f"the config {cfg.source_path}" if cfg.source_path else "the config"
+        raise DriftError(f"preflight of {target.name}: {where} differs from the one the installed release was "
+                         "packed with, which its units run: "
+                         f"{packedconfig.describe(diffs, 'release')}",
+                         hint=f"put those keys back as the release has them ({cfg.paths.current}/config.json), or "
+                              "pack a bundle with this config and install it; nothing was changed",
+                         details={"reason": "config-differs", "differences": [k for k, _, _ in diffs]})
     strictmodes.require(cfg, [target], f"preflight of {target.name}")  # its ExecStartPre would refuse
     errs = [f for f in run_checks(cfg, backends=[target.name])
             if f.severity == "error" and f.backend in (None, target.name)]

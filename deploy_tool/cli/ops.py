@@ -221,8 +221,9 @@ def status(ctx: Ctx, deep: bool, metrics_file: Path | None) -> None:
     \b
     Exits with the box's state, like `systemctl is-active` (the worst found wins):
       0   serving as recorded (active unit up, health check ok, no drift, nothing pending)
-      20  degraded: serving, but fingerprints drifted, another backend's unit is failed, the process loaded
-          something unpinned (--deep), or systemd cannot be asked
+      20  degraded: serving, but fingerprints drifted, the config differs from the installed release's, another
+          backend's unit is failed, a path a root step reads is not root's alone, the process loaded something
+          unpinned (--deep), or systemd cannot be asked
       21  pending: serving, but an interrupted operation awaits `deploytool recover`
       22  not serving: no active backend, its unit is not active, or its health check fails
     Errors keep their own codes (3 config, 5 input, 13 state, ...).
