@@ -488,6 +488,22 @@ def test_a_config_edited_after_install_refuses_the_switch_and_the_box_keeps_serv
     assert dt(installed, "status").returncode == 0
 
 
+def test_a_backend_running_unrecorded_is_adopted_through_the_gate(installed, systemd_sandbox):
+    """ftllm runs while state.json records no active backend (what a failed rollback leaves once systemd or a person
+    starts it again): `switch ftllm` gates the running server and records it, the same process, never stopped; it
+    is not taken for a foreign process on the port."""
+    p = installed.parent / "demo-root/var/lib/deploytool/state.json"
+    assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}
+    pid = systemd_sandbox.systemd.show("ftllm-dflash.service").main_pid
+    p.write_text(json.dumps({**state(installed), "active_backend": None}, indent=2, sort_keys=True) + "\n")
+    r = dt(installed, "switch", "ftllm")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gating it as it runs" in r.stderr + r.stdout, r.stdout + r.stderr
+    assert systemd_sandbox.systemd.show("ftllm-dflash.service").main_pid == pid
+    assert state(installed)["active_backend"] == "ftllm-dflash"
+    assert dt(installed, "status").returncode == 0
+
+
 # Every switch kill point is killed on the fake driver (tests/test_state_machine.py, seconds); here, on a real
 # systemd, the two where units are in motion: the current one stopping, the target started and not yet committed.
 @pytest.mark.parametrize("step", ["stopping-current", "gate"])
@@ -499,6 +515,13 @@ def test_kill_during_switch_is_recovered(installed, systemd_sandbox, step):
     assert st["operation"] is not None and st["operation"]["step"] == step
     s = dt(installed, "--json", "status")
     assert json.loads(s.stdout)["interrupted"]["step"] == step
+    if step == "gate":  # the target was started: once it serves, status says pending (21) and names it serving
+        deadline = time.monotonic() + 60
+        while s.returncode != 21 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            s = dt(installed, "--json", "status")
+        rep = json.loads(s.stdout)
+        assert s.returncode == 21 and rep["serving_backend"] == "llamacpp-tensor", rep["verdict"]
     r = dt(installed, "recover")
     assert r.returncode == 0, r.stdout + r.stderr
     st = state(installed)

@@ -490,6 +490,45 @@ def test_a_pack_only_key_of_the_box_is_not_refused(box: Box) -> None:
     assert box.run("switch", L).action == "switched"
 
 
+def _running_unrecorded(box: Box, unit: str) -> int:
+    """`unit` runs while state.json records no active backend (a failed rollback or failover left none, then
+    systemd or a person started it); its main PID."""
+    box.world.bring_up(unit)
+    box.store.save(State(active_backend=None, release="r1"))
+    return box.world.units[unit].proc.pid
+
+
+def test_the_target_running_unrecorded_is_gated_as_it_runs_not_blamed_or_stopped(box: Box) -> None:
+    pid = _running_unrecorded(box, FU)
+    n = len(box.world.calls)
+    out = box.run("switch", F)
+    assert out.action == "switched", out
+    assert box.world.units[FU].proc.pid == pid  # the same process: never stopped, never restarted
+    assert not [c for c in box.world.calls[n:] if c.method in ("stop", "start")]
+    assert box.state()["active_backend"] == F and box.world.enabled() == {FU}
+    assert_settled(box)
+
+
+@pytest.mark.parametrize("target_fails", [False, True])
+def test_another_backend_running_unrecorded_is_the_current_one(box: Box, target_fails: bool) -> None:
+    """It is drained and stopped as the current backend is, and restored if the target fails its gate (exit 10),
+    never taken for a foreign process on the port."""
+    _running_unrecorded(box, FU)
+    if target_fails:
+        box.world.script(LU, fs.NEVER_READY)
+    out = box.run("switch", L)
+    if target_fails:
+        assert out.code == ExitCode.ROLLED_BACK, out
+        assert box.state()["active_backend"] == F and box.world.active() == {FU}
+    else:
+        assert out.action == "switched", out
+        assert (box.state()["active_backend"], box.state()["previous_backend"]) == (L, F)
+        assert box.world.active() == {LU}
+    assert "another process" not in str(out.error and out.error.message)
+    assert box.history()[-1]["from_backend"] == F
+    assert_settled(box)
+
+
 def test_port_held_by_a_foreign_process_fails_fast_naming_it(box: Box) -> None:
     """ftllm stopped by hand and a foreign server on the port: the target's ExecStartPre names the holder, and
     so does the rollback's: exit 11 at once (no timeout waited out), nothing recorded active."""
@@ -614,6 +653,24 @@ def test_kill_at_committing_with_a_target_that_died_meanwhile_rolls_back(box: Bo
     out = box.run("recover")
     assert out.action == "recovered" and box.state()["active_backend"] == F
     assert_settled(box)
+
+
+@pytest.mark.parametrize("point", ["gate", "committing"])
+def test_status_after_a_switch_killed_past_its_start_says_pending_and_serving(box: Box, point: str) -> None:
+    """Killed after the target started, before the commit: the target serves and the recorded one is stopped;
+    status says pending (exit 21), names the target as serving, and its health check probes the target's kind."""
+    from deploy_tool.box import status
+
+    box.installed(F)
+    assert box.run("switch", L, kill=point).action == "killed"
+    box.world.advance(30)  # its start, queued before the kill, ends
+    assert box.world.active() == {LU}
+    rep = status.collect(box.cfg, sd=box.world.systemd(), boot=False)
+    assert rep["serving_backend"] == L and rep["health"]["ok"], rep["health"]
+    assert rep["verdict"]["exit_code"] == ExitCode.PENDING, rep["verdict"]
+    assert box.run("recover").action == "recovered"
+    rep = status.collect(box.cfg, sd=box.world.systemd(), boot=False)
+    assert "serving_backend" not in rep and rep["verdict"]["exit_code"] == ExitCode.OK, rep["verdict"]
 
 
 def test_recover_without_an_interrupted_operation_is_a_noop(box: Box) -> None:

@@ -72,7 +72,10 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
         rep["front"] = _front(cfg, sd, store)
     except DeployError as exc:
         rep["systemd_error"] = exc.message
-    rep["health"] = _health(cfg, st.active_backend)
+    serving = _serving(rep, st)
+    if serving != st.active_backend:
+        rep["serving_backend"] = serving
+    rep["health"] = _health(cfg, serving)
     for name in sorted(cfg.backends) if rep["installed"] else ():  # no pins before the first install: no drift
         try:
             v = fingerprint.verify(cfg, cfg.backends[name])
@@ -95,10 +98,25 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     return rep
 
 
+def _serving(rep: dict[str, Any], st: State) -> str | None:
+    """The backend that serves: the recorded active one; but while an interrupted switch, rollback or failover
+    awaits `recover` (its deploytool gone), its target when that one's unit runs and the recorded one's does not
+    (the kill came after the start, before the commit)."""
+    op = st.operation
+    if op is None or rep["operation_running"] or op.kind == "install" or not op.to_backend:
+        return st.active_backend
+    units = rep["units"]
+
+    def up(name: str | None) -> bool:
+        return bool(name) and (units.get(name) or {}).get("active") in ("active", "activating")
+
+    return op.to_backend if up(op.to_backend) and not up(st.active_backend) else st.active_backend
+
+
 def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
     """The exit code of `status` for the report `rep` (the worst situation found wins) and every reason found,
     worst first. Pure: the report's fields only."""
-    active = rep.get("active_backend")
+    active = rep.get("serving_backend") or rep.get("active_backend")
     units = rep.get("units") or {}
     down: list[str] = []
     if rep.get("installed") is False:
@@ -267,7 +285,9 @@ def format_status(rep: dict[str, Any]) -> str:
              f"{'serving' if rep.get('installed', True) else 'endpoint':9} {rep['model_name']!r} at {rep['endpoint']}"
              f"  health: {ok(rep['health']['ok'])} "
              f"({rep['health']['detail']})",
-             f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}",
+             f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}"
+             + (f"   serving: {rep['serving_backend']} (the interrupted operation's target: `deploytool recover` "
+                "commits or undoes it)" if rep.get("serving_backend") else ""),
              f"release   {rep['release'] or '(none)'}   current -> {rep['current'] or '-'}"]
     if rep.get("nothing_serving"):
         lines.append(click.style(rep["nothing_serving"], fg="red", bold=True))

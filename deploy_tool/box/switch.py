@@ -126,16 +126,25 @@ class SwitchFacts:
     cur: Backend | None  # the backend to stop (and to roll back to): the recorded active one, unless it is the target
     overlap: bool  # the target's unit waits for the port itself: the stop is queued and the start runs meanwhile
     noop: bool  # the target is recorded active and its unit runs
+    adopt: bool = False  # nothing is recorded active and the target's unit runs: gated as it runs, not restarted
 
 
-def switch_facts(cfg: Config, st: State, target: Backend, *, target_running: bool, awaits_port: bool) -> SwitchFacts:
+def switch_facts(cfg: Config, st: State, target: Backend, *, target_running: bool, awaits_port: bool,
+                 unrecorded: Backend | None = None) -> SwitchFacts:
+    """`unrecorded`: with no backend recorded active, the one whose unit runs all the same (a failed rollback or
+    failover left none recorded, then systemd or a person started one): it is the current backend (drained,
+    stopped, rolled back to), or, when it is the target, gated as it runs and recorded."""
     cur = cfg.backends.get(st.active_backend) if st.active_backend else None
     if cur is not None and cur.name == target.name:
         # recorded active but not running (stopped by hand, or by Conflicts= when the other unit was started
         # outside deploytool): start it; there is nothing else to roll back to
         cur = None
+    adopt = False
+    if st.active_backend is None and unrecorded is not None:
+        adopt = unrecorded.name == target.name
+        cur = None if adopt else unrecorded
     return SwitchFacts(cur=cur, overlap=cur is not None and awaits_port,
-                       noop=st.active_backend == target.name and target_running)
+                       noop=st.active_backend == target.name and target_running, adopt=adopt)
 
 
 def drain_seconds(cfg: Config, drain_s: float | None) -> float:
@@ -165,7 +174,10 @@ def switch_plan(cfg: Config, st: State, target: Backend, facts: SwitchFacts, *, 
     if cur is not None:
         steps.append(Step("stopping-current", f"stop {cur.unit} (it serves until here)", (cur.unit,),
                           run=run.stop_current if run else None))
-    if facts.overlap:
+    if facts.adopt:
+        start = (f"{target.unit} runs, though no backend is recorded active: gated as it runs (a start of a running "
+                 "unit changes nothing)")
+    elif facts.overlap:
         start = (f"start {target.unit}: its ExecStartPre checks the fingerprints while the current backend exits, "
                  "then waits until it is gone and the port is free")
     else:
@@ -320,7 +332,22 @@ class Switcher:
     def facts(self, st: State, target: Backend) -> SwitchFacts:
         # `show` only when the target is recorded active (the one round trip a plain switch does not need)
         running = st.active_backend == target.name and runs(self.sd.show(target.unit))
-        return switch_facts(self.cfg, st, target, target_running=running, awaits_port=self._awaits_port(target))
+        unrecorded = None
+        if st.active_backend is None:  # what runs unrecorded is stopped or gated, never taken for a stranger
+            unrecorded = self._running_unrecorded(target)
+        return switch_facts(self.cfg, st, target, target_running=running, awaits_port=self._awaits_port(target),
+                            unrecorded=unrecorded)
+
+    def _running_unrecorded(self, target: Backend) -> Backend | None:
+        """The backend whose unit runs (the target first), asked of systemd; None when none does, or systemd cannot
+        be asked (the switch's own stop or start then says so)."""
+        for b in sorted(self.cfg.backends.values(), key=lambda b: (b.name != target.name, b.name)):
+            try:
+                if runs(self.sd.show(b.unit)):
+                    return b
+            except DeployError:
+                return None
+        return None
 
     def plan(self, st: State, target: Backend, *, action: str = "switch", drain_s: float | None = None) -> list[Step]:
         return switch_plan(self.cfg, st, target, self.facts(st, target), action=action, drain_s=drain_s)
@@ -400,8 +427,11 @@ class Switcher:
         if others:
             self.sd.disable(*others, reload=False)
 
-    def commit_state(self, st: State, target: Backend) -> None:
-        prev = st.active_backend if st.active_backend != target.name else st.previous_backend
+    def commit_state(self, st: State, target: Backend, from_backend: str | None = None) -> None:
+        """`target` recorded active; the previous backend is the one it replaced (`from_backend`, default the recorded
+        active one), unless that is the target itself."""
+        left = from_backend or st.active_backend
+        prev = left if left != target.name else st.previous_backend
         self.store.save(replace(st, active_backend=target.name, previous_backend=prev, operation=None))
 
     def restore(self, st: State, prev: Backend, *, enable: bool = True) -> DeployError | None:
@@ -511,7 +541,7 @@ class SwitchRun:
         self.cfg, self.sd, self.store, self.log = sw.cfg, sw.sd, sw.store, sw.log
         self.action, self.reason = action, reason
         self.cur = facts.cur
-        self.cur_name = st.active_backend
+        self.cur_name = facts.cur.name if facts.cur is not None else st.active_backend
         self.since: float | None = None  # set once the target was started: its journal tail is that invocation's
         self.enabling: bool = False  # the boot-time enablement was flipped to the target (a rollback flips it back)
         self.enable_error: DeployError | None = None  # why flipping it failed: the commit fails with it
@@ -615,6 +645,9 @@ class SwitchRun:
     def start_target(self) -> None:
         # held from here too where nothing drained (a failover, a first start): the requests that waited for a
         # backend go to the target after its gate, not into its smoke test as it comes up
+        if self.facts.adopt:  # it runs and serves: nothing held; the gate reads this invocation's own journal
+            self.log(f"{self.target.unit} runs, though no backend is recorded active: gating it as it runs")
+            return
         self._hold()
         port = self.cfg.backend_port
         if not self.facts.overlap and port_owner_answers(self.cfg.backend_host, port):
@@ -646,7 +679,7 @@ class SwitchRun:
     def commit(self) -> None:
         if self.enable_error is not None:
             raise self.enable_error
-        self.sw.commit_state(self.st, self.target)
+        self.sw.commit_state(self.st, self.target, self.cur_name)
 
     def refused(self, exc: DeployError, inv: str | None, journal: str) -> DeployError:
         """The ExecStartPre's own error line for a start it refused, read again once the journal has settled
