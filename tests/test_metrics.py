@@ -444,6 +444,24 @@ def test_status_metrics_file_and_the_metrics_command(box: Box, tmp_path: Path) -
     assert r.exit_code == 5 and "both" in r.output
 
 
+def test_a_dry_run_writes_no_metrics_file(box: Box, tmp_path: Path) -> None:
+    """--dry-run (or -n, before or after the command) with --write, --out or status --metrics-file: says where it
+    would write and writes nothing."""
+    box.installed(F)
+    box.store.save(State(active_backend=F, release="r1"))
+    cfg = box.cfg.source_path
+    out = tmp_path / "deploytool.prom"
+    prom = Path(box.cfg.paths.metrics_file)
+    before = prom.read_bytes() if prom.exists() else None
+    for argv in (["--dry-run", "metrics", "--write"], ["metrics", "-n", "--out", str(out)],
+                 ["status", "--metrics-file", str(out), "--dry-run"]):
+        r = CliRunner().invoke(main, ["--config", cfg, *argv])
+        assert r.exit_code == 0, r.output
+        assert "would write" in r.output, r.output
+        assert not out.exists(), argv
+        assert (prom.read_bytes() if prom.exists() else None) == before, argv
+
+
 # ------------------------------------------------------------------------------------ llama-server --metrics
 
 def test_llama_server_is_launched_with_its_metrics_endpoint(tmp_path: Path) -> None:

@@ -232,7 +232,9 @@ def status(ctx: Ctx, deep: bool, metrics_file: Path | None) -> None:
 
     cfg = ctx.load_config()
     rep = st_mod.collect(cfg, deep=deep)
-    if metrics_file is not None:
+    if metrics_file is not None and ctx.dry_run:
+        click.echo(f"dry run: would write the metrics to {metrics_file}", err=True)
+    elif metrics_file is not None:
         from deploy_tool.box import metrics
         from deploy_tool.box.state import Store
 
@@ -271,6 +273,10 @@ def metrics_cmd(ctx: Ctx, write_: bool, out: Path | None) -> None:
     text, _ = metrics.collect_text(cfg)
     if target is None:
         click.echo(text, nl=False)
+        return
+    if ctx.dry_run:
+        ctx.emit({"would_write": str(target), "bytes": len(text.encode())},
+                 f"dry run: would write {len(text.encode())} bytes of metrics to {target}")
         return
     _write_metrics(target, text)
     ctx.emit({"wrote": str(target)}, f"wrote {target}")
