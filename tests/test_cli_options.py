@@ -5,6 +5,7 @@ editing this file), and means the same as before the command."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,19 @@ def test_error_after_subcommand_json_is_json(tmp_path: Path) -> None:
     assert r.exit_code == 5
     out = json.loads(r.output)
     assert out["exit_code"] == 5 and "config file not found" in out["message"]
+
+
+@pytest.mark.parametrize("argv", [["switch"], ["swich", "ftllm"], ["logs", "-l", "abc"], ["pin", "ftllm"],
+                                  ["status", "--bogus"]])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_usage_error_under_json_is_json(argv: list[str], where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mistyped command line under --json (before or after the command): one JSON object on stdout, exit 2."""
+    full = ["--json", *argv] if where == "before" else [*argv, "--json"]
+    monkeypatch.setattr(sys, "argv", ["deploytool", *full])
+    r = CliRunner().invoke(main, full)
+    assert r.exit_code == 2, r.output
+    out = json.loads(r.stdout)
+    assert out["error"] == "UsageError" and out["exit_code"] == 2 and out["message"] and "--help" in out["hint"]
 
 
 def test_dry_run_after_subcommand_changes_nothing(tmp_path: Path) -> None:

@@ -44,6 +44,15 @@ class Group(SuggestingGroup):
             if obj is not None and obj.debug:
                 traceback.print_exc()
             sys.exit(int(exc.exit_code))
+        except click.UsageError as exc:
+            obj = ctx.find_object(Ctx)
+            if (obj is not None and obj.json) or "--json" in sys.argv[1:]:  # before or after the command
+                where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+                click.echo(json.dumps({"error": "UsageError", "message": exc.format_message(),
+                                       "exit_code": exc.exit_code, "hint": f"see `{where} --help`"},
+                                      indent=2, sort_keys=True))
+                sys.exit(exc.exit_code)
+            raise
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
             raise
         except KeyboardInterrupt:
