@@ -249,7 +249,8 @@ def _allow(v: tuple[str, ...]) -> str | None:
 class Serve:
     """serve: the one address, port and model name both backends serve."""
 
-    host: str = _doc("address both backends bind (one port, one model name, whichever backend runs)",
+    host: str = _doc("address the public port listens on (deploytool-front.socket); the backends bind "
+                     "127.0.0.1:serve.internal_port behind it",
                      _host, default="127.0.0.1")
     port: int = _doc("the public TCP port clients use: held open by the front (deploytool-front.socket) through "
                      "every switch, rollback, failover and restart", rng=PORT, default=8082)
@@ -266,8 +267,9 @@ class Serve:
                                     "command line or in an environment", default=None)
     user: str = _doc("who the services run as: 'dynamic' (DynamicUser=yes, the safest; model files must be "
                      "world-readable) or a user name such as 'root'", _user, default="dynamic")
-    allow: tuple[str, ...] = _doc("who else the servers may exchange packets with (IPAddressAllow=; "
-                                  "IPAddressDeny=any drops the rest): addresses, networks such as 192.168.0.0/16, "
+    allow: tuple[str, ...] = _doc("who else may connect to the public port (the front socket's IPAddressAllow=; "
+                                  "IPAddressDeny=any drops the rest; the backends admit localhost only): addresses, "
+                                  "networks such as 192.168.0.0/16, "
                                   "or link-local, multicast, any. localhost and serve.host are always allowed; "
                                   "[] means nothing else. Default: the private networks",
                                   _allow, default=PRIVATE_NETWORKS)

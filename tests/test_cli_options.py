@@ -134,6 +134,29 @@ def test_a_usage_error_under_json_is_json(argv: list[str], where: str, monkeypat
     assert out["error"] == "UsageError" and out["exit_code"] == 2 and out["message"] and "--help" in out["hint"]
 
 
+def test_uninstall_asks_first_and_a_script_must_say_yes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No terminal and no --yes: refused (exit 5) before anything is read of the box; on a terminal the question,
+    and "n" aborts; --yes and --dry-run go ahead (here: nothing installed)."""
+    data = example_dict("cpu-demo")
+    data.pop("systemd", None)
+    cfg = tmp_path / "deploytool.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    (tmp_path / "demo-root" / "var" / "lib" / "deploytool").mkdir(parents=True)
+    (tmp_path / "demo-root" / "var" / "lib" / "deploytool" / "state.json").write_text("{}")
+    r = CliRunner().invoke(main, ["--config", str(cfg), "uninstall"])
+    assert r.exit_code == 5 and "--yes" in r.output, r.output
+    from deploy_tool.cli import releases as cli_releases
+
+    monkeypatch.setattr(cli_releases, "can_ask", lambda: True)
+    r = CliRunner().invoke(main, ["--config", str(cfg), "uninstall"], input="n\n")
+    assert r.exit_code == 1 and "uninstall: stop the backends" in r.output, r.output
+    assert (tmp_path / "demo-root" / "var" / "lib" / "deploytool" / "state.json").exists()
+    (tmp_path / "demo-root" / "var" / "lib" / "deploytool" / "state.json").unlink()  # nothing installed
+    for argv in (["uninstall", "--dry-run"], ["uninstall", "-y"]):
+        r = CliRunner().invoke(main, ["--config", str(cfg), *argv])
+        assert r.exit_code == 0, r.output
+
+
 def test_dry_run_after_subcommand_changes_nothing(tmp_path: Path) -> None:
     """`init --dry-run` writes nothing, exactly like `--dry-run init`."""
     out = tmp_path / "d.yaml"

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy_tool.box import operations, releases
-from deploy_tool.errors import DeployError, InputError, StateError
+from deploy_tool import config
+from deploy_tool.box import operations, releases, sequence
+from deploy_tool.errors import DeployError, DowngradeError, InputError, StateError
 from tests.support import fake_systemd as fs
 from tests.support.examples import examples
 from tests.test_install_kills import CLEAN, FU, Box, Bundles, _rid
@@ -147,15 +148,19 @@ def test_a_kill_between_rename_and_delete_leaves_no_release_and_is_swept(box_a: 
     assert box_a.release_entries() == [_rid(box_a.b.a)]
 
 
-def _uninstalled(bx: Box, *, kept_config: bool = True) -> None:
+def _uninstalled(bx: Box, *, kept_config: bool = True, cfg: config.Config | None = None) -> None:
+    cfg = cfg or bx.cfg
     assert bx.traces() == CLEAN | {"releases": []}, bx.traces()
-    assert not bx.state_dir.exists() and not bx.releases.exists()
+    assert not bx.releases.exists()
+    # the replay guard outlives the install, the rest of the state dir does not; --purge takes it too
+    assert (sorted(os.listdir(bx.state_dir)) if bx.state_dir.exists() else []) == \
+        ([sequence.RECORD_NAME] if kept_config else [])
     assert all(u.active_state != "active" and not u.enabled for u in bx.world.units.values()), \
         {n: (u.active_state, u.enabled) for n, u in bx.world.units.items()}
-    assert Path(bx.cfg.paths.config).exists() == kept_config and Path(bx.cfg.paths.keys_dir).exists() == kept_config
+    assert Path(cfg.paths.config).exists() == kept_config and Path(cfg.paths.keys_dir).exists() == kept_config
 
 
-def test_uninstall_dry_run_changes_nothing_and_uninstall_leaves_config_and_keys(box_a: Box) -> None:
+def test_uninstall_dry_run_changes_nothing_and_uninstall_leaves_config_and_keys(box_a: Box, tmp_path: Path) -> None:
     before = box_a.traces()
     plan = releases.uninstall(box_a.cfg, dry_run=True)
     assert [s["name"] for s in plan.steps] == list(releases.UNINSTALL_STEPS) and box_a.traces() == before
@@ -165,6 +170,33 @@ def test_uninstall_dry_run_changes_nothing_and_uninstall_leaves_config_and_keys(
     _uninstalled(box_a)
     with box_a.world.running():  # again: nothing to do
         assert releases.uninstall(box_a.cfg, sd=box_a.world.systemd()).steps == []
+    # what it kept still refuses an older bundle of the name it installed, as before the uninstall
+    (name, rec), = sequence.load(box_a.state_dir).items()
+    older = sequence.BundleSequence(name=name, number=rec["sequence"] - 1)
+    with pytest.raises(DowngradeError):
+        sequence.check(box_a.releases, box_a.state_dir, older, "an-older-release")
+    cfg = _own_config_and_keys(box_a, tmp_path)
+    with box_a.world.running():  # --purge on an uninstalled box: the config, the keys and the record go
+        res = releases.uninstall(cfg, purge=True, sd=box_a.world.systemd())
+    assert [s["name"] for s in res.steps] == ["purged"] and res.kept == []
+    _uninstalled(box_a, kept_config=False, cfg=cfg)
+
+
+def _own_config_and_keys(bx: Box, tmp: Path) -> config.Config:
+    """The box's config with a copy of its config file and keys dir of its own (the shared ones serve the other
+    tests), for a --purge to remove."""
+    shutil.copy(bx.cfg.paths.config, tmp / "deploytool.yaml")
+    shutil.copytree(bx.cfg.paths.keys_dir, tmp / "keys")
+    return dataclasses.replace(bx.cfg, paths=dataclasses.replace(bx.cfg.paths, config=str(tmp / "deploytool.yaml"),
+                                                                keys_dir=str(tmp / "keys")))
+
+
+def test_uninstall_purge_leaves_nothing_of_the_box(box_a: Box, tmp_path: Path) -> None:
+    cfg = _own_config_and_keys(box_a, tmp_path)
+    with box_a.world.running():
+        res = releases.uninstall(cfg, purge=True, sd=box_a.world.systemd())
+    assert res.kept == [] and res.steps[-1]["name"] == "purged"
+    _uninstalled(box_a, kept_config=False, cfg=cfg)
 
 
 @pytest.mark.parametrize("step", releases.UNINSTALL_STEPS)

@@ -12,9 +12,10 @@ and nothing else ever removed one, so a box's disk filled release by release. No
     `releases prune [--keep N]` does the same on demand; `releases remove ID` removes one, refusing one with a
     role, naming it.
   * `deploytool uninstall` stops and disables the units, removes the unit files deploytool wrote, the env files,
-    the API key's copy, every release and `current`, the metrics file and the state dir (pins, history, the
-    sequence record), keeping the config and the trusted keys unless `--purge` (drop-ins under `UNIT.d/` are the
-    operator's: kept, and listed).
+    the API key's copy, every release and `current`, the metrics file and the state dir (pins, history), keeping
+    the config, the trusted keys and the sequence record (the replay guard, deploy_tool.box.sequence: a later
+    install still refuses an older bundle) unless `--purge` (drop-ins under `UNIT.d/` are the operator's: kept,
+    and listed).
 
 Crash safety. A release is removed by renaming it to `releases/.removing-<id>` (one atomic rename: from then on
 it is no release) and then deleting that; a kill in between leaves a `.removing-*` that the next prune, list or
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy_tool import faults
-from deploy_tool.box import metrics
+from deploy_tool.box import metrics, sequence
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.state import Operation, State, Store
 from deploy_tool.clock import iso_utc
@@ -315,11 +316,25 @@ def uninstall_plan(cfg: Config, *, purge: bool) -> list[dict[str, Any]]:
         {"name": "env-removed", "what": f"remove the env files and the API key's copy from {p.env_dir}"},
         {"name": "releases-removed", "what": f"remove {p.current} and every release in {p.releases_dir}"
                                              + (f", and {p.metrics_file}" if p.metrics_file else "")},
-        {"name": "state-removed", "what": f"remove {p.state_dir} (state, pins, history, sequences) last"},
+        {"name": "state-removed", "what": f"remove {p.state_dir} (state, pins, history) last, but its "
+                                          f"{sequence.RECORD_NAME} (the replay guard)"},
     ]
     if purge:
-        steps.append({"name": "purged", "what": f"remove the config {p.config} and the trusted keys in {p.keys_dir}"})
+        steps.append(_purge_step(cfg))
     return steps
+
+
+def _purge_step(cfg: Config) -> dict[str, Any]:
+    p = cfg.paths
+    return {"name": "purged", "what": f"remove the config {p.config}, the trusted keys in {p.keys_dir} and "
+                                      f"{p.state_dir} with its {sequence.RECORD_NAME}"}
+
+
+def _nothing_installed(cfg: Config) -> bool:
+    """No release, and a state dir that is absent or holds the sequence record alone (what uninstall keeps)."""
+    sdir = Path(cfg.paths.state_dir)
+    left = {e.name for e in os.scandir(sdir)} if sdir.is_dir() else set()
+    return not Path(cfg.paths.releases_dir).exists() and left <= {sequence.RECORD_NAME}
 
 
 @dataclass
@@ -348,10 +363,13 @@ def uninstall(cfg: Config, *, purge: bool = False, dry_run: bool = False, wait: 
 
 def _uninstall(cfg: Config, *, purge: bool, wait: float, sd: systemd_mod.Systemd | None,
                log: Log) -> UninstallResult:
+    if _nothing_installed(cfg):  # nothing installed: nothing to do (systemd is not asked), but what --purge asks
+        if purge:
+            _purge(cfg, log)
+            return UninstallResult(True, [_purge_step(cfg)], [])
+        return UninstallResult(True, [], _kept(cfg, purge))
     sd = sd or systemd_mod.for_config(cfg)
     store = Store(cfg.paths.state_dir)
-    if not Path(cfg.paths.state_dir).exists() and not Path(cfg.paths.releases_dir).exists():
-        return UninstallResult(True, [], _kept(cfg, purge))  # nothing installed; nothing to do
     store.ensure()
     with store.lock(wait=wait, what="uninstall"):
         st = store.load()
@@ -439,6 +457,17 @@ def _state_removed(cfg: Config, sd: systemd_mod.Systemd, log: Log) -> None:
     sdir = Path(cfg.paths.state_dir)
     if not sdir.exists():
         return
+    record = sdir / sequence.RECORD_NAME
+    if record.exists():  # the replay guard outlives the install (--purge removes it); the rest goes, state.json last
+        for p in sorted(sdir.iterdir(), key=lambda p: p.name == "state.json"):
+            if p.name == record.name:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        log(f"uninstall: kept {record} (a later install still refuses an older bundle; --purge removes it)")
+        return
     gone = sdir.with_name(f"{REMOVING}{sdir.name}-{uuid.uuid4().hex[:8]}")
     os.rename(sdir, gone)  # the lock file goes with it: the lock held on its inode stays valid until we exit
     shutil.rmtree(gone, ignore_errors=True)
@@ -446,10 +475,10 @@ def _state_removed(cfg: Config, sd: systemd_mod.Systemd, log: Log) -> None:
 
 def _purge(cfg: Config, log: Log) -> None:
     Path(cfg.paths.config).unlink(missing_ok=True)
-    keys = Path(cfg.paths.keys_dir)
-    if keys.is_dir():
-        shutil.rmtree(keys, ignore_errors=True)
-    log("uninstall: purged the config and the trusted keys")
+    for d in (Path(cfg.paths.keys_dir), Path(cfg.paths.state_dir)):
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+    log("uninstall: purged the config, the trusted keys and the sequence record")
 
 
 def _kept(cfg: Config, purge: bool) -> list[str]:

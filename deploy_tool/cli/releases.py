@@ -6,6 +6,7 @@ command, as in cli/ops.py: the CLI loads every command to parse one, and verify'
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -96,21 +97,38 @@ def remove(ctx: Ctx, release_id: str, wait: float) -> None:
              f"{'would remove' if ctx.dry_run else 'removed'} release {r.id} ({rel._human(r.frees)} freed)")
 
 
+def can_ask() -> bool:
+    """Whether a question can be asked: stdin is a terminal."""
+    return sys.stdin.isatty()
+
+
 @click.command("uninstall")
-@click.option("--purge", is_flag=True, help="Also remove the config and the trusted keys.")
+@click.option("--purge", is_flag=True,
+              help="Also remove the config, the trusted keys and the sequence record (the replay guard).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask first (needed where there is no terminal to ask on).")
 @click.option("--wait", type=click.FloatRange(min=0), default=0.0, help="Seconds to wait for the lock.")
 @pass_ctx
-def uninstall(ctx: Ctx, purge: bool, wait: float) -> None:
+def uninstall(ctx: Ctx, purge: bool, yes: bool, wait: float) -> None:
     """Stop the backends and remove what install laid down: units, env files, releases, state.
 
     \b
-    The config and the trusted keys are kept (--purge removes them too); drop-ins under UNIT.d/ are the
-    operator's and are kept. Journaled: a kill at any step leaves an operation that `deploytool recover`, or
-    uninstall again, finishes. An interrupted install or switch must be recovered first.
+    Asks first on a terminal; --yes answers for it (a script must pass it); --dry-run shows the steps.
+    The config, the trusted keys and the sequence record (a later install still refuses an older bundle) are
+    kept (--purge removes them too); drop-ins under UNIT.d/ are the operator's and are kept. Journaled: a kill
+    at any step leaves an operation that `deploytool recover`, or uninstall again, finishes. An interrupted
+    install or switch must be recovered first.
     """
     from deploy_tool.box import releases as rel
+    from deploy_tool.errors import InputError
 
     cfg = ctx.load_config()
+    if not (yes or ctx.dry_run):
+        what = f"stop the backends and remove every release under {cfg.paths.releases_dir}, the units and the state"
+        if not can_ask():
+            raise InputError(f"uninstall would {what}, and there is no terminal to ask on",
+                             hint="pass --yes to go ahead (or --dry-run to see the steps)")
+        click.confirm(f"uninstall: {what}" + (", the config and the keys" if purge else "") + "?", abort=True,
+                      err=True)
     res = rel.uninstall(cfg, purge=purge, dry_run=ctx.dry_run, wait=wait, log=_log(ctx))
     lines = [("would: " if ctx.dry_run else "done: ") + s["what"] for s in res.steps] or ["nothing is installed"]
     if res.kept:

@@ -1,4 +1,4 @@
-"""Requests in flight on the served port, and waiting until there are none before a planned stop (drain).
+"""Requests in flight on the backends' internal port, and waiting until there are none before a planned stop (drain).
 
 What counts as a request in flight does not depend on either server's API: the ESTABLISHED TCP connections whose
 local end is the served port, read from /proc/net/tcp and tcp6 (deploy_tool.procfs.connections_in). The servers
@@ -6,8 +6,9 @@ bind 127.0.0.1 (or a local address) and deploytool reaches them there, so the ne
 is the servers' (the sandbox shares the host's). A client that went away leaves its server end in CLOSE_WAIT,
 which does not count; deploytool's own probes are not counted either.
 
-The known limit is a keep-alive connection left open and idle by a client's connection pool: it looks like a
-request in flight. Two answers:
+Those connections are the front's, one per request (`Connection: close`): a client's idle keep-alive ends at the
+front. The known limit is a local process that opens the internal port itself and leaves the connection idle: it
+looks like a request in flight. Two answers:
 * llama-server (its /slots endpoint is on by default): when connections are open but /slots says no slot is
   processing, twice in a row `SLOTS_IDLE_S` apart, and no connection has bytes left to deliver (a finished
   answer still on its way to a slow reader keeps the drain going), the backend is drained (the open
