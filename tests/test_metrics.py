@@ -472,3 +472,17 @@ def test_llama_server_is_launched_with_its_metrics_endpoint(tmp_path: Path) -> N
     cfg2 = _cfg(tmp_path / "x", **{f"backends.{L}.extra_args": ["--metrics"]})
     assert render.launch_argv(cfg2, cfg2.backends[L]).count("--metrics") == 1
     assert LU in {f.name for f in render.render_all(cfg)}
+
+
+def test_an_operation_that_cannot_write_the_state_writes_no_metrics(box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch refused because this user cannot write the state dir (not root) changed nothing: no metrics line
+    before its own error."""
+    from deploy_tool.box import operations
+
+    box.installed(F)
+    calls: list[object] = []
+    monkeypatch.setattr(metrics, "refresh", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(operations.os, "access", lambda p, mode: False)
+    monkeypatch.setattr(Store, "lock", lambda *a, **k: (_ for _ in ()).throw(OSFailure("state: permission denied")))
+    out = box.run("switch", L)
+    assert out.code == 17 and calls == []

@@ -367,3 +367,13 @@ def test_recover_an_interrupted_failover(cfg: Config) -> None:
     assert rows(switch.recover_plan(cfg, st, target_running=True)) == [
         ("stop-target", f"stop {LL}.service"),
         ("leave-stopped", f"{FT} had failed: leave none running")]
+
+
+def test_a_drifted_value_is_shown_whole_enough_to_read() -> None:
+    """The preflight's drift line: a SHA-256 by its first 16 digits, any other value (a build line, a mode) up to
+    80 characters, never cut to 16 in the middle of a word."""
+    digest = "ab" * 32
+    assert switch._shown(digest) == digest[:16]
+    line = "build 1, commit 0123abc (the ggml backend), CUDA 12.4"
+    assert switch._shown(line) == line
+    assert switch._shown("x" * 200) == "x" * 80

@@ -247,6 +247,11 @@ def test_a_running_operation_is_not_pending(box: Box) -> None:
         code, rep, text = status(box)
     assert rep["operation_running"] is True and "IN PROGRESS" in text
     assert code == 0
+    # named first among the reasons, so a not-serving verdict during a switch says why
+    assert rep["verdict"]["reasons"][0].startswith("a switch is in progress (step gate"), rep["verdict"]
+    # and the address clients use comes first, the backend's own behind it
+    assert f"at {rep['public_endpoint']} (backend {rep['endpoint']})" in text and \
+        rep["public_endpoint"] != rep["endpoint"]
 
 
 def test_not_serving_wins_over_pending_and_degraded(box: Box) -> None:

@@ -295,6 +295,8 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
     strictmodes.require(cfg, None, f"cannot install {path.name}",
                         extra=strictmodes.keys_paths(keys) if keys != cfg.paths.keys_dir else ())
     if dry_run:
+        if (path / "config.json").is_file():  # what the real install refuses first, read unverified for the preview
+            check_config_matches(cfg, path / "config.json", path.name)
         st = store.load()
         steps = store.lock_steps(st) + install_plan(cfg, st, bundle=str(path), keys=keys, facts=None,
                                                     rebuild=rebuild, start=start)

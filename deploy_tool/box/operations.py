@@ -13,6 +13,7 @@ operation).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -95,7 +96,8 @@ def _then_metrics(cfg: Config, sd: systemd_mod.Systemd | None, dry_run: bool, ru
     except (LockedError, UnsafePathError, DowngradeError, KeyRefused):
         raise  # refused before anything changed: nothing for the metrics either
     except Exception as exc:  # a failed or rolled-back operation changed the box too (a kill or ^C writes nothing)
-        if not dry_run:
+        # (one that cannot write the state dir, e.g. not run as root, changed nothing: its error is the message)
+        if not dry_run and os.access(cfg.paths.state_dir, os.W_OK):
             metrics.refresh(cfg, sd=sd, quiet=True, learned=_learned(cfg, exc))
         raise
     if not dry_run:

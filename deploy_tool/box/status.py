@@ -51,7 +51,7 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
         "current": os.readlink(cur) if cur.is_symlink() else None,
         "interrupted": st.operation.__dict__ if st.operation else None,
         "operation_running": bool(st.operation) and _holder_alive(store),
-        "endpoint": base_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
+        "endpoint": base_url(cfg), "public_endpoint": health.public_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
         "events": store.history(5),
         "nothing_serving": nothing_serving(st),
         # a box no install has reached: no release, nothing to compare with pins, nothing serving
@@ -138,6 +138,10 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
         pending.append(f"an interrupted {op.get('kind')} (step {op.get('step')}) awaits `deploytool recover`")
     degraded: list[str] = []
     first: list[str] = []  # the cause of what else is found: named before it, whatever the verdict
+    note: list[str] = []  # and what explains it without being wrong itself
+    if op and rep.get("operation_running"):  # a backend stopped or starting is this operation's doing
+        note.append(f"a {op.get('kind')} is in progress (step {op.get('step')}, pid {op.get('pid')}): the front "
+                     "holds new requests until a backend is ready")
     if rep.get("config_differs"):
         first.append(f"the config differs from the one the installed release was packed with, which its units "
                      f"run (a switch refuses to start a backend until it matches): {rep['config_differs']}")
@@ -167,7 +171,7 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
         degraded.append(f"{active} loaded something unpinned: {rt['failures'][0]}")
     code = (ExitCode.NOT_SERVING if down else ExitCode.PENDING if pending else ExitCode.DEGRADED if degraded or first
             else ExitCode.OK)
-    return code, first + down + pending + degraded
+    return code, note + first + down + pending + degraded
 
 
 def _front(cfg: Config, sd: Any, store: Store) -> dict[str, Any]:
@@ -282,7 +286,8 @@ def format_status(rep: dict[str, Any]) -> str:
         head = click.style(f"{v['state'].upper()} (exit {v['exit_code']})", fg=color, bold=v["exit_code"] != 0)
         lines.append(f"verdict   {head}" + (f": {'; '.join(v['reasons'])}" if v["reasons"] else ""))
     lines += [f"config    {rep['config']}",
-             f"{'serving' if rep.get('installed', True) else 'endpoint':9} {rep['model_name']!r} at {rep['endpoint']}"
+             f"{'serving' if rep.get('installed', True) else 'endpoint':9} {rep['model_name']!r} at "
+             f"{rep.get('public_endpoint') or rep['endpoint']} (backend {rep['endpoint']})"
              f"  health: {ok(rep['health']['ok'])} "
              f"({rep['health']['detail']})",
              f"active    {rep['active_backend'] or '(none)'}   previous: {rep['previous_backend'] or '-'}"

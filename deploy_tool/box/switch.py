@@ -259,6 +259,11 @@ def rollback_target(cfg: Config, st: State) -> str:
 Preflight = Callable[[Config, Backend], None]
 
 
+def _shown(value: str) -> str:
+    """A fingerprint value in one line: a SHA-256 by its first 16 digits, anything else up to 80 characters."""
+    return value[:16] if re.fullmatch(r"[0-9a-f]{64}", value) else value[:80]
+
+
 def run_preflight(cfg: Config, target: Backend, *,
                   run_checks: Callable[..., list[checks.Finding]] = checks.run_checks,
                   verify: Callable[[Config, Backend], fingerprint.VerifyReport] = fingerprint.verify) -> None:
@@ -283,7 +288,7 @@ def run_preflight(cfg: Config, target: Backend, *,
                           hint=errs[0].fix, details=[f.to_json() for f in errs])
     rep = verify(cfg, target)
     if not rep.ok:
-        rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {r.expected[:16]}, actual {r.actual[:16]}"
+        rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {_shown(r.expected)}, actual {_shown(r.actual)}"
                          for r in rep.rows[:5])
         raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}",
                          hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ...")
