@@ -67,6 +67,8 @@ REASONS: dict[str, str] = {
     "port-taken": "another process holds the backend port",
     "refused-by-check": "the unit's ExecStartPre check refused to start it (e.g. drifted fingerprints, an unsafe path)",
     "performance": "the performance gate measured the target below its baseline (PerformanceError, exit 19)",
+    "config-differs": "the box's config differs from the one the installed release was packed with, which its units "
+                      "run: refused at the preflight, nothing stopped (DriftError, exit 7)",
     # plus "http-<code>" for any other unexpected HTTP status, e.g. "http-404", "http-500"
 }
 
