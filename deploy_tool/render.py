@@ -509,6 +509,9 @@ def failover_rw_paths(cfg: Config) -> list[Escaped]:
     metrics = cfg.paths.metrics_file
     if metrics:
         d = posixpath.dirname(metrics)
+        if d == "/":
+            raise _refuse("paths.metrics_file", metrics, "lies in /, which the failover unit would then be allowed to "
+                          "write whole (ReadWritePaths=); give it a directory of its own")
         if posixpath.commonpath([d, cfg.paths.state_dir]) != cfg.paths.state_dir:
             out.append(rw_path(d, "paths.metrics_file", missing_ok=True))
     return out

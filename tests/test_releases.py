@@ -152,9 +152,10 @@ def _uninstalled(bx: Box, *, kept_config: bool = True, cfg: config.Config | None
     cfg = cfg or bx.cfg
     assert bx.traces() == CLEAN | {"releases": []}, bx.traces()
     assert not bx.releases.exists()
-    # the replay guard outlives the install, the rest of the state dir does not; --purge takes it too
-    assert (sorted(os.listdir(bx.state_dir)) if bx.state_dir.exists() else []) == \
-        ([sequence.RECORD_NAME] if kept_config else [])
+    # the replay guard outlives the install (and the lock file, held until uninstall exits), the rest of the state
+    # dir does not; --purge takes it too
+    left = set(os.listdir(bx.state_dir)) if bx.state_dir.exists() else set()
+    assert left - {releases.LOCK_FILE} == ({sequence.RECORD_NAME} if kept_config else set()), left
     assert all(u.active_state != "active" and not u.enabled for u in bx.world.units.values()), \
         {n: (u.active_state, u.enabled) for n, u in bx.world.units.items()}
     assert Path(cfg.paths.config).exists() == kept_config and Path(cfg.paths.keys_dir).exists() == kept_config

@@ -452,3 +452,24 @@ def test_gpu_lines_only_in_cuda_units(tmp_path: Path) -> None:
                 assert allow == [] and modprobe == [] and after == ["After=network-online.target"]
                 assert "nvidia" not in f.content and "--device CUDA" not in f.content
                 assert "CacheDirectory" not in f.content
+
+
+@pytest.mark.parametrize(("metrics_file", "writes"), [
+    ("/var/lib/prometheus/node-exporter/deploytool.prom", ["/var/lib/deploytool", "-/var/lib/prometheus/node-exporter"]),
+    ("/var/lib/deploytool/m/deploytool.prom", ["/var/lib/deploytool"]),  # inside the state dir: nothing more
+    ("", ["/var/lib/deploytool"]),  # off
+])
+def test_the_failover_unit_may_write_the_metrics_directory(tmp_path: Path, metrics_file: str,
+                                                           writes: list[str]) -> None:
+    data = example_dict("two-2080ti")
+    set_key(data, "paths.metrics_file", metrics_file)
+    unit = render.render_failover(load_dict(tmp_path, data)).content
+    assert [ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("ReadWritePaths=")] == writes
+
+
+def test_a_metrics_file_in_the_root_directory_is_refused(tmp_path: Path) -> None:
+    """ReadWritePaths=-/ would undo the failover unit's ProtectSystem=strict."""
+    data = example_dict("two-2080ti")
+    set_key(data, "paths.metrics_file", "/deploytool.prom")
+    with pytest.raises(ConfigError, match="paths.metrics_file"):
+        render.render_failover(load_dict(tmp_path, data))

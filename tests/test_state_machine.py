@@ -458,8 +458,8 @@ def _packed_with(box: Box, key: str, value: Any) -> None:
     (Path(box.cfg.paths.current) / "config.json").write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize(("key", "value"), [("serve.model_name", "the-packed-name"), (f"backends.{L}.threads", 7),
-                                            ("health.smoke_max_tokens", 3), ("serve.internal_port", 1)])
+@pytest.mark.parametrize(("key", "value"), [("serve.model_name", "the-packed-name"), ("serve.internal_port", 1),
+                                            (f"backends.{L}.device", "cuda"), ("host.gpus", [0, 1])])
 def test_a_config_edited_after_install_is_refused_before_anything_changes(box: Box, key: str, value: Any) -> None:
     """The box's config is no longer the one the release was packed with, which its units run (a changed port or
     model name would make the gate probe what no unit serves, fail the target and then the rollback): a switch
@@ -483,11 +483,18 @@ def test_a_config_edited_after_install_is_refused_before_anything_changes(box: B
     assert reasons[0].startswith("the config differs") and key in reasons[0], reasons
 
 
-def test_a_pack_only_key_of_the_box_is_not_refused(box: Box) -> None:
-    """paths.metrics_file is the box's own (deploy_tool.box.packedconfig.PACK_ONLY_KEYS): it may differ."""
+@pytest.mark.parametrize(("key", "value"), [("paths.metrics_file", "/elsewhere/deploytool.prom"),
+                                            ("health.smoke_max_tokens", 3), (f"backends.{L}.threads", 7),
+                                            ("supervision.drain_timeout_s", 1.0)])
+def test_what_the_gate_does_not_probe_by_may_differ(box: Box, key: str, value: Any) -> None:
+    """A pack-only key (the metrics file is the box's own) and the box's own tuning, which an operator edits before
+    installing the bundle packed with it (install compares every key): a switch, and so a failover, goes ahead."""
+    from deploy_tool.box import status
+
     box.installed(F)
-    _packed_with(box, "paths.metrics_file", "/elsewhere/deploytool.prom")
+    _packed_with(box, key, value)
     assert box.run("switch", L).action == "switched"
+    assert "config_differs" not in status.collect(box.cfg, sd=box.world.systemd(), boot=False)
 
 
 def _running_unrecorded(box: Box, unit: str) -> int:
@@ -500,13 +507,46 @@ def _running_unrecorded(box: Box, unit: str) -> int:
 
 def test_the_target_running_unrecorded_is_gated_as_it_runs_not_blamed_or_stopped(box: Box) -> None:
     pid = _running_unrecorded(box, FU)
+    box.store.save(State(active_backend=None, previous_backend=L, release="r1"))
     n = len(box.world.calls)
     out = box.run("switch", F)
     assert out.action == "switched", out
     assert box.world.units[FU].proc.pid == pid  # the same process: never stopped, never restarted
     assert not [c for c in box.world.calls[n:] if c.method in ("stop", "start")]
     assert box.state()["active_backend"] == F and box.world.enabled() == {FU}
+    assert box.state()["previous_backend"] == L  # the fallback a failover would take is kept
     assert_settled(box)
+
+
+def test_an_adopted_target_that_fails_its_gate_is_left_running_as_found(box: Box) -> None:
+    box.world.script(FU, fs.EMPTY_SMOKE)
+    pid = _running_unrecorded(box, FU)
+    out = box.run("switch", F)
+    assert out.code == ExitCode.HEALTH and "left running as it was found" in out.error.message, out
+    assert box.world.units[FU].proc.pid == pid and box.world.active() == {FU}
+    assert box.state()["active_backend"] is None and box.state()["operation"] is None
+    assert box.history()[-1]["outcome"] == "failed"
+
+
+@pytest.mark.parametrize("point", ["starting-target", "gate", "committing"])
+def test_an_adoption_killed_midway_is_recovered_to_the_target_serving(box: Box, point: str) -> None:
+    """A kill while the running target is gated: recover brings it back serving and recorded (the intent names it
+    as what it replaced), never leaves the box without a backend."""
+    _running_unrecorded(box, FU)
+    assert box.run("switch", F, kill=point).action == "killed"
+    assert box.state()["operation"]["from_backend"] == F
+    out = box.run("recover")
+    assert out.action == "recovered", out
+    assert box.state()["active_backend"] == F and box.world.active() == {FU}
+    assert_settled(box)
+
+
+def test_a_switch_from_an_unrecorded_backend_killed_at_committing_recovers_with_it_as_previous(box: Box) -> None:
+    _running_unrecorded(box, FU)
+    assert box.run("switch", L, kill="committing").action == "killed"
+    assert box.run("recover").action == "recovered"
+    st = box.state()
+    assert (st["active_backend"], st["previous_backend"]) == (L, F)
 
 
 @pytest.mark.parametrize("target_fails", [False, True])

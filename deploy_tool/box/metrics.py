@@ -274,10 +274,10 @@ def refresh(cfg: Config, *, sd: Any = None, quiet: bool = False, learned: Learne
         if path != DEFAULT_METRICS_FILE and not quiet:
             log.warning("metrics: not written: the directory of paths.metrics_file %s does not exist", path)
         return None
-    st = Store(cfg.paths.state_dir).load()
-    if not (os.path.lexists(cfg.paths.current) or st.release or st.active_backend or st.operation):
-        return None  # nothing installed (an uninstall removed the file, and a recover finishing one keeps it so)
     try:
+        st = Store(cfg.paths.state_dir).load()
+        if not (os.path.lexists(cfg.paths.current) or st.release or st.active_backend or st.operation):
+            return None  # nothing installed (an uninstall removed the file, and a recover finishing one keeps it so)
         if learned is None:
             text, _ = collect_text(cfg, sd=sd)
         else:

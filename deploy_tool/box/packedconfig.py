@@ -3,8 +3,8 @@
 A bundle carries the config it was packed from (`config.json`: defaults filled in, paths resolved), and its units,
 env files and paths were rendered from it and signed as such. `install` refuses a bundle packed for another config
 than the box's; a switch, a rollback and a failover refuse to start a backend while the box's config differs from the
-installed release's (its gate would probe another port or model name than the units serve, and fail a healthy
-backend); `status` names the difference as a degraded box.
+installed release's in what the gate probes by (`probed`: another port or model name than the units serve would
+fail a healthy backend); `status` names such a difference as a degraded box.
 """
 
 from __future__ import annotations
@@ -77,10 +77,22 @@ def describe(diffs: list[Difference], packed_name: str, limit: int = 4) -> str:
     return listed + (f" (and {len(diffs) - limit} more)" if len(diffs) > limit else "")
 
 
+def probed(key: str) -> bool:
+    """Whether a switch's gate probes by this key: where and what it asks (serve.*: the port behind the front, the
+    model name, the API key), which backends there are and of what kind and device, the GPUs a cuda one must hold.
+    The box's own tuning (health.*, supervision.*, a backend's arguments) may differ for a while: an install of a
+    new bundle asks the operator to edit the config first."""
+    parts = key.split(".")
+    return key.startswith("serve.") or key == "host.gpus" or \
+        (parts[0] == "backends" and len(parts) == 3 and parts[2] in ("kind", "device"))
+
+
 def installed_differences(cfg: Config) -> list[Difference] | None:
-    """The differences between `cfg` and the config the current release was packed with; None when there is no
-    release, or its config.json cannot be read (the release's own pins say what is wrong with it)."""
+    """The differences, in what the gate probes by (`probed`), between `cfg` and the config the current release
+    was packed with; None when there is no release, or its config.json cannot be read (the release's own pins say
+    what is wrong with it)."""
     try:
-        return differences(cfg, os.path.join(cfg.paths.current, "config.json"))
+        diffs = differences(cfg, os.path.join(cfg.paths.current, "config.json"))
     except (OSError, ValueError):
         return None
+    return [d for d in diffs if probed(d[0])]

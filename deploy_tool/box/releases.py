@@ -330,11 +330,14 @@ def _purge_step(cfg: Config) -> dict[str, Any]:
                                       f"{p.state_dir} with its {sequence.RECORD_NAME}"}
 
 
+LOCK_FILE = "lock"  # Store's lock, in the state dir
+
+
 def _nothing_installed(cfg: Config) -> bool:
     """No release, and a state dir that is absent or holds the sequence record alone (what uninstall keeps)."""
     sdir = Path(cfg.paths.state_dir)
     left = {e.name for e in os.scandir(sdir)} if sdir.is_dir() else set()
-    return not Path(cfg.paths.releases_dir).exists() and left <= {sequence.RECORD_NAME}
+    return not Path(cfg.paths.releases_dir).exists() and left <= {sequence.RECORD_NAME, LOCK_FILE}
 
 
 @dataclass
@@ -460,13 +463,14 @@ def _state_removed(cfg: Config, sd: systemd_mod.Systemd, log: Log) -> None:
     record = sdir / sequence.RECORD_NAME
     if record.exists():  # the replay guard outlives the install (--purge removes it); the rest goes, state.json last
         for p in sorted(sdir.iterdir(), key=lambda p: p.name == "state.json"):
-            if p.name == record.name:
+            if p.name in (record.name, LOCK_FILE):  # the lock is held on it until this uninstall exits
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
-        log(f"uninstall: kept {record} (a later install still refuses an older bundle; --purge removes it)")
+        log(f"uninstall: kept {record} (a later install still refuses an older bundle; --purge removes it) and "
+            "the lock file")
         return
     gone = sdir.with_name(f"{REMOVING}{sdir.name}-{uuid.uuid4().hex[:8]}")
     os.rename(sdir, gone)  # the lock file goes with it: the lock held on its inode stays valid until we exit

@@ -496,7 +496,7 @@ class _RecoverRun:
         try:
             run_gate(self.sw.cfg, self.sw.sd, self.target, on_event=self.sw.log)
             self.sw.set_enabled(self.target)
-            self.sw.commit_state(self.st, self.target)
+            self.sw.commit_state(self.st, self.target, self.op.from_backend)
         except DeployError:
             return None  # roll back to what served before
         self.record(True, "committed", to_backend=self.target.name)
@@ -546,7 +546,9 @@ class SwitchRun:
         self.cfg, self.sd, self.store, self.log = sw.cfg, sw.sd, sw.store, sw.log
         self.action, self.reason = action, reason
         self.cur = facts.cur
-        self.cur_name = facts.cur.name if facts.cur is not None else st.active_backend
+        # what it replaces, in its intent and history: an adopted target replaces itself (a recover after a kill
+        # then restarts it through the gate instead of leaving none running; the commit keeps previous_backend)
+        self.cur_name = facts.cur.name if facts.cur is not None else target.name if facts.adopt else st.active_backend
         self.since: float | None = None  # set once the target was started: its journal tail is that invocation's
         self.enabling: bool = False  # the boot-time enablement was flipped to the target (a rollback flips it back)
         self.enable_error: DeployError | None = None  # why flipping it failed: the commit fails with it
@@ -686,6 +688,17 @@ class SwitchRun:
             raise self.enable_error
         self.sw.commit_state(self.st, self.target, self.cur_name)
 
+    def _adopt_failed(self, exc: DeployError) -> SwitchResult:
+        target = self.target
+        reason = exc.message.splitlines()[0]
+        self.log(f"{target.name} failed its gate: {reason}; left running as it was found, not recorded active")
+        self.store.save(replace(self.st, operation=None))
+        self.record(ok=False, from_backend=None, to_backend=target.name, outcome="failed", reason=reason)
+        raise HealthError(f"{target.name} runs but did not pass the gate: {exc.message}\n  it was left running as it "
+                          "was found, and is not recorded active", hint=exc.hint or f"read `journalctl -u "
+                          f"{target.unit}`; `deploytool switch {target.name}` again restarts nothing, a switch to "
+                          "another backend stops it")
+
     def refused(self, exc: DeployError, inv: str | None, journal: str) -> DeployError:
         """The ExecStartPre's own error line for a start it refused, read again once the journal has settled
         when it is not in yet (journald takes a short-lived process's output asynchronously)."""
@@ -699,7 +712,10 @@ class SwitchRun:
 
     def roll_back(self, exc: DeployError) -> SwitchResult:
         """The failure step: the target's journal tail kept, the target stopped, the previous backend started
-        through the same gate (exit 10), or none when none served (exit 9); exit 11 when it does not come back."""
+        through the same gate (exit 10), or none when none served (exit 9); exit 11 when it does not come back.
+        An adopted target (it ran before this switch) is left running as it was found, unrecorded (exit 9)."""
+        if self.facts.adopt:
+            return self._adopt_failed(exc)
         target, cur, st = self.target, self.cur, self.st
         restore_enablement = self.enabling
         inv = None

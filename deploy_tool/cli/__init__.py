@@ -57,8 +57,8 @@ class Group(SuggestingGroup):
             raise
         except KeyboardInterrupt:
             click.secho("interrupted", fg="red", err=True)
-            click.echo("hint: an operation under way is left for `deploytool recover` to finish "
-                       "(`deploytool status` shows it)", err=True)
+            click.echo("hint: `deploytool status` says whether an operation was left for `deploytool recover` to "
+                       "finish (an install undoes itself)", err=True)
             sys.exit(130)
         except Exception as exc:  # a bug: say so in one line, traceback with --debug
             obj = ctx.find_object(Ctx)
