@@ -944,7 +944,14 @@ def _check_programs(cfg: Config) -> None:
                               "and the config's directory too)")
         if not e.startswith("/") or e.endswith("/") or "//" in e or posixpath.normpath(e) != e:
             raise ConfigError(f"{key}: {_fmt(e)} is not an absolute, normalized path to a program")
-    for key, d in (("paths.state_dir", cfg.paths.state_dir), ("paths.unit_dir", cfg.paths.unit_dir)):
+    rw = [("paths.state_dir", cfg.paths.state_dir), ("paths.unit_dir", cfg.paths.unit_dir)]
+    if cfg.paths.metrics_file:  # its directory: the failover unit's too
+        rw.append(("paths.metrics_file", posixpath.dirname(cfg.paths.metrics_file)))
+        if posixpath.dirname(cfg.paths.metrics_file) == "/":
+            raise ConfigError(f"paths.metrics_file: {_fmt(cfg.paths.metrics_file)} lies in /, which the failover unit "
+                              "would then be allowed to write whole (ReadWritePaths=)",
+                              hint="give the metrics file a directory of its own (e.g. node_exporter's)")
+    for key, d in rw:
         bad = sorted(set(d) & set("\"'\\"))
         if bad:  # the failover and liveness units' ReadWritePaths= unquote words and read escapes
             raise ConfigError(f"{key}: {_fmt(d)} contains {', '.join(map(repr, bad))}, which ReadWritePaths= would "
