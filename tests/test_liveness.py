@@ -200,6 +200,20 @@ def test_a_well_server_is_probed_and_nothing_is_recorded(box: Box) -> None:
     assert st.backend == F and st.seen_ready and st.failures == 0
 
 
+def test_a_config_edited_after_install_stops_the_probe_from_acting(box: Box) -> None:
+    """The running release was packed with another backend port than the config now says (an edit after install,
+    read by the probe after a reboot): it would find nothing answering there and kill a healthy server; it skips,
+    naming the key, and kills nothing."""
+    from tests.test_state_machine import _packed_with
+
+    box.installed(F)
+    _packed_with(box, "serve.internal_port", box.cfg.backend_port + 11)
+    for _ in range(4):
+        res = tick(box)
+        assert res.action == "skipped" and "serve.internal_port" in res.detail, res
+    assert not box.calls("kill") and events(box) == [] and box.world.healthy() == {FU}
+
+
 def test_a_stopped_server_is_restarted_after_k_failures(box: Box) -> None:
     """SIGSTOP: no answer, no CPU. Three failures in a row, then SIGKILL: Restart=on-failure brings it back
     RestartSec later, and it serves again."""

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy_tool import procfs, retry
-from deploy_tool.box import runtime
+from deploy_tool.box import packedconfig, runtime
 from deploy_tool.box import systemd as systemd_mod
 from deploy_tool.box.probe import gate, health
 from deploy_tool.box.state import Store
@@ -211,6 +211,10 @@ class Prober:
         name = st.active_backend
         if not name or name not in self.cfg.backends:
             return TickResult("skipped", name, "no backend is recorded active")
+        diffs = packedconfig.installed_differences(self.cfg)
+        if diffs:  # it would probe what no unit serves, and kill a healthy server for not answering there
+            return TickResult("skipped", name, "the config differs from the one the installed release was packed "
+                              f"with, which its units run: {packedconfig.describe(diffs, 'release')}")
         b = self.cfg.backends[name]
         kept = load_state(self.path)
         if kept.backend != name:
