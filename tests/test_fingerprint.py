@@ -886,3 +886,23 @@ def test_verify_front_exit_codes(tree: rt.Tree) -> None:
     assert r.returncode == 7 and FRONT_PROGRAM in r.stdout and r.stderr.startswith("error: the front's program"), r
     js = entry(tree, "--config", cfgp, "--json", "verify-front")
     assert js.returncode == 7 and [d["id"] for d in json.loads(js.stdout)["drift"]] == [f"release/{FRONT_PROGRAM}"]
+
+
+@pytest.mark.parametrize("backend", [FT, LL])
+def test_a_drop_in_anywhere_systemd_reads_one_for_the_unit_is_drift(tree: rt.Tree, backend: str) -> None:
+    """systemd applies `a-.service.d/*.conf` (each dash prefix of the unit's name) and `service.d/*.conf` as well
+    as the unit's own `NAME.d`: a file added to any of them after the pin is drift, named; removed, it passes."""
+    from deploy_tool import strictmodes
+
+    fp.pin(tree.cfg, backend, "install")
+    unit = tree.cfg.backends[backend].unit
+    dirs = strictmodes.dropin_dirs(unit)
+    assert f"{unit}.d" in dirs and "service.d" in dirs and any(d.endswith("-.service.d") for d in dirs)
+    for d in dirs:
+        p = Path(tree.cfg.paths.unit_dir) / d / "zz-local.conf"
+        p.parent.mkdir(exist_ok=True)
+        p.write_text("[Service]\nEnvironment=LOCAL=1\n")
+        r = fp.verify(tree.cfg, backend, use_cache=False)
+        assert not r.ok and [row.item.label for row in r.rows] == [f"unit drop-in {d}/zz-local.conf"], (d, r.rows)
+        p.unlink()
+        assert fp.verify(tree.cfg, backend, use_cache=False).ok

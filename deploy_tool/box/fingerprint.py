@@ -24,7 +24,9 @@ What is fingerprinted (item ids in brackets; a missing file is a value too: "mis
             (run only when the binary's hash matches the pin, never on a changed binary: the check runs as
             root) [binary.build], SHA-256 of every shared library beside the binary (libggml*, libllama*, ...)
             [binary.lib/NAME], mmproj size and header hash [mmproj.size, mmproj.header].
-  both      the installed unit file [unit], its drop-ins <unit>.d/*.conf [unit.d/NAME] and the env file [env];
+  both      the installed unit file [unit], its drop-ins <unit>.d/*.conf [unit.d/NAME], those of the other
+            drop-in directories systemd reads for it (`a-.service.d`, `service.d`) [dropin/DIR/NAME] and the env
+            file [env];
             the model: a directory gives its config.json SHA-256 [model.config], every weight file's size
             [model.weight/NAME] and the SHA-256 of its small metadata files (tokenizer, generation config,
             custom code) [model.file/NAME]; a single GGUF file gives its size [model.size] and the SHA-256 of
@@ -714,10 +716,13 @@ def _collect_units(c: _Collector, cfg: Config, b: Backend) -> None:
     unit_dir = Path(cfg.paths.unit_dir)
     c.sha256("unit", f"unit file {b.unit}", unit_dir / b.unit)
     # drop-ins change what starts as much as the unit does (deploytool never writes them: a local one is
-    # pinned with a reason like any deliberate change)
-    for e in _listdir(unit_dir / f"{b.unit}.d"):
-        if e.name.endswith(".conf") and _is_file(e):
-            c.sha256(f"unit.d/{e.name}", f"unit drop-in {b.unit}.d/{e.name}", e.path)
+    # pinned with a reason like any deliberate change), wherever systemd reads them for this unit: its own
+    # NAME.d, the dash-prefix ones (`ftllm-.service.d` for ftllm-dflash.service) and the type-wide `service.d`
+    for d in strictmodes.dropin_dirs(b.unit):
+        key = "unit.d" if d == f"{b.unit}.d" else f"dropin/{d}"
+        for e in _listdir(unit_dir / d):
+            if e.name.endswith(".conf") and _is_file(e):
+                c.sha256(f"{key}/{e.name}", f"unit drop-in {d}/{e.name}", e.path)
     if c.loaded_env:  # the unit's credential copy: exactly what the launcher hands the server in this start
         c.sha256("env", f"env file {b.name}.env (as systemd loaded it for this start)", c.loaded_env)
     else:
