@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,26 @@ def test_a_bundle_of_a_revoked_or_expired_key_is_refused_before_anything(box: Bo
     finally:
         (keys / "signer.pub").write_text(pub)
         (keys / "revoked").unlink(missing_ok=True)
+
+
+def test_keys_given_on_the_command_line_do_not_escape_the_boxs_revocations(box: Box, bundles: Bundles,
+                                                                           tmp_path: Path) -> None:
+    """`install --keys DIR` names where the trusted keys are: a key this box revoked (paths.keys_dir/revoked) is
+    refused all the same (exit 25), with its .pub in DIR and no revocation list there; the box clean."""
+    keys = Path(box.cfg.paths.keys_dir)
+    kid = manifest.public_key_id(key(bundles))
+    other = tmp_path / "other-keys"
+    other.mkdir(mode=0o755)
+    shutil.copy(keys / "signer.pub", other / "signer.pub")
+    try:
+        (keys / "revoked").write_text(f"{kid} leaked\n")
+        out = install(box, bundles.a, keys=str(other))
+        assert out.error is not None and out.error.exit_code == ExitCode.KEY, (out, box.log)
+        assert kid in out.error.message and "revoked" in out.error.message
+        assert box.traces() == CLEAN
+    finally:
+        (keys / "revoked").unlink(missing_ok=True)
+    assert install(box, bundles.a, keys=str(other)).what == "installed", box.log
 
 
 # ------------------------------------------------------------------------------------------------ StrictModes

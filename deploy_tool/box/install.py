@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deploy_tool import archive, binaries, checks, proc, strictmodes, venv
+from deploy_tool import archive, binaries, checks, keyring, proc, strictmodes, venv
 from deploy_tool import bundle as bundle_mod
 from deploy_tool.box import bootstrap, fingerprint, frontctl, packedconfig, sequence, venvreuse
 from deploy_tool.box import systemd as systemd_mod
@@ -350,6 +350,11 @@ def _verify(cfg: Config, path: Path, keys: str, staging_root: Path, log: Log) ->
     except OSError as exc:  # e.g. no space left for the verified copy
         raise os_error(exc, f"cannot unpack {path} under {staging_root.parent} to verify it") from None
     check_config_matches(cfg, vb.root / "config.json", vb.manifest.bundle_id)
+    if os.path.realpath(keys) != os.path.realpath(cfg.paths.keys_dir) and Path(cfg.paths.keys_dir).is_dir():
+        # --keys names where the trusted keys are, never a way around this box's own revocations and expiries
+        refusal = keyring.load(cfg.paths.keys_dir, require_keys=False).refusal(vb.key_id)
+        if refusal is not None:
+            raise refusal
     return vb
 
 
