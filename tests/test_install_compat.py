@@ -143,19 +143,3 @@ def test_the_metrics_file_is_the_boxs_own(tmp_path: Path) -> None:
     with pytest.raises(BundleError):
         install.check_config_matches(box, tmp_path / "moved.json", "r1")
 
-
-def test_a_dry_run_install_refuses_a_bundle_packed_for_another_config(tmp_path: Path) -> None:
-    """--dry-run install previews the refusal the real install gives first (exit 6, the keys named), from the
-    bundle directory's config.json; the same config plans."""
-    from deploy_tool.box.install import install as run_install
-
-    cfg = _cfg(tmp_path)
-    bundle = tmp_path / "cpu-demo-0123456789abcdef"
-    bundle.mkdir()
-    other = _cfg(tmp_path, lambda d: d["serve"].update(model_name="another-name"), "other.yaml")
-    (bundle / "config.json").write_bytes(resolved_config_json(other))
-    with pytest.raises(BundleError, match="serve.model_name") as exc:
-        run_install(cfg, str(bundle), dry_run=True)
-    assert exc.value.exit_code == 6
-    (bundle / "config.json").write_bytes(resolved_config_json(cfg))
-    assert run_install(cfg, str(bundle), dry_run=True).action == "planned"

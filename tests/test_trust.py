@@ -227,6 +227,42 @@ def test_keys_given_on_the_command_line_do_not_escape_the_boxs_revocations(box: 
     assert install(box, bundles.a, keys=str(other)).what == "installed", box.log
 
 
+def test_a_dry_run_install_refuses_what_the_install_refuses(box: Box, bundles: Bundles, tmp_path: Path) -> None:
+    """--dry-run install checks the bundle in place as the install would (signature, key, every hash, the config
+    it was packed for) and exits with the same code, changing nothing; a good bundle plans."""
+    from deploy_tool.box.install import VERIFY_ALSO
+    from deploy_tool.box.install import install as run_install
+
+    keys = Path(box.cfg.paths.keys_dir)
+    assert run_install(box.cfg, str(bundles.a), dry_run=True).action == "planned"
+    r = CliRunner().invoke(main, ["--config", str(box.cfg.source_path), "--dry-run", "install", str(bundles.a)])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[:3] == ["would:", f"  lock {box.state_dir / 'lock'}",
+                         f"  verify {bundles.a} against keys in {keys}" + VERIFY_ALSO], lines[:3]
+    assert lines[-2:] == ["  commit state",
+                          "  on failure: undo every step in reverse, start the backend that served, exit 14"]
+    tampered = tmp_path / bundles.a.name  # the archive with one byte of it changed
+    data = bytearray(bundles.a.read_bytes())
+    data[len(data) // 2] ^= 1
+    tampered.write_bytes(bytes(data))
+    with pytest.raises(DeployError) as exc:
+        run_install(box.cfg, str(tampered), dry_run=True)
+    assert exc.value.exit_code == ExitCode.BUNDLE, exc.value.message
+    kid = manifest.public_key_id(key(bundles))
+    try:
+        (keys / "revoked").write_text(f"{kid}\n")
+        with pytest.raises(DeployError) as exc:
+            run_install(box.cfg, str(bundles.a), dry_run=True)
+        assert exc.value.exit_code == ExitCode.KEY
+    finally:
+        (keys / "revoked").unlink(missing_ok=True)
+    with pytest.raises(DeployError) as exc:
+        run_install(bundles.cfg_b, str(bundles.a), dry_run=True)  # B's config, A's bundle
+    assert exc.value.exit_code == ExitCode.BUNDLE and "packed for another config" in exc.value.message
+    assert box.traces() == CLEAN
+
+
 # ------------------------------------------------------------------------------------------------ StrictModes
 
 def test_install_refuses_an_unsafe_keys_dir_before_it_writes_anything(box: Box, bundles: Bundles) -> None:

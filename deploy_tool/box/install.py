@@ -294,9 +294,10 @@ def install(cfg: Config, bundle_path: str | None, *, keys_dir: str | None = None
     # before anything is written (the state dir, the lock): what steers the root steps must be root's alone
     strictmodes.require(cfg, None, f"cannot install {path.name}",
                         extra=strictmodes.keys_paths(keys) if keys != cfg.paths.keys_dir else ())
-    if dry_run:
-        if (path / "config.json").is_file():  # what the real install refuses first, read unverified for the preview
-            check_config_matches(cfg, path / "config.json", path.name)
+    if dry_run:  # what the real install refuses first, checked in place (an archive in a temporary directory)
+        with bundle_mod.verify_bundle(path, keys) as vb:
+            check_config_matches(cfg, vb.root / "config.json", vb.manifest.bundle_id)
+            _box_refusal(cfg, keys, vb.key_id)
         st = store.load()
         steps = store.lock_steps(st) + install_plan(cfg, st, bundle=str(path), keys=keys, facts=None,
                                                     rebuild=rebuild, start=start)
@@ -350,12 +351,16 @@ def _verify(cfg: Config, path: Path, keys: str, staging_root: Path, log: Log) ->
     except OSError as exc:  # e.g. no space left for the verified copy
         raise os_error(exc, f"cannot unpack {path} under {staging_root.parent} to verify it") from None
     check_config_matches(cfg, vb.root / "config.json", vb.manifest.bundle_id)
+    _box_refusal(cfg, keys, vb.key_id)
+    return vb
+
+
+def _box_refusal(cfg: Config, keys: str, key_id: str) -> None:
+    """--keys names where the trusted keys are, never a way around this box's own revocations and expiries."""
     if os.path.realpath(keys) != os.path.realpath(cfg.paths.keys_dir) and Path(cfg.paths.keys_dir).is_dir():
-        # --keys names where the trusted keys are, never a way around this box's own revocations and expiries
-        refusal = keyring.load(cfg.paths.keys_dir, require_keys=False).refusal(vb.key_id)
+        refusal = keyring.load(cfg.paths.keys_dir, require_keys=False).refusal(key_id)
         if refusal is not None:
             raise refusal
-    return vb
 
 
 def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: State, path: Path, keys: str,
