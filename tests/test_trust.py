@@ -127,10 +127,14 @@ def test_going_back_to_a_release_on_the_box_is_not_a_downgrade(box: Box, seqs: d
     equal sequence is accepted too; the highest is 7 throughout."""
     assert install(box, seqs["a5"]).what == "installed"
     assert install(box, seqs["b7"], cfg=box.b.cfg_b).what == "installed"
+    n = len(box.log)
     out = install(box, seqs["a5"])
     assert out.what == "installed", (out, box.log)
     assert box.current_release() == seqs["a5"].name.rsplit("-", 1)[1]
     assert "downgrade" not in box.history()[-1]
+    # not silent: the operator is told it goes back, from which sequence to which
+    assert any("going back to an older release of cpu-demo" in ln and "sequence 5" in ln and "sequence 7" in ln
+               for ln in box.log[n:]), box.log[n:]
     assert install(box, seqs["b7"], cfg=box.b.cfg_b).what == "installed"
     rec = sequence.load(box.state_dir)["cpu-demo"]
     assert rec["sequence"] == 7 and rec["release"] == seqs["b7"].name.rsplit("-", 1)[1]

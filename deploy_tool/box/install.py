@@ -375,6 +375,12 @@ def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: St
     downgrade = sequence.check(cfg.paths.releases_dir, cfg.paths.state_dir, seq, rid, allow_downgrade=allow_downgrade)
     if downgrade is not None:
         log(f"downgrade of {seq.name} from sequence {downgrade.highest} to {seq.number}, on purpose: {downgrade.reason}")
+    else:
+        highest = sequence.load(cfg.paths.state_dir).get(seq.name)
+        if highest is not None and seq.number < highest["sequence"]:  # allowed: it is laid down on this box
+            log(f"note: going back to an older release of {seq.name}: {rid} is sequence {seq.number}, this box has "
+                f"installed sequence {highest['sequence']} ({highest.get('release')}); the older one is still laid "
+                "down here, so it is not refused as a downgrade")
     final = Path(cfg.paths.releases_dir) / rid
     installed = st.release == rid and final.is_dir() and Path(cfg.paths.current).resolve() == final.resolve() \
         and _units_match(cfg, vb.root)
