@@ -143,3 +143,14 @@ def test_the_metrics_file_is_the_boxs_own(tmp_path: Path) -> None:
     with pytest.raises(BundleError):
         install.check_config_matches(box, tmp_path / "moved.json", "r1")
 
+
+
+def test_a_long_differing_value_is_shown_by_its_end(tmp_path: Path) -> None:
+    """Two model paths that differ only in the file name: the message shows both names, not a cut-off prefix."""
+    packed = _cfg(tmp_path, lambda d: d["backends"]["llamacpp-tensor"].update(
+        model="models/" + "a-long-directory-name/" * 4 + "tiny-f16.gguf"), "packed.yaml")
+    here = _cfg(tmp_path, lambda d: d["backends"]["llamacpp-tensor"].update(
+        model="models/" + "a-long-directory-name/" * 4 + "nope.gguf"), "here.yaml")
+    with pytest.raises(BundleError) as exc:
+        install.check_config_matches(here, _packed(tmp_path, packed), "r1")
+    assert 'tiny-f16.gguf"' in exc.value.message and 'nope.gguf"' in exc.value.message, exc.value.message

@@ -71,7 +71,10 @@ def describe(diffs: list[Difference], packed_name: str, limit: int = 4) -> str:
     """`key: <packed_name> value, here value; ...` for the first `limit` differences."""
 
     def show(v: Any) -> str:
-        return "(unset)" if not isinstance(v, str | int | float | bool | list | dict | None) else json.dumps(v)[:60]
+        if not isinstance(v, str | int | float | bool | list | dict | None):
+            return "(unset)"
+        s = json.dumps(v)
+        return s if len(s) <= 60 else "..." + s[-57:]  # a path differs at its end: keep that
 
     listed = "; ".join(f"{k}: {packed_name} {show(a)}, here {show(b)}" for k, a, b in diffs[:limit])
     return listed + (f" (and {len(diffs) - limit} more)" if len(diffs) > limit else "")
