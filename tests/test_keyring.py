@@ -188,15 +188,16 @@ def test_deploytool_and_the_bootstrap_agree_on_every_key_file_and_list(tmp_path_
 def test_keygen_writes_the_not_after_and_refuses_a_bad_one(tmp_path: Path) -> None:
     """`keygen --not-after T`: the .pub carries it and loads with it; a bad T is one error (exit 5), no files."""
     r = CliRunner().invoke(main, ["--json", "keygen", "--out", str(tmp_path / "k"), "--not-after",
-                                  "2027-01-15T08:00:00Z"])
+                                  "2099-01-15T08:00:00Z"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     ring = keyring.load(tmp_path / "k")
-    assert ring.keys[out["key_id"]].not_after == "2027-01-15T08:00:00Z"
-    assert ring.keys[out["key_id"]].not_after_epoch == T0
-    r = CliRunner().invoke(main, ["keygen", "--out", str(tmp_path / "bad"), "--not-after", "next year"])
-    assert r.exit_code == 5 and "YYYY-MM-DDTHH:MM:SSZ" in r.output
-    assert not (tmp_path / "bad").exists() or not os.listdir(tmp_path / "bad")
+    assert ring.keys[out["key_id"]].not_after == "2099-01-15T08:00:00Z"
+    assert ring.keys[out["key_id"]].not_after_epoch == keyring.parse_not_after("2099-01-15T08:00:00Z")
+    for bad, says in (("next year", "YYYY-MM-DDTHH:MM:SSZ"), ("2001-01-01T00:00:00Z", "is in the past")):
+        r = CliRunner().invoke(main, ["keygen", "--out", str(tmp_path / "bad"), "--not-after", bad])
+        assert r.exit_code == 5 and says in r.output, r.output
+        assert not (tmp_path / "bad").exists() or not os.listdir(tmp_path / "bad")
 
 
 def test_no_keys_and_junk_keep_their_old_reasons(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ same CLI) must not depend on cryptography.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
@@ -30,10 +31,15 @@ def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool, not_after: str | Non
     (/etc/deploytool/keys by default) of every box that installs them. To retire a key, add its id to
     KEYS_DIR/revoked on every box (docs/trust.md, "Rotating the signing key", has the steps).
     """
+    from deploy_tool.keyring import parse_not_after
     from deploy_tool.manifest import generate_keypair
 
     if not name or "/" in name or name.startswith("."):
         raise InputError(f"--name {name!r} must be a plain file name stem")
+    when = parse_not_after(not_after) if not_after else None
+    if when is not None and when <= time.time():
+        raise InputError(f"--not-after {not_after} is in the past: every box would refuse what this key signs",
+                         hint="give a time to come (UTC), e.g. a year from now")
     priv, pub = out_dir / f"{name}.key", out_dir / f"{name}.pub"
     if ctx.dry_run:
         ctx.emit({"would_write": [str(priv), str(pub)]}, f"would write {priv} and {pub}")
