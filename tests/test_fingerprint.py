@@ -408,8 +408,15 @@ def test_pin_records_who_why_when_and_what_changed(tree: rt.Tree, monkeypatch: p
     assert [e["reason"] for e in events] == ["install", "documented the unit"]
     last = events[-1]
     assert last["by"] == "alice" and last["uid"] == os.getuid() and last["release"] == "r1" and last["time"]
-    assert [c["id"] for c in last["changed"]] == ["unit"]
+    assert [c["id"] for c in last["changed"]] == ["unit"] and "changed_total" not in last
     assert ps.by["user"] == "alice" and ps.reason == "documented the unit"
+    # many changes (a new release changes every file): the first few named, all counted, the event stays small
+    pyfiles = sorted(tree.site_packages.rglob("*.py"))[: fp.HISTORY_CHANGED + 5]
+    for f in pyfiles:
+        f.write_bytes(f.read_bytes() + b"# changed\n")
+    fp.pin(tree.cfg, FT, "many changes", store=store)
+    last = [e for e in store.history() if e["event"] == "pin"][-1]
+    assert len(last["changed"]) == fp.HISTORY_CHANGED and last["changed_total"] >= len(pyfiles)
     with pytest.raises(InputError):
         fp.pin(tree.cfg, FT, "   ")
 

@@ -943,6 +943,10 @@ def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
         raise bad from None
 
 
+#: How many changed items a pin's history event names (it counts them all in `changed_total` past that).
+HISTORY_CHANGED = 20
+
+
 def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None = None, store=None,
         workers: int | None = None, fresh: HashCache | None = None) -> PinSet:
     """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when. A tree
@@ -976,9 +980,13 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
         changed = [{"id": r.item.id, "from": short(r.expected), "to": short(r.actual)}
                    for r in diff(previous.items, items) + tree_diff(previous.trees, trees)]
     store = store if store is not None else Store(cfg.paths.state_dir)
+    # the first HISTORY_CHANGED and how many in all: a new release changes every file of it, and history.jsonl is
+    # read whole by status and the metrics for months of installs
+    extra = {"changed_total": len(changed)} if len(changed) > HISTORY_CHANGED else {}
     store.record("pin", backend=b.name, reason=reason, by=ps.by.get("user"), uid=ps.by.get("uid"),
-                 release=ps.release, items=ps.count(), changed=changed if previous is not None else None,
-                 first=previous is None)
+                 release=ps.release, items=ps.count(),
+                 changed=changed[:HISTORY_CHANGED] if previous is not None else None, first=previous is None,
+                 **extra)
     return ps
 
 
