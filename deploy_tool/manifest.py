@@ -548,8 +548,9 @@ def verify_signature(manifest_bytes: bytes, sig_bytes: bytes, keys_dir: str | os
         raise refusal
     tk = ring.keys.get(kid)
     if tk is None:
+        usable = sorted(k for k in ring.keys if ring.refusal(k, now) is None)  # not a revoked or expired one
         raise reject("untrusted-key", f"bundle is signed by key {q(kid)}, which is not among the trusted keys "
-                     f"in {q(keys_dir)} ({', '.join(sorted(ring.keys))})",
+                     f"in {q(keys_dir)} ({', '.join(usable) or 'none usable'})",
                      hint="if you trust the signer, copy their .pub file into the keys directory")
     key = ed25519.Ed25519PublicKey.from_public_bytes(tk.raw)
     try:

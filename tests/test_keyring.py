@@ -209,3 +209,15 @@ def test_no_keys_and_junk_keep_their_old_reasons(tmp_path: Path) -> None:
     assert both(data, sig, tmp_path / "trusted", T0) == (("trusted-key-invalid", 6),) * 2
     with pytest.raises(BundleError):
         keyring.load(tmp_path / "trusted")
+
+
+def test_an_unknown_signer_is_told_the_keys_still_usable(tmp_path: Path) -> None:
+    """Signed by a key the box does not trust: the message lists the trusted keys that may still sign (not the
+    revoked one), so the fix is not sought among retired keys."""
+    k = _keys(tmp_path, "good", "old")
+    (tmp_path / "trusted" / "revoked").write_text(f"{k['old'][1]} rotated out\n")
+    stranger = _keys(tmp_path / "elsewhere", "stranger")
+    data, sig = _signed(stranger["stranger"][0])
+    with pytest.raises(DeployError) as ei:
+        mf.verify_signature(data, sig, tmp_path / "trusted", now=T0)
+    assert k["good"][1] in ei.value.message and k["old"][1] not in ei.value.message, ei.value.message
