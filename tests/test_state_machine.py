@@ -473,6 +473,7 @@ def test_a_config_edited_after_install_is_refused_before_anything_changes(box: B
     n = len(box.world.calls)
     for op, args in (("switch", (L,)), ("rollback", ())):
         box.store.save(State(active_backend=F, previous_backend=L, release="r1"))
+        assert box.run(op, *args, dry_run=True).code == ExitCode.DRIFT  # the dry run previews it
         out = box.run(op, *args)
         assert out.code == ExitCode.DRIFT, out
         assert key in out.error.message and "config.json" in (out.error.hint or ""), out.error.message

@@ -264,15 +264,11 @@ def _shown(value: str) -> str:
     return value[:16] if re.fullmatch(r"[0-9a-f]{64}", value) else value[:80]
 
 
-def run_preflight(cfg: Config, target: Backend, *,
-                  run_checks: Callable[..., list[checks.Finding]] = checks.run_checks,
-                  verify: Callable[[Config, Backend], fingerprint.VerifyReport] = fingerprint.verify) -> None:
-    """The preflight of a switch's target: the box's config against the installed release's (DriftError), its
-    config checks (CheckFailed) and fingerprints (DriftError), and the modes its ExecStartPre would refuse
-    (UnsafePathError). `run_checks` and `verify` are the seams a test hands
-    in (Switcher(preflight=functools.partial(run_preflight, ...)))."""
+def check_config(cfg: Config, target: Backend) -> None:
+    """Refuse (DriftError) while the box's config differs from the one the installed release was packed with, in
+    what the gate probes by: it would probe what the units, which run the release's, do not serve."""
     diffs = packedconfig.installed_differences(cfg)
-    if diffs:  # the gate would probe what the config says, the units serve what the release was packed with
+    if diffs:
         where = f"the config {cfg.source_path}" if cfg.source_path else "the config"
         raise DriftError(f"preflight of {target.name}: {where} differs from the one the installed release was "
                          "packed with, which its units run: "
@@ -280,6 +276,16 @@ def run_preflight(cfg: Config, target: Backend, *,
                          hint=f"put those keys back as the release has them ({cfg.paths.current}/config.json), or "
                               "pack a bundle with this config and install it; nothing was changed",
                          details={"reason": "config-differs", "differences": [k for k, _, _ in diffs]})
+
+
+def run_preflight(cfg: Config, target: Backend, *,
+                  run_checks: Callable[..., list[checks.Finding]] = checks.run_checks,
+                  verify: Callable[[Config, Backend], fingerprint.VerifyReport] = fingerprint.verify) -> None:
+    """The preflight of a switch's target: the box's config against the installed release's (DriftError), its
+    config checks (CheckFailed) and fingerprints (DriftError), and the modes its ExecStartPre would refuse
+    (UnsafePathError). `run_checks` and `verify` are the seams a test hands
+    in (Switcher(preflight=functools.partial(run_preflight, ...)))."""
+    check_config(cfg, target)
     strictmodes.require(cfg, [target], f"preflight of {target.name}")  # its ExecStartPre would refuse
     errs = [f for f in run_checks(cfg, backends=[target.name])
             if f.severity == "error" and f.backend in (None, target.name)]
@@ -312,6 +318,7 @@ class Switcher:
                action: str = "switch", drain_s: float | None = None) -> SwitchResult:
         target = self.cfg.backend(name)
         if dry_run:
+            check_config(self.cfg, target)  # the refusal the run gives first, and cheap to preview
             st = self.store.load()
             return planned(st, target.name, self.store.lock_steps(st) + self.plan(st, target, action=action,
                                                                                   drain_s=drain_s))
