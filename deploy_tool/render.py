@@ -508,10 +508,7 @@ def failover_rw_paths(cfg: Config) -> list[Escaped]:
     out = [rw_path(cfg.paths.state_dir, "paths.state_dir")]
     metrics = cfg.paths.metrics_file
     if metrics:
-        d = posixpath.dirname(metrics)
-        if d == "/":
-            raise _refuse("paths.metrics_file", metrics, "lies in /, which the failover unit would then be allowed to "
-                          "write whole (ReadWritePaths=); give it a directory of its own")
+        d = posixpath.dirname(metrics)  # not / (config.load refuses it)
         if posixpath.commonpath([d, cfg.paths.state_dir]) != cfg.paths.state_dir:
             out.append(rw_path(d, "paths.metrics_file", missing_ok=True))
     return out

@@ -43,7 +43,7 @@ from typing import Any
 from deploy_tool import faults
 from deploy_tool.box import metrics, sequence
 from deploy_tool.box import systemd as systemd_mod
-from deploy_tool.box.state import Operation, State, Store
+from deploy_tool.box.state import LOCK_FILE, Operation, State, Store
 from deploy_tool.clock import iso_utc
 from deploy_tool.config import Config
 from deploy_tool.errors import InputError, StateError
@@ -330,9 +330,6 @@ def _purge_step(cfg: Config) -> dict[str, Any]:
                                       f"{p.state_dir} with its {sequence.RECORD_NAME}"}
 
 
-LOCK_FILE = "lock"  # Store's lock, in the state dir
-
-
 def _nothing_installed(cfg: Config) -> bool:
     """No release, and a state dir that is absent or holds the sequence record alone (what uninstall keeps)."""
     sdir = Path(cfg.paths.state_dir)
@@ -462,7 +459,8 @@ def _state_removed(cfg: Config, sd: systemd_mod.Systemd, log: Log) -> None:
         return
     record = sdir / sequence.RECORD_NAME
     if record.exists():  # the replay guard outlives the install (--purge removes it); the rest goes, state.json last
-        for p in sorted(sdir.iterdir(), key=lambda p: p.name == "state.json"):
+        last = Store(cfg.paths.state_dir).state_path.name
+        for p in sorted(sdir.iterdir(), key=lambda p: p.name == last):
             if p.name in (record.name, LOCK_FILE):  # the lock is held on it until this uninstall exits
                 continue
             if p.is_dir() and not p.is_symlink():

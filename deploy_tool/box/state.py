@@ -93,6 +93,10 @@ def _from_json(d: Any, path: Path) -> State:
         raise StateError(f"{path}: malformed state ({exc})", hint="move it aside and run `deploytool install` again") from None
 
 
+#: The lock file in the state dir (uninstall keeps it: the lock is held on it until the uninstall exits).
+LOCK_FILE = "lock"
+
+
 class Store:
     """state.json, history.jsonl and the lock, all under the config's state_dir."""
 
@@ -100,7 +104,7 @@ class Store:
         self.dir = Path(state_dir)
         self.state_path = self.dir / "state.json"
         self.history_path = self.dir / "history.jsonl"
-        self.lock_path = self.dir / "lock"
+        self.lock_path = self.dir / LOCK_FILE
 
     def ensure(self) -> None:
         try:

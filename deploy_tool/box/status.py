@@ -51,7 +51,8 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
         "current": os.readlink(cur) if cur.is_symlink() else None,
         "interrupted": st.operation.__dict__ if st.operation else None,
         "operation_running": bool(st.operation) and _holder_alive(store),
-        "endpoint": base_url(cfg), "public_endpoint": health.public_url(cfg), "model_name": cfg.serve.model_name, "units": {}, "fingerprints": {},
+        "endpoint": base_url(cfg), "public_endpoint": health.public_url(cfg), "model_name": cfg.serve.model_name,
+        "units": {}, "fingerprints": {},
         "events": store.history(5),
         "nothing_serving": nothing_serving(st),
         # a box no install has reached: no release, nothing to compare with pins, nothing serving

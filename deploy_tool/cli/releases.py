@@ -127,9 +127,8 @@ def uninstall(ctx: Ctx, purge: bool, yes: bool, wait: float) -> None:
         if not can_ask():
             raise InputError(f"uninstall would {what}, and there is no terminal to ask on",
                              hint="pass --yes to go ahead (or --dry-run to see the steps)")
-        click.confirm(f"uninstall: {what}" + (", the config, the keys and the sequence record" if purge else "")
-                      + "?", abort=True,
-                      err=True)
+        purged = ", the config, the keys and the sequence record" if purge else ""
+        click.confirm(f"uninstall: {what}{purged}?", abort=True, err=True)
     res = rel.uninstall(cfg, purge=purge, dry_run=ctx.dry_run, wait=wait, log=_log(ctx))
     lines = [("would: " if ctx.dry_run else "done: ") + s["what"] for s in res.steps] or ["nothing is installed"]
     if res.kept:
