@@ -293,6 +293,42 @@ def test_items_added_or_dropped_by_the_config_are_drift(tree: rt.Tree) -> None:
     assert len(got) == 2
 
 
+@pytest.mark.parametrize("present", [False, True])
+def test_a_config_edited_for_another_file_names_the_edit_as_the_cause(tree: rt.Tree, present: bool) -> None:
+    """The box's config edited after the pin to name another model (the next bundle's, not there yet or already
+    there): the drift rows carry the pinned file, the report and the switch's preflight name the config edit and
+    its fix, not only a missing or changed value; the config put back verifies clean."""
+    from deploy_tool.box import switch
+
+    fp.pin(tree.cfg, LL, "install")
+    original = tree.config_path.read_text()
+    old = tree.root / "models/tiny-f16.gguf"
+    new = tree.root / "models/next-model.gguf"
+    if present:
+        new.write_bytes(old.read_bytes()[:-1] + b"\x01")  # another model: the same size, its last byte other
+    data = yaml.safe_load(original)
+    data["backends"][LL]["model"] = "models/next-model.gguf"
+    tree.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    tree.reload()
+    r = fp.verify(tree.cfg, LL)
+    assert not r.ok
+    moved = [d for d in r.rows if d.pinned_path is not None]
+    assert moved and {d.pinned_path for d in moved} == {str(old)} and {d.item.path for d in moved} == {str(new)}
+    assert all(d.to_json()["pinned_path"] == str(old) for d in moved)
+    text = fp.format_report(r)
+    assert "the config names other files than were pinned" in text and str(old) in text and str(new) in text, text
+    with pytest.raises(DriftError) as ei:
+        switch.run_preflight(tree.cfg, tree.cfg.backends[LL], run_checks=lambda *a, **k: [])
+    assert "edited after the pin" in ei.value.message and "config" in (ei.value.hint or ""), ei.value
+    tree.config_path.write_text(original)
+    tree.reload()
+    assert fp.verify(tree.cfg, LL).ok
+    # a file changed in place (the same path as pinned) is plain drift: no config edit named
+    flip_byte(old, old.stat().st_size - 1)
+    r = fp.verify(tree.cfg, LL)
+    assert not r.ok and r.config_moved() is None and all(d.pinned_path is None for d in r.rows)
+
+
 def test_llamacpp_binary_change_is_named_and_the_changed_binary_is_not_run(tree: rt.Tree) -> None:
     """A flipped byte in llama-server fails its hash; verify does not execute the changed binary for its build."""
     fp.pin(tree.cfg, LL, "install")

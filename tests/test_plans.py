@@ -365,10 +365,12 @@ def test_recover_an_interrupted_failover(cfg: Config) -> None:
 
 
 def test_a_drifted_value_is_shown_whole_enough_to_read() -> None:
-    """The preflight's drift line: a SHA-256 by its first 16 digits, any other value (a build line, a mode) up to
-    80 characters, never cut to 16 in the middle of a word."""
+    """The preflight's drift line: a SHA-256 by its start, as verify's table shows it; any other value (a build
+    line, a mode) up to 80 characters, never cut to a hash's length in the middle of a word."""
+    from deploy_tool.box.fingerprint import short
+
     digest = "ab" * 32
-    assert switch._shown(digest) == digest[:16]
+    assert short(digest, switch.DRIFT_WIDTH) == digest[:12]
     line = "build 1, commit 0123abc (the ggml backend), CUDA 12.4"
-    assert switch._shown(line) == line
-    assert switch._shown("x" * 200) == "x" * 80
+    assert short(line, switch.DRIFT_WIDTH) == line
+    assert len(short("x" * 200, switch.DRIFT_WIDTH)) == 80

@@ -120,15 +120,19 @@ class Item:
 
 
 class Drift(NamedTuple):
-    """One difference: (item, expected, actual); `item` is the current item, or the pinned one if gone."""
+    """One difference: (item, expected, actual); `item` is the current item, or the pinned one if gone.
+    `pinned_path`: the file the pin was taken of, where the config now names another for the same item (the config
+    was edited since the pin)."""
 
     item: Item
     expected: str
     actual: str
+    pinned_path: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.item.id, "label": self.item.label, "path": self.item.path,
-                "expected": self.expected, "actual": self.actual}
+                "expected": self.expected, "actual": self.actual,
+                **({"pinned_path": self.pinned_path} if self.pinned_path is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,18 @@ class VerifyReport:
 
     def checked(self) -> int:
         return len(self.items) + sum(len(t.entries) for t in self.trees.values())
+
+    def config_moved(self) -> str | None:
+        """One line when the config names other files than were pinned (it was edited since the pin, e.g. for the
+        next bundle): the cause of those rows, and the fix; None otherwise."""
+        moved = [r for r in self.rows if r.pinned_path is not None]
+        if not moved:
+            return None
+        paths = list(dict.fromkeys((r.pinned_path, r.item.path) for r in moved))
+        shown = "; ".join(f"pinned {q(a)}, the config names {q(b)}" for a, b in paths[:3])
+        return (f"the config names other files than were pinned ({shown}): it was edited after the pin, and "
+                f"every start of {self.backend or 'the backend'} is refused until it is put back as the installed "
+                "release has it, or the bundle packed with it is installed (or `deploytool pin` re-pins it on purpose)")
 
     def to_json(self) -> dict[str, Any]:
         p = self.pins
@@ -1006,7 +1022,7 @@ def diff(pinned: Iterable[Item], current: Iterable[Item]) -> list[Drift]:
             gone = p.path is not None and not os.path.lexists(p.path)
             out.append(Drift(p, p.value, MISSING if gone else "no longer fingerprinted"))
         elif c.value != p.value:
-            out.append(Drift(c, p.value, c.value))
+            out.append(Drift(c, p.value, c.value, p.path if p.path not in (None, c.path) else None))
     for i in cur.values():
         if i.id not in seen:
             out.append(Drift(i, "not pinned", i.value))
@@ -1197,4 +1213,7 @@ def format_report(r: VerifyReport) -> str:
     w1 = max(len("EXPECTED"), *(len(b) for _, b, _ in rows))
     lines = [head, f"  {'ITEM':<{w0}}  {'EXPECTED':<{w1}}  ACTUAL"]
     lines += [f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
+    moved = r.config_moved()
+    if moved:
+        lines.append(f"  {safe(moved)}")
     return "\n".join(lines)

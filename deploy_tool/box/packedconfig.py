@@ -84,7 +84,8 @@ def probed(key: str) -> bool:
     """Whether a switch's gate probes by this key: where and what it asks (serve.*: the port behind the front, the
     model name, the API key), which backends there are and of what kind and device, the GPUs a cuda one must hold.
     The box's own tuning (health.*, supervision.*, a backend's arguments) may differ for a while: an install of a
-    new bundle asks the operator to edit the config first."""
+    new bundle asks the operator to edit the config first. (A config naming another file than was pinned, a new
+    model, is refused anyway, by the target's fingerprints: see deploy_tool.box.fingerprint.VerifyReport.config_moved.)"""
     parts = key.split(".")
     return key.startswith("serve.") or key == "host.gpus" or \
         (parts[0] == "backends" and len(parts) == 3 and parts[2] in ("kind", "device"))

@@ -81,6 +81,8 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
         try:
             v = fingerprint.verify(cfg, cfg.backends[name])
             rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
+            if v.config_moved():
+                rep["fingerprints"][name]["config_moved"] = v.config_moved()
         except DeployError as exc:
             rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
     active = cfg.backends.get(st.active_backend or "")
@@ -160,7 +162,8 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
     for name, fp in sorted((rep.get("fingerprints") or {}).items()):
         if not fp.get("ok"):
             what = fp.get("error") or ", ".join(d.get("label", "?") for d in fp.get("drift") or []) or "drifted"
-            degraded.append(f"{name} drifted from its pins: {what}")
+            degraded.append(f"{name} drifted from its pins: {what}"
+                            + (f" ({fp['config_moved']})" if fp.get("config_moved") else ""))
     g = rep.get("gpu")
     if g and g.get("known") and not g.get("ok"):
         degraded.append(f"{active} serves without its GPUs: no process of it holds {', '.join(g.get('missing', []))}")

@@ -259,9 +259,8 @@ def rollback_target(cfg: Config, st: State) -> str:
 Preflight = Callable[[Config, Backend], None]
 
 
-def _shown(value: str) -> str:
-    """A fingerprint value in one line: a SHA-256 by its first 16 digits, anything else up to 80 characters."""
-    return value[:16] if re.fullmatch(r"[0-9a-f]{64}", value) else value[:80]
+#: a drifted value in the preflight's one-line refusal: a build line or a mode whole, a SHA-256 by its start
+DRIFT_WIDTH = 80
 
 
 def check_config(cfg: Config, target: Backend) -> None:
@@ -294,10 +293,14 @@ def run_preflight(cfg: Config, target: Backend, *,
                           hint=errs[0].fix, details=[f.to_json() for f in errs])
     rep = verify(cfg, target)
     if not rep.ok:
-        rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {_shown(r.expected)}, actual {_shown(r.actual)}"
-                         for r in rep.rows[:5])
-        raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}",
-                         hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ...")
+        rows = "; ".join(f"{r.item.label} ({r.item.path}): expected {fingerprint.short(r.expected, DRIFT_WIDTH)}, "
+                         f"actual {fingerprint.short(r.actual, DRIFT_WIDTH)}" for r in rep.rows[:5])
+        moved = rep.config_moved()
+        raise DriftError(f"preflight of {target.name}: fingerprints drifted: {rows}" + (f"; {moved}" if moved else ""),
+                         hint=f"restore the files, or re-pin on purpose: deploytool pin {target.name} --reason ..."
+                         if not moved else f"put the config back as the installed release has it "
+                         f"({cfg.paths.current}/config.json), or install the bundle packed with it; nothing was "
+                         "changed")
 
 
 class Switcher:
