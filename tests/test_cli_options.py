@@ -122,7 +122,7 @@ def test_error_after_subcommand_json_is_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["switch"], ["swich", "ftllm"], ["logs", "-l", "abc"], ["pin", "ftllm"],
-                                  ["status", "--bogus"]])
+                                  ["status", "--bogus"], ["--bogus"], ["--color", "pink", "status"]])
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_a_usage_error_under_json_is_json(argv: list[str], where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mistyped command line under --json (before or after the command): one JSON object on stdout, exit 2."""

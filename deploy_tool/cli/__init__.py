@@ -47,11 +47,7 @@ class Group(SuggestingGroup):
         except click.UsageError as exc:
             obj = ctx.find_object(Ctx)
             if (obj is not None and obj.json) or "--json" in sys.argv[1:]:  # before or after the command
-                where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
-                click.echo(json.dumps({"error": "UsageError", "message": exc.format_message(),
-                                       "exit_code": exc.exit_code, "hint": f"see `{where} --help`"},
-                                      indent=2, sort_keys=True))
-                sys.exit(exc.exit_code)
+                _usage_json(exc, ctx)
             raise
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
             raise
@@ -67,6 +63,25 @@ class Group(SuggestingGroup):
             click.secho(f"internal error: {type(exc).__name__}: {exc}", fg="red", err=True)
             click.echo("hint: this is a bug in deploytool; rerun with --debug and report the traceback", err=True)
             sys.exit(int(ExitCode.INTERNAL))
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # deploytool's own options, before any command: a mistake there under --json is JSON too (the parser
+        # consumes the list it is given: asked of a copy)
+        given = list(args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if "--json" in given:
+                _usage_json(exc, ctx)
+            raise
+
+
+def _usage_json(exc: click.UsageError, ctx: click.Context) -> None:
+    """A usage error as one JSON object on stdout, then exit 2."""
+    where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+    click.echo(json.dumps({"error": "UsageError", "message": exc.format_message(), "exit_code": exc.exit_code,
+                           "hint": f"see `{where} --help`"}, indent=2, sort_keys=True))
+    sys.exit(exc.exit_code)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
