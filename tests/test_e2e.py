@@ -465,7 +465,8 @@ def test_drifted_target_is_refused_before_anything_changes(installed, systemd_sa
 def test_a_config_edited_after_install_refuses_the_switch_and_the_box_keeps_serving(installed, systemd_sandbox):
     """The box's config given another public port after install (the units, the front's socket included, run the
     release's): `switch` refuses at preflight, exit 7 naming serve.port, nothing stops, clients are still answered
-    on the port the release serves, and `status` names the difference first."""
+    on the port the release serves, and `status` names the difference first, degraded (it asks the backend where
+    the release serves)."""
     import urllib.request
 
     orig = installed.read_bytes()
@@ -480,6 +481,8 @@ def test_a_config_edited_after_install_refuses_the_switch_and_the_box_keeps_serv
         s = dt(installed, "status", "--json")
         reasons = json.loads(s.stdout)["verdict"]["reasons"]
         assert reasons[0].startswith("the config differs") and "serve.port" in reasons[0], reasons
+        # it serves, where the release's units do: degraded by the edit, not "not serving" by a probe of the edit
+        assert s.returncode == 20 and json.loads(s.stdout)["health"]["ok"], s.stdout
     finally:
         installed.write_bytes(orig)
     assert systemd_sandbox.systemd.show("ftllm-dflash.service").main_pid == pid_before

@@ -154,3 +154,26 @@ def test_a_long_differing_value_is_shown_by_its_end(tmp_path: Path) -> None:
     with pytest.raises(BundleError) as exc:
         install.check_config_matches(here, _packed(tmp_path, packed), "r1")
     assert 'tiny-f16.gguf"' in exc.value.message and 'nope.gguf"' in exc.value.message, exc.value.message
+
+
+@given(port=st.integers(1, 65535), internal=st.none() | st.integers(1, 65535),
+       name=st.sampled_from(["qwen38-27b-ud", "other-model", "m"]), allow=st.lists(st.sampled_from(
+           ["10.0.0.0/8", "192.168.1.7", "any"]), max_size=2, unique=True))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_installed_release_serve_section_is_read_back_whole(tmp_path: Path, port: int, internal: int | None,
+                                                                 name: str, allow: list[str]) -> None:
+    """status asks the backend where the installed release's units serve: its config.json's `serve`, read back as
+    the same Serve; None while the box's config says the same (nothing to tell apart), or no release is there."""
+    box = _cfg(tmp_path)
+    released = _cfg(tmp_path, lambda d: d["serve"].update(port=port, internal_port=internal, model_name=name,
+                                                          allow=allow), "packed.yaml")
+    cur = Path(box.paths.current)
+    if cur.exists() or cur.is_symlink():
+        (cur / "config.json").unlink(missing_ok=True)
+    assert packedconfig.installed_serve(box) is None  # no release
+    cur.mkdir(parents=True, exist_ok=True)
+    (cur / "config.json").write_bytes(resolved_config_json(released))
+    got = packedconfig.installed_serve(box)
+    assert got == (released.serve if released.serve != box.serve else None)
+    (cur / "config.json").write_bytes(resolved_config_json(box))
+    assert packedconfig.installed_serve(box) is None

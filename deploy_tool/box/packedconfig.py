@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from deploy_tool.config import Config
+from deploy_tool.config import Config, Serve
 from deploy_tool.render import resolved_config_json
 
 # Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
@@ -100,3 +100,15 @@ def installed_differences(cfg: Config) -> list[Difference] | None:
     except (OSError, ValueError):
         return None
     return [d for d in diffs if probed(d[0])]
+
+
+def installed_serve(cfg: Config) -> Serve | None:
+    """The `serve` section of the config the current release was packed with (where and what its units serve) when
+    it differs from the box's; None when they agree, or there is no release or no readable one to ask."""
+    try:
+        with open(os.path.join(cfg.paths.current, "config.json"), "rb") as f:
+            packed = json.loads(f.read())["serve"]
+        serve = Serve(**{k: tuple(v) if isinstance(v, list) else v for k, v in packed.items()})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return serve if serve != cfg.serve else None

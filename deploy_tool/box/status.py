@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,13 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     serving = _serving(rep, st)
     if serving != st.active_backend:
         rep["serving_backend"] = serving
-    rep["health"] = _health(cfg, serving)
+    # where the installed release's units serve: a config edited since (another port or model name) must not make a
+    # box that serves look down; the edit itself is named first below
+    released = packedconfig.installed_serve(cfg) if rep["installed"] else None
+    rep["health"] = _health(replace(cfg, serve=released) if released is not None else cfg, serving)
+    if released is not None:
+        rep["health"]["detail"] += f" (asked as the installed release serves: {released.model_name!r} on port " \
+                                   f"{replace(cfg, serve=released).backend_port})"
     for name in sorted(cfg.backends) if rep["installed"] else ():  # no pins before the first install: no drift
         try:
             v = fingerprint.verify(cfg, cfg.backends[name])
@@ -92,7 +99,7 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
         rep["gpu"] = {"cpu": True, "known": False, "detail": f"{active.name} runs on the CPU (device: cpu): no GPU"}
     rep["unsafe_paths"] = [u.to_json() for u in strictmodes.scan(cfg)]
     diffs = packedconfig.installed_differences(cfg) if rep["installed"] else None
-    if diffs:  # the units run the release's config; the health check above probed what this one says
+    if diffs:  # the units run the release's config, which the health check above asked by
         rep["config_differs"] = packedconfig.describe(diffs, "release")
     if deep and st.active_backend and st.active_backend in rep["units"]:
         rep["runtime"] = _runtime(cfg, st.active_backend, rep["units"][st.active_backend].get("main_pid", 0))
