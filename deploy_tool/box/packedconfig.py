@@ -108,7 +108,8 @@ def installed_serve(cfg: Config) -> Serve | None:
     try:
         with open(os.path.join(cfg.paths.current, "config.json"), "rb") as f:
             packed = json.loads(f.read())["serve"]
-        serve = Serve(**{k: tuple(v) if isinstance(v, list) else v for k, v in packed.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in packed.items()}
+        serve = Serve(**fields)
     except (OSError, ValueError, TypeError, KeyError):
         return None
     return serve if serve != cfg.serve else None
