@@ -14,6 +14,11 @@ far less than wall time, so it tells a slow start from a crowded one.
 
     python bench/bench_startup.py [--rounds 10] [--json]
 
+Then what the Python processes on a switch's path spend importing (issue 26's switch overhead: the CLI's own
+process, and the target unit's ExecStartPre `verify` and ExecStartPost `await-ready`, each an interpreter of its own):
+the wall time of importing each one's modules in a fresh interpreter, and how much of it is the creation of
+dataclasses (the config's and the reports' frozen classes; `dataclasses._process_class` timed), median of the rounds.
+
 Exit status 1 when a median exceeds the budget (python -c pass + 150 ms).
 """
 
@@ -76,6 +81,44 @@ def _time(argv: list[str], cwd: Path) -> tuple[float, float]:
     return dt, cpu
 
 
+#: the modules each process on a switch's path imports before it does anything (see the command modules' imports)
+IMPORT_SETS = {
+    "switch (the CLI)": "import deploy_tool.cli; from deploy_tool.box import operations",
+    "verify (ExecStartPre)": "import deploy_tool.cli; from deploy_tool.box import fingerprint; "
+                             "from deploy_tool import strictmodes, portwait",
+    "await-ready (ExecStartPost)": "import deploy_tool.cli; from deploy_tool.box.probe import ready",
+}
+
+_IMPORT_PROBE = """
+import dataclasses, json, sys, time
+orig = dataclasses._process_class
+spent = [0.0, 0]
+def timed(*a, **k):
+    t = time.perf_counter(); r = orig(*a, **k); spent[0] += time.perf_counter() - t; spent[1] += 1; return r
+dataclasses._process_class = timed
+t0 = time.perf_counter()
+exec(sys.argv[1])
+print(json.dumps([time.perf_counter() - t0, spent[0], spent[1]]))
+"""
+
+
+def import_costs(rounds: int) -> list[dict[str, Any]]:
+    """Per IMPORT_SETS entry: median import wall (ms), of it dataclass creation (ms), and how many classes."""
+    got: dict[str, list[list[float]]] = {k: [] for k in IMPORT_SETS}
+    for _ in range(rounds + 1):  # the first round warms the page cache and the .pyc files
+        for name, code in IMPORT_SETS.items():
+            r = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, code], capture_output=True, text=True,
+                               check=True, env=ENV)
+            got[name].append(json.loads(r.stdout))
+    out = []
+    for name, runs in got.items():
+        runs = runs[1:]
+        out.append({"process": name, "imports_ms": round(statistics.median(x[0] for x in runs) * 1000, 1),
+                    "dataclasses_ms": round(statistics.median(x[1] for x in runs) * 1000, 1),
+                    "dataclasses": int(runs[0][2])})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
@@ -120,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                      "cpu_over_python_ms": round(mc - base_cpu, 1)})
     worst = max(r["over_python_ms"] for r in rows)
     ok = worst <= BUDGET_MS
+    imports = import_costs(args.rounds)
     if args.json:
         print(json.dumps({"rounds": args.rounds, "budget_ms": BUDGET_MS, "ok": ok, "cpus": os.cpu_count(),
-                          "rows": rows}, indent=2))
+                          "rows": rows, "imports": imports}, indent=2))
     else:
         print(f"{'command':32} {'median':>9} {'min':>8} {'max':>8} {'ratio':>6} {'+python':>9} {'cpu':>8} "
               f"{'cpu+py':>8}")
@@ -132,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['cpu_over_python_ms']:6.1f}ms")
         print(f"budget: python -c pass + {BUDGET_MS:.0f} ms = {base + BUDGET_MS:.1f} ms; worst +{worst:.1f} ms: "
               f"{'OK' if ok else 'OVER BUDGET'} (median of {args.rounds}, same run, interleaved)")
+        print("importing what each process on a switch's path imports, in a fresh interpreter "
+              f"(median of {args.rounds}):")
+        for r in imports:
+            print(f"  {r['process']:28} {r['imports_ms']:6.1f} ms, of which creating {r['dataclasses']} dataclasses "
+                  f"{r['dataclasses_ms']:.1f} ms ({r['dataclasses_ms'] / r['imports_ms']:.0%})")
     return 0 if ok else 1
 
 
