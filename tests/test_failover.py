@@ -347,6 +347,11 @@ def test_the_last_gate_of_a_backend() -> None:
     assert last_gate_passed([ok, rolled], F) is False  # its last switch was rolled back
     assert last_gate_passed([ok, rolled], L) is True  # restored through the gate
     assert last_gate_passed([ok, rolled, skipped], F) is False
+    # a switch refused at its preflight (the config edited, drift) ran no gate: it says nothing of the target
+    refused = {"event": "switch", "ok": False, "outcome": "refused", "from_backend": L, "to_backend": F}
+    assert last_gate_passed([{"event": "install", "ok": True, "backend": F}, refused], F) is True
+    assert last_gate_passed([refused], F) is None
+    assert last_gate_passed([rolled, refused], F) is False
 
 
 def test_the_fallbacks_start_limit_is_reset_before_its_start(box: Box) -> None:

@@ -88,8 +88,8 @@ def last_gate_passed(history: list[dict[str, Any]], name: str) -> bool | None:
         if ev == "install" and e.get("backend") == name and ok is not None:
             return bool(ok)
         if ev in ("switch", "rollback", EVENT, "recover"):
-            if e.get("result") == "skipped":
-                continue
+            if e.get("result") == "skipped" or outcome == "refused":
+                continue  # no gate ran: a failover that did not start, a preflight that refused (nothing changed)
             if e.get("to_backend") == name and outcome not in ("rolled-back", "rollback-failed", "stopped"):
                 return bool(ok)
             if e.get("to_backend") == name and outcome in _GATE_FAILED:
