@@ -1122,6 +1122,48 @@ def load(path: str | Path) -> Config:
         raise yamlread.place(exc, str(p), places, text) from None
 
 
+def from_resolved(doc: Any, *, source_path: str | None = None) -> Config:
+    """The Config a bundle's config.json holds (deploy_tool.render.resolved_config_json: every field as loaded,
+    defaults filled in, paths resolved), rebuilt field by field from the classes' own types: the inverse of that
+    file, not a second parse of YAML (it was validated when it was packed; an installed release's copy is signed
+    and pinned with the release). ValueError when `doc` does not have that shape (a file of another version)."""
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    try:
+        cfg = _rebuilt(Config, {k: v for k, v in doc.items() if k != "source_path"})
+    except (KeyError, TypeError, ValueError, AttributeError, StopIteration) as exc:
+        raise ValueError(f"not a resolved deploytool config: {type(exc).__name__}: {exc}") from None
+    return dataclasses.replace(cfg, source_path=source_path)
+
+
+def _rebuilt(tp: Any, v: Any) -> Any:
+    origin, args = get_origin(tp), get_args(tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if not isinstance(v, dict):
+            raise TypeError(f"{tp.__name__}: {type(v).__name__}, not an object")
+        hints = _hints(tp)
+        return tp(**{f.name: _rebuilt(hints[f.name], v[f.name]) for f in dataclasses.fields(tp)
+                     if f.init and f.name in v})
+    if origin in (Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) > 1 and all(dataclasses.is_dataclass(a) for a in kinds):  # a backend: by its kind
+            return _rebuilt(FtllmBackend if v["kind"] == "ftllm" else LlamacppBackend, v)
+        return _rebuilt(kinds[0], v) if len(kinds) == 1 else v
+    if origin is tuple:
+        if not isinstance(v, list):
+            raise TypeError(f"{type(v).__name__}, not a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_rebuilt(args[0], x) for x in v)
+        return tuple(_rebuilt(a, x) for a, x in zip(args, v, strict=True))
+    if origin in (dict, Mapping):
+        if not isinstance(v, dict):
+            raise TypeError(f"{type(v).__name__}, not an object")
+        return types.MappingProxyType({k: _rebuilt(args[1], x) for k, x in v.items()})
+    return v
+
+
 def example_text(name: str) -> str:
     if name not in EXAMPLES:
         close = did_you_mean(name, EXAMPLES)

@@ -7,6 +7,7 @@ valid Config or a DeployError; never another exception, and through the real CLI
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from pathlib import Path
@@ -514,3 +515,26 @@ def test_the_root_help_names_every_exit_code_and_no_other() -> None:
     para = para[:para.index("\n\n")] if "\n\n" in para else para
     named = {int(n) for n in re.findall(r"(?<![\w.-])(\d+) [A-Za-z`]", para)}
     assert named == {int(c) for c in ExitCode}, sorted(named ^ {int(c) for c in ExitCode})
+
+
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_examples())
+def test_a_bundles_config_json_reads_back_as_the_same_config(raw: Any) -> None:
+    """Property: every config that loads, written as a bundle's config.json and read back (what the pins of an
+    installed release are taken by), is the same Config, field for field, and writes the same bytes again."""
+    from deploy_tool.render import resolved_config_json
+
+    try:
+        cfg = config.from_dict(raw, source_path="/nonexistent/deploytool.yaml")
+    except DeployError:
+        return
+    back = config.from_resolved(json.loads(resolved_config_json(cfg)), source_path=cfg.source_path)
+    assert back == cfg
+    assert resolved_config_json(back) == resolved_config_json(cfg)
+
+
+@pytest.mark.parametrize("doc", [None, [], {"backends": []}, {"version": 1, "backends": {"x": {"kind": "ftllm"}}},
+                                 {"serve": "x"}])
+def test_a_config_json_of_another_shape_is_a_value_error(doc: Any) -> None:
+    with pytest.raises(ValueError):
+        config.from_resolved(doc)

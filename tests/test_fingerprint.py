@@ -329,6 +329,30 @@ def test_a_config_edited_for_another_file_names_the_edit_as_the_cause(tree: rt.T
     assert not r.ok and r.config_moved() is None and all(d.pinned_path is None for d in r.rows)
 
 
+def test_the_pins_are_of_the_files_the_installed_release_loads_not_the_edited_configs(tree: rt.Tree) -> None:
+    """With the release's config.json in place (what its units were rendered from), the box's config edited for the
+    next bundle (another model file) is no drift: verify and pin go by the release's config, so a change to the
+    model the release loads is caught, and the next model's file is not what is pinned."""
+    from deploy_tool.render import resolved_config_json
+
+    (tree.release / "config.json").write_bytes(resolved_config_json(tree.cfg))
+    fp.pin(tree.cfg, LL, "install")
+    loaded = tree.root / "models/tiny-f16.gguf"
+    nxt = tree.root / "models/next-model.gguf"
+    nxt.write_bytes(loaded.read_bytes()[:-1] + bytes([loaded.read_bytes()[-1] ^ 1]))
+    data = yaml.safe_load(tree.config_path.read_text())
+    data["backends"][LL]["model"] = "models/next-model.gguf"
+    tree.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    tree.reload()
+    assert fp.verify(tree.cfg, LL).ok  # the units run the release: nothing they load changed
+    ps = fp.pin(tree.cfg, LL, "re-pinned after the edit")  # what an operator told to re-pin would do
+    paths = {i.path for i in ps.items}
+    assert str(loaded) in paths and str(nxt) not in paths
+    flip_byte(loaded, loaded.stat().st_size - 1)  # the model the release loads, changed in place
+    r = fp.verify(tree.cfg, LL)
+    assert not r.ok and {d.item.path for d in r.rows} == {str(loaded)}, r.rows
+
+
 def test_llamacpp_binary_change_is_named_and_the_changed_binary_is_not_run(tree: rt.Tree) -> None:
     """A flipped byte in llama-server fails its hash; verify does not execute the changed binary for its build."""
     fp.pin(tree.cfg, LL, "install")

@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 
 from deploy_tool import __version__, strictmodes
 from deploy_tool.binaries import arch_supported, read_fatbin, read_llama_version
-from deploy_tool.box import treepin
+from deploy_tool.box import packedconfig, treepin
 from deploy_tool.box.state import Store
 from deploy_tool.clock import iso_utc
 from deploy_tool.config import (
@@ -839,6 +839,17 @@ def _collect_tool(c: _Collector, cfg: Config) -> None:
     c.tree("tool", venv)  # nothing added when the venv lies in the release (normally {current}/tool/venv)
 
 
+def what_runs(cfg: Config, b: Backend) -> tuple[Config, Backend]:
+    """The config and backend whose files the units load: the installed release's config.json (the box's own keys
+    from `cfg`: packedconfig.installed_config) when there is a release with this backend, else `cfg` itself. The
+    box's config may already be edited for the next bundle (another model file): that is no drift, and the file
+    the running release loads is what its pins are of and checked against."""
+    rcfg = packedconfig.installed_config(cfg)
+    if rcfg is None or b.name not in rcfg.backends:
+        return cfg, b
+    return rcfg, rcfg.backends[b.name]
+
+
 def _resolve(cfg: Config, backend: Backend | str) -> Backend:
     return cfg.backend(backend) if isinstance(backend, str) else backend
 
@@ -873,6 +884,7 @@ def _collect(cfg: Config, b: Backend, *, use_cache: bool, expected: dict[str, st
 
     c = _Collector(cache, expected, workers, files_cache=files_cache, use_cache=use_cache)
     c.loaded_env = loaded_env
+    cfg, b = what_runs(cfg, b)
     _collect_release(c, cfg)
     if isinstance(b, FtllmBackend):
         _collect_ftllm(c, cfg, b)

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from deploy_tool.config import Config, Serve
+from deploy_tool.config import Config, Serve, from_resolved
 from deploy_tool.render import resolved_config_json
 
 # Keys that say where `pack` found its inputs or how a machine reaches systemd: they may differ between the
@@ -84,8 +84,7 @@ def probed(key: str) -> bool:
     """Whether a switch's gate probes by this key: where and what it asks (serve.*: the port behind the front, the
     model name, the API key), which backends there are and of what kind and device, the GPUs a cuda one must hold.
     The box's own tuning (health.*, supervision.*, a backend's arguments) may differ for a while: an install of a
-    new bundle asks the operator to edit the config first. (A config naming another file than was pinned, a new
-    model, is refused anyway, by the target's fingerprints: see deploy_tool.box.fingerprint.VerifyReport.config_moved.)"""
+    new bundle asks the operator to edit the config first (the pins are of what the release runs: installed_config)."""
     parts = key.split(".")
     return key.startswith("serve.") or key == "host.gpus" or \
         (parts[0] == "backends" and len(parts) == 3 and parts[2] in ("kind", "device"))
@@ -113,3 +112,35 @@ def installed_serve(cfg: Config) -> Serve | None:
     except (OSError, ValueError, TypeError, KeyError):
         return None
     return serve if serve != cfg.serve else None
+
+
+def installed_config(cfg: Config) -> Config | None:
+    """The config the installed release's units run: its config.json, with the keys that are the box's own
+    (PACK_ONLY_KEYS: where pack found its inputs, how this machine reaches systemd) taken from `cfg`. None when
+    there is no release, or its config.json cannot be read as one (then `cfg` is all there is to go by).
+
+    What the pins are taken of and checked against: after the operator edits the box's config for the next bundle
+    (install compares the two and asks for that first), the units still run this release until that bundle is
+    installed, and a restart, a failover or a switch must check the files they load, not the next ones."""
+    try:
+        with open(os.path.join(cfg.paths.current, "config.json"), "rb") as f:
+            packed = json.loads(f.read())
+        if not isinstance(packed, dict):
+            return None
+        box = json.loads(resolved_config_json(cfg))
+        for key in PACK_ONLY_KEYS:
+            *parents, leaf = key.split(".")
+            src: Any = box
+            dst: Any = packed
+            for k in parents:
+                src = src.get(k) if isinstance(src, dict) else None
+                dst = dst.get(k) if isinstance(dst, dict) else None
+            if not isinstance(dst, dict):
+                continue  # e.g. no chat template in the release's: nothing of the box's own below it
+            if isinstance(src, dict) and leaf in src:
+                dst[leaf] = src[leaf]
+            else:
+                dst.pop(leaf, None)
+        return from_resolved(packed, source_path=cfg.source_path)
+    except (OSError, ValueError):
+        return None
