@@ -493,15 +493,15 @@ def test_a_config_edited_after_install_refuses_the_switch_and_the_box_keeps_serv
 
 def test_a_config_edited_for_the_next_model_checks_what_the_release_loads(installed, systemd_sandbox):
     """The box's config edited in place for the next bundle's model, before that bundle is installed: the units
-    still run the installed release, so its pins go by the release's config.json. A switch goes ahead and serves
-    the release's model, `verify` passes, and a change to the file the release loads is drift while the config names
-    another."""
+    still run the installed release, so its preflight's checks and its pins go by the release's config.json. A
+    switch (and so a failover: the same preflight) goes ahead and serves the release's model, `verify` passes,
+    `check` of the edited config names the missing file, and a change to the file the release loads is drift while
+    the config names another."""
     orig = installed.read_bytes()
     data = yaml.safe_load(orig)
     model = Path(config.load(installed).backends["llamacpp-tensor"].model)
     body = model.read_bytes()
-    nxt = model.with_name("next-model.gguf")
-    nxt.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))
+    nxt = model.with_name("next-model.gguf")  # not there yet: `check` of the edited config names it
     data["backends"]["llamacpp-tensor"]["model"] = str(nxt)
     installed.write_text(yaml.safe_dump(data, sort_keys=False))
     try:
@@ -509,13 +509,14 @@ def test_a_config_edited_for_the_next_model_checks_what_the_release_loads(instal
         assert r.returncode == 0, r.stdout + r.stderr
         assert active_units(systemd_sandbox) == {"llamacpp-tensor.service"}
         assert dt(installed, "verify", "llamacpp-tensor").returncode == 0
+        c = dt(installed, "check")
+        assert c.returncode == 4 and "next-model.gguf" in c.stdout + c.stderr, c.stdout + c.stderr
         model.write_bytes(body[:-1] + bytes([body[-1] ^ 2]))  # the file the release loads, changed in place
         v = dt(installed, "verify", "llamacpp-tensor")
         assert v.returncode == 7 and model.name in v.stdout + v.stderr, v.stdout + v.stderr
     finally:
         model.write_bytes(body)
         installed.write_bytes(orig)
-        nxt.unlink()
     back = dt(installed, "switch", "ftllm")
     assert back.returncode == 0, back.stdout + back.stderr
     assert active_units(systemd_sandbox) == {"ftllm-dflash.service"}

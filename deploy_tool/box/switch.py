@@ -286,7 +286,10 @@ def run_preflight(cfg: Config, target: Backend, *,
     in (Switcher(preflight=functools.partial(run_preflight, ...)))."""
     check_config(cfg, target)
     strictmodes.require(cfg, [target], f"preflight of {target.name}")  # its ExecStartPre would refuse
-    errs = [f for f in run_checks(cfg, backends=[target.name])
+    # the checks of what the target's unit runs: the installed release's config (the box's may already name the next
+    # bundle's model, not there yet), as its fingerprints are (fingerprint.what_runs)
+    runs = packedconfig.installed_config(cfg) or cfg
+    errs = [f for f in run_checks(runs, backends=[target.name])
             if f.severity == "error" and f.backend in (None, target.name)]
     if errs:
         raise CheckFailed(f"preflight of {target.name}: {errs[0].id}: {errs[0].message}",
