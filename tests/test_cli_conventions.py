@@ -315,3 +315,44 @@ def test_logs_names_a_failing_journalctl(tmp_path: Path) -> None:
     r = run("--config", str(cfg), "logs")
     assert r.exit_code == 8 and "journalctl exited 1 reading the journal of ftllm-dflash.service" in r.stderr
     assert "Traceback" not in r.output
+
+
+# ------------------------------------------------------------------------------------------------ paths given as output
+
+
+@pytest.mark.parametrize(("argv", "code", "words"), [
+    (["render", "-o", "{cfg}"], 2, "is a file"),  # a file where a directory is wanted
+    (["render", "-o", "/dev/null"], 5, "is not a directory"),
+    (["init", "-e", "cpu-demo", "--out", "", "--force"], 2, "names no file"),
+    (["init", "-e", "cpu-demo", "--out", "{dir}", "--force"], 2, "is a directory"),
+    (["sandbox", "up", "{cfg}"], 15, "not a directory"),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_output_path_of_the_wrong_kind_is_one_clear_error(tmp_path: Path, argv: list[str], code: int, words: str,
+                                                            as_json: bool) -> None:
+    """A file where a directory is wanted, a directory or nothing where a file is: the exit code of its kind, the
+    path named, never a traceback or an internal error (exit 70); under --json one JSON object; nothing written."""
+    cfg = _cfg(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    full = ["--config", str(cfg), *(["--json"] if as_json else []),
+            *[a.replace("{cfg}", str(cfg)).replace("{dir}", str(tmp_path)) for a in argv]]
+    r = run(*full)
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output and "internal error" not in r.output
+    out = json.loads(r.stdout) if as_json else None
+    assert words in (out["message"] if out else r.output), r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_bug_under_json_is_still_one_json_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An internal error (a bug: exit 70) under --json: one JSON object on stdout naming it, not an empty stdout."""
+    from deploy_tool import render
+
+    def boom(cfg: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(render, "render_all", boom)
+    r = run("--config", str(_cfg(tmp_path)), "--json", "render")
+    assert r.exit_code == 70, r.output
+    out = json.loads(r.stdout)
+    assert out["error"] == "InternalError" and "a bug" in out["message"] and out["exit_code"] == 70

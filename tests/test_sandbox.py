@@ -240,15 +240,23 @@ def test_cli_status_exec_on_running_sandbox(sandbox_env: SandboxEnv) -> None:
 def test_cli_up_down_cycle(run_dir: Path) -> None:
     """`sandbox up`, `status`, `down`, `down` again and `status` through the real CLI, with their exit codes."""
     d = str(run_dir / "sb")
+    r = _cli("-n", "sandbox", "up", d)  # a dry run starts nothing, creates nothing
+    assert r.returncode == 0 and "would start" in r.stdout and not Path(d).exists(), r.stdout + r.stderr
     r = _cli("sandbox", "up", d)
     assert r.returncode == 0 and "is up" in r.stdout, r.stderr
+    assert _cli("sandbox", "status", d).returncode == 0
+    r = _cli("sandbox", "down", d, "--dry-run")  # says what it would stop, stops nothing
+    assert r.returncode == 0 and "would power its systemd off" in r.stdout, r.stdout + r.stderr
+    marker = run_dir / "ran"
+    r = _cli("--dry-run", "sandbox", "exec", d, "--", "touch", str(marker))
+    assert r.returncode == 0 and "would run:" in r.stdout and not marker.exists(), r.stdout + r.stderr
     assert _cli("sandbox", "status", d).returncode == 0
     r = _cli("sandbox", "down", d)
     assert r.returncode == 0 and "is down" in r.stdout, r.stderr
     r = _cli("sandbox", "down", d)
     assert r.returncode == 0 and "already down" in r.stdout
     r = _cli("sandbox", "status", d)
-    assert r.returncode == 3 and ": down" in r.stdout
+    assert r.returncode == 15 and ": down" in r.stdout
     r = _cli("sandbox", "exec", d, "--", "true")
     assert r.returncode == 15 and "not up" in r.stderr
 

@@ -60,8 +60,14 @@ class Group(SuggestingGroup):
             obj = ctx.find_object(Ctx)
             if obj is not None and obj.debug:
                 traceback.print_exc()
-            click.secho(f"internal error: {type(exc).__name__}: {exc}", fg="red", err=True)
-            click.echo("hint: this is a bug in deploytool; rerun with --debug and report the traceback", err=True)
+            hint = "this is a bug in deploytool; rerun with --debug and report the traceback"
+            if obj is not None and obj.json:  # a script reads one JSON object whatever went wrong
+                click.echo(json.dumps({"error": "InternalError", "message": f"{type(exc).__name__}: {exc}",
+                                       "exit_code": int(ExitCode.INTERNAL), "hint": hint},
+                                      indent=2, sort_keys=True, default=str))
+            else:
+                click.secho(f"internal error: {type(exc).__name__}: {exc}", fg="red", err=True)
+                click.echo(f"hint: {hint}", err=True)
             sys.exit(int(ExitCode.INTERNAL))
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:

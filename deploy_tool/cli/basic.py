@@ -21,14 +21,16 @@ from deploy_tool.fsutil import atomic_write
 @click.command()
 @click.option("--example", "-e", type=EXAMPLE, default="two-2080ti", show_default=True,
               help="Which embedded example: two-2080ti (the real box) or cpu-demo (both backends on CPU).")
-@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("deploytool.yaml"), show_default=True,
-              help="Where to write the config.")
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=Path("deploytool.yaml"),
+              show_default=True, help="Where to write the config (a file; its directory is made if missing).")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 @pass_ctx
 def init(ctx: Ctx, example: str, out: Path, force: bool) -> None:
     """Write a starter deploytool.yaml from an embedded example."""
     from deploy_tool import config
 
+    if not out.name or out.name in (".", ".."):
+        raise click.BadParameter(f"{str(out)!r} names no file", param_hint="'--out'")
     text = config.example_text(example)
     files = {out: text.encode()}
     for name, data in config.example_companions(example).items():
@@ -89,8 +91,8 @@ def format_findings(findings, source: str) -> str:
 
 
 @click.command()
-@click.option("--out", "-o", type=click.Path(path_type=Path), default=None,
-              help="Directory to write the files into (default: print them).")
+@click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory to write the files into, made if missing (default: print them).")
 @pass_ctx
 def render(ctx: Ctx, out: Path | None) -> None:
     """Render the unit files and env files of every backend (deterministic)."""
@@ -107,6 +109,8 @@ def render(ctx: Ctx, out: Path | None) -> None:
                 click.echo(click.style(f"# ---- {prefix}", bold=True))
                 click.echo(f.content, nl=False)
         return
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is not a directory", hint="name a directory (made if missing)")
     out.mkdir(parents=True, exist_ok=True)
     for f in files:
         atomic_write(out / f.name, f.content.encode(), f.mode)

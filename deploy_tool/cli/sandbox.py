@@ -5,6 +5,7 @@ The sandbox module is imported when a command runs: it is rehearsal machinery, n
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
 from deploy_tool.cli.names import SuggestingGroup
+from deploy_tool.errors import ExitCode, SandboxError
 
 
 @click.group(cls=SuggestingGroup)
@@ -30,6 +32,22 @@ def sandbox() -> None:
     """
 
 
+def _a_directory(dir: Path) -> None:
+    if dir.exists() and not dir.is_dir():
+        raise SandboxError(f"{dir} is not a directory, so not a sandbox", hint="name a new, empty or sandbox directory")
+
+
+def _would(ctx: Ctx, dir: Path, down: str, up: str) -> None:
+    """A dry run of up or down: the sandbox's state now, and what the command would do about it."""
+    from deploy_tool.rehearsal.sandbox import Sandbox
+
+    state = Sandbox(dir).status().state if dir.is_dir() else "absent"
+    what = up if state == "up" else down
+    ctx.emit({"dry_run": True, "dir": str(dir), "state": state, "would": what},
+             f"sandbox {dir} is {state}: would {what}" if not what.startswith(("nothing", "already")) else
+             f"sandbox {dir} is {state}: {what}")
+
+
 @sandbox.command()
 @click.argument("dir", type=click.Path(path_type=Path))
 @click.option("--systemd-root", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
@@ -46,6 +64,10 @@ def up(ctx: Ctx, dir: Path, systemd_root: Path | None) -> None:
     """
     from deploy_tool.rehearsal.sandbox import Sandbox
 
+    _a_directory(dir)
+    if ctx.dry_run:
+        _would(ctx, dir, "start a systemd manager there", "already up: nothing to do")
+        return
     st = Sandbox(dir, systemd_root=systemd_root).up()
     human = (f"sandbox {st.dir}: {st.detail}" if st.detail else
              f"sandbox {st.dir} is up: systemd pid {st.pid}, {st.system_state}\n"
@@ -64,6 +86,11 @@ def down(ctx: Ctx, dir: Path) -> None:
     """
     from deploy_tool.rehearsal.sandbox import Sandbox
 
+    _a_directory(dir)
+    if ctx.dry_run:
+        _would(ctx, dir, "nothing to do (it is not up; a stale one's leftovers would be cleaned)",
+               "power its systemd off, stopping every service in it, and remove its cgroups")
+        return
     rep = Sandbox(dir).down()
     if not rep.was_up and not rep.killed_pids and not rep.removed_cgroups:
         human = f"sandbox {rep.dir} is already down; nothing to do"
@@ -81,7 +108,7 @@ def down(ctx: Ctx, dir: Path) -> None:
 def status(ctx: Ctx, dir: Path) -> None:
     """Say whether the sandbox in DIR is up, down or stale.
 
-    Exit code 0 when up, 3 otherwise.
+    Exit code 0 when up, 15 otherwise (down, stale, or not a sandbox).
     """
     from deploy_tool.rehearsal.sandbox import Sandbox
 
@@ -97,16 +124,18 @@ def status(ctx: Ctx, dir: Path) -> None:
         lines.append(f"hint: clean up with: deploytool sandbox down {st.dir}")
     ctx.emit(st.to_json(), "\n".join(lines))
     if st.state != "up":
-        sys.exit(3)
+        sys.exit(int(ExitCode.SANDBOX))
 
 
 @sandbox.command(name="exec", context_settings={"ignore_unknown_options": True})
 @click.argument("dir", type=click.Path(path_type=Path))
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_(dir: Path, cmd: tuple[str, ...]) -> None:
+@pass_ctx
+def exec_(ctx: Ctx, dir: Path, cmd: tuple[str, ...]) -> None:
     """Run CMD inside the sandbox in DIR.
 
-    For example: deploytool sandbox exec DIR -- systemctl status. The exit code is CMD's.
+    For example: deploytool sandbox exec DIR -- systemctl status. The exit code is CMD's; with --dry-run
+    (before `sandbox`) CMD is shown, not run.
     """
     from deploy_tool import proc
     from deploy_tool.rehearsal.sandbox import Sandbox
@@ -116,5 +145,8 @@ def exec_(dir: Path, cmd: tuple[str, ...]) -> None:
     if not cmd:
         raise click.UsageError("missing CMD")
     argv = Sandbox(dir).exec_argv(*cmd)
+    if ctx.dry_run:
+        ctx.emit({"dry_run": True, "dir": str(dir), "argv": list(argv)}, "would run: " + shlex.join(argv))
+        return
     # output streamed to the terminal as it comes (journalctl -f works); stdin is not passed on
     sys.exit(proc.spawn(argv, stdout=None, stderr=None, new_session=False).wait())
