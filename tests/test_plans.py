@@ -290,12 +290,17 @@ def test_every_step_of_every_plan_carries_what_it_runs(cfg: Config) -> None:
                       install.recover_plan(cfg, State(operation=o), run=ur, **kw), ur)  # type: ignore[arg-type]
 
 
-def test_dry_run_json_carries_the_steps(tmp_path: Path) -> None:
+def test_dry_run_json_carries_the_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dry-run --json switch` and `recover` on a box with nothing installed: the plan as text and as data,
-    and nothing written (a systemctl that fails: a plan of a box with nothing active needs none)."""
+    and nothing written (a systemctl that fails: a plan of a box with nothing active needs none). The dry run
+    runs the preflight the run would (here it refuses: the model file is missing, nothing is pinned), so the plan
+    is shown with a preflight that passes."""
     data = example_dict("cpu-demo")
     data["systemd"] = {"systemctl": ["/bin/false"], "journalctl": ["/bin/false"]}
     cfg_path = write_dict(tmp_path, data)
+    r = CliRunner().invoke(main, ["--config", str(cfg_path), "--json", "--dry-run", "switch", "llamacpp"])
+    assert r.exit_code == 4 and json.loads(r.output)["error"] == "CheckFailed", r.output  # the run's refusal
+    monkeypatch.setattr(switch, "run_preflight", lambda cfg, target: None)
     r = CliRunner().invoke(main, ["--config", str(cfg_path), "--json", "--dry-run", "switch", "llamacpp"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)

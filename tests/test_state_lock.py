@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -155,3 +156,28 @@ def test_a_killed_holders_record_names_nobody(tmp_path: Path) -> None:
     assert store.holder() is None
     with store.lock(what="install"):
         assert (store.holder() or {}).get("operation") == "install"
+
+
+def test_a_dry_run_previews_the_lock_refusal(tmp_path: Path) -> None:
+    """refuse_if_held: free (or no lock file yet) passes and creates nothing; held by another process, with or
+    without a record (a bare `flock` too), the run's own refusal (exit 12); free again once the holder exits."""
+    store = Store(tmp_path / "state")
+    store.refuse_if_held("switch to x")  # nothing there
+    assert not (tmp_path / "state").exists()
+    with holding(tmp_path / "state", "install") as p, pytest.raises(LockedError) as ei:
+        store.refuse_if_held("switch to x")
+    assert ei.value.exit_code == ExitCode.LOCKED and f"pid {p.pid}" in ei.value.message
+    bare = subprocess.Popen(["flock", str(store.lock_path), "sleep", "30"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # until flock holds it
+            try:
+                store.refuse_if_held("switch to x")
+            except LockedError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        os.killpg(bare.pid, signal.SIGKILL)  # flock and its sleep, which holds the lock too: the group we started
+        bare.wait()
+    store.refuse_if_held("switch to x")

@@ -436,6 +436,7 @@ def test_refused_preflight_changes_nothing(box: Box, verdict: str, code: int) ->
     pid = box.world.units[FU].proc.pid
     box.preflight.verdict[L] = verdict
     n = len(box.world.calls)
+    assert box.run("switch", L, dry_run=True).code == code  # the dry run previews the refusal
     out = box.run("switch", L)
     assert out.code == code
     assert_settled(box)

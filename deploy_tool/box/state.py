@@ -236,6 +236,21 @@ class Store:
         except OSError as exc:
             raise os_error(exc, f"cannot open lock {path}") from None
 
+    def refuse_if_held(self, what: str) -> None:
+        """LockedError (exit 12) naming the holder when another process holds the lock now: a dry run's preview
+        of the refusal its run would meet (with --wait, the run would wait for it instead)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return  # no lock file: nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise self._locked_error(what) from None
+        finally:
+            os.close(fd)
+
     def holder(self) -> dict[str, Any] | None:
         """The record of the process holding the lock ({"operation", "pid", "since"}), None when it is free (or
         was taken a moment ago and has no record yet).

@@ -324,8 +324,13 @@ class Switcher:
                action: str = "switch", drain_s: float | None = None) -> SwitchResult:
         target = self.cfg.backend(name)
         if dry_run:
-            check_config(self.cfg, target)  # the refusal the run gives first, and cheap to preview
+            # the refusals the run would meet first, in its order (the lock; the preflight, which only reads), so
+            # a script may use --dry-run as the run's preflight; with --wait the run would wait for the lock
+            if not wait:
+                self.store.refuse_if_held(f"{action} to {target.name}")
             st = self.store.load()
+            if not self.facts(st, target).noop:
+                self._preflight(self.cfg, target)
             return planned(st, target.name, self.store.lock_steps(st) + self.plan(st, target, action=action,
                                                                                   drain_s=drain_s))
         with self.store.locked(what=f"{action} to {target.name}", wait=wait, finish=self.finish,
