@@ -427,6 +427,22 @@ def test_upgrade_killed_then_install_again_completes(box: Box, saved_a: Path, st
     assert _serving(box) == {FU} and box.world.enabled() == {FU}
 
 
+@pytest.mark.parametrize("step", ["current-flipped", "pinned"])
+def test_going_back_killed_keeps_the_release_it_found_laid_down(box: Box, saved_a: Path, step: str) -> None:
+    """A, then B installed (A kept on the box); `install A` again (going back) killed at STEP: recover brings B back
+    and keeps A's directory, which that install found laid down and did not make (it was removed before)."""
+    _with_a(box, saved_a)
+    a, b = _rid(box.b.a), _rid(box.b.b)
+    assert box.install(box.b.b, cfg=box.b.cfg_b).what == "installed"
+    assert sorted(box.release_entries()) == sorted([a, b])
+    assert box.install(box.b.a, kill=step).what == "killed"
+    assert box.state()["operation"]["release_kept"] is True
+    rec = box.recover()
+    assert rec.what == "recovered", (rec, box.log)
+    assert box.current_release() == b and sorted(box.release_entries()) == sorted([a, b])
+    assert fingerprint.verify(box.b.cfg_b, box.b.cfg_b.backends[F]).ok
+
+
 # ------------------------------------------------------------------------------------------------ verified bytes
 
 @pytest.mark.parametrize("victim", ["env/ftllm-dflash.env", "units/llamacpp-tensor.service", "config.json",

@@ -229,6 +229,10 @@ def test_recover_an_interrupted_install(cfg: Config) -> None:
     st = replace(st, operation=replace(op, step="units-written"))
     assert "restart-previous" not in [s.name for s in install.recover_plan(cfg, st, prev_laid_down=True,
                                                                             prev_running=True)]
+    # a release that was laid down before this install (an earlier install of it, kept on the box): it stays
+    st = State(active_backend=FT, release="r1", operation=replace(op, release_kept=True))
+    assert "remove-release" not in [s.name for s in install.recover_plan(cfg, st, prev_laid_down=True,
+                                                                          prev_running=False)]
     # a fresh box: everything it laid down goes
     st = State(operation=replace(op, from_backend=None, previous_release=None, step="pinned"))
     assert [s.name for s in install.recover_plan(cfg, st, prev_laid_down=False, prev_running=False)] == [

@@ -246,7 +246,7 @@ def recover_plan(cfg: Config, st: State, *, prev_laid_down: bool, prev_running: 
                           f"{rid} carries), their env files, the pins and {paths.current}: a fresh box keeps "
                           "nothing half-installed", (*units, paths.env_dir, f"{paths.state_dir}/pins", paths.current),
                           run=run.remove_units if run else None))
-    if rid and rid != prev:
+    if rid and rid != prev and not op.release_kept:  # one laid down before this install stays, as it found it
         steps.append(Step("remove-release", f"remove {releases}/{rid}", (f"{releases}/{rid}",),
                           run=run.remove_release if run else None))
     steps.append(Step("daemon-reload", "daemon-reload", run=run.daemon_reload if run else None))
@@ -398,7 +398,7 @@ def _install_verified(cfg: Config, sd: systemd_mod.Systemd, store: Store, st: St
                              message=f"release {rid} is already installed; nothing to do")
     op = Operation(kind="install", op_id=uuid.uuid4().hex[:12], started=iso_utc(micro=True), step="verified",
                    from_backend=st.active_backend, to_backend=cfg.default_backend, release=rid,
-                   previous_release=st.release, pid=os.getpid())
+                   previous_release=st.release, pid=os.getpid(), release_kept=facts.laid_down)
     st = store.begin(st, op)
     undo = _Undo(log)
     try:

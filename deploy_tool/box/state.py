@@ -40,6 +40,9 @@ class Operation:
     release: str | None = None
     previous_release: str | None = None
     pid: int = 0
+    # an install that found releases/<release> laid down already (an earlier install of it, kept): undoing it keeps
+    # that directory, which it did not make
+    release_kept: bool = False
 
 
 @dataclass(frozen=True)
