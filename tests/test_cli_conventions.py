@@ -356,3 +356,14 @@ def test_a_bug_under_json_is_still_one_json_object(tmp_path: Path, monkeypatch: 
     assert r.exit_code == 70, r.output
     out = json.loads(r.stdout)
     assert out["error"] == "InternalError" and "a bug" in out["message"] and out["exit_code"] == 70
+
+
+@pytest.mark.parametrize("cmd", [["switch", "llamacpp"], ["rollback"], ["install"], ["releases", "prune"],
+                                 ["uninstall", "--yes"]])
+@pytest.mark.parametrize("wait", ["nan", "inf", "-5", "soon"])
+def test_a_wait_that_is_not_a_finite_number_of_seconds_is_a_usage_error(tmp_path: Path, cmd: list[str],
+                                                                         wait: str) -> None:
+    """--wait nan would wait for the lock forever (no deadline is ever reached), -5 is a mistake: exit 2, before
+    anything is read of the box."""
+    r = run("--config", str(_cfg(tmp_path)), *cmd, "--wait", wait)
+    assert r.exit_code == 2 and "--wait" in r.output, r.output

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
-from deploy_tool.cli.names import BACKEND
+from deploy_tool.cli.names import BACKEND, SECONDS
 from deploy_tool.errors import ExitCode, InputError
 from deploy_tool.progress import progress_for
 
@@ -52,12 +52,12 @@ def _lengths(value: str | None) -> list[int]:
 @click.option("--chart", "chart_path", type=click.Path(path_type=Path), default=None,
               help="Write a PNG bar chart of tokens/s: the stored baselines of every release and backend, "
                    "and this run.")
-@click.option("--request-limit", type=float, default=None,
+@click.option("--request-limit", type=SECONDS, default=None,
               help="Seconds a whole request may take (a server trickling data slowly); default: no limit.")
-@click.option("--warmup", type=int, default=1, show_default=True,
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
               help="Short requests sent first and not counted (a freshly started server is slow at first).")
 @click.option("--release", default=None, help="Release the figures belong to (default: the installed one).")
-@click.option("--timeout", type=float, default=120.0, show_default=True,
+@click.option("--timeout", type=SECONDS, default=120.0, show_default=True,
               help="Seconds without data before a request counts as stalled (reported; the run goes on).")
 @pass_ctx
 def bench(ctx: Ctx, backend: str | None, kinds: str | None, runs: int, max_tokens: int, prefix_rounds: int,

@@ -4,8 +4,10 @@ against the config before anything probes the system, exit 3 with did-you-mean),
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 from click.shell_completion import CompletionItem
@@ -83,5 +85,22 @@ class SuggestingGroup(click.Group):
         return super().resolve_command(ctx, args)
 
 
+class Seconds(click.FloatRange):
+    """A number of seconds, 0 or more and finite (click's FloatRange lets nan and inf through, and a wait for the
+    lock until nan never ends)."""
+
+    name = "seconds"
+
+    def __init__(self) -> None:
+        super().__init__(min=0)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return rv
+
+
 EXAMPLE = ExampleName()
 BACKEND = BackendName()
+SECONDS = Seconds()

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
-from deploy_tool.cli.names import BACKEND
+from deploy_tool.cli.names import BACKEND, SECONDS
 
 
 def _log(ctx: Ctx):
@@ -82,7 +82,7 @@ def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None, sequence: int | 
 @click.option("--keys", "keys_dir", default=None, help="Trusted public keys (default: paths.keys_dir).")
 @click.option("--rebuild", is_flag=True, help="Rebuild the venv from the wheels instead of unpacking the archive.")
 @click.option("--no-start", is_flag=True, help="Lay everything down but start nothing.")
-@click.option("--wait", type=float, default=0.0, help="Wait this long for another operation's lock.")
+@click.option("--wait", type=SECONDS, default=0.0, help="Wait this long for another operation's lock.")
 @click.option("--allow-downgrade", is_flag=True,
               help="Install a bundle whose sequence is lower than the highest of its name this box installed "
                    "(refused otherwise, exit 24); needs --reason.")
@@ -131,7 +131,7 @@ def _drain_s(drain_timeout: float | None, no_drain: bool) -> float | None:
 
 @click.command()
 @click.argument("backend", type=BACKEND)
-@click.option("--wait", type=float, default=0.0, help="Wait this long for another switch's lock (else fail fast).")
+@click.option("--wait", type=SECONDS, default=0.0, help="Wait this long for another switch's lock (else fail fast).")
 @click.option("--reason", default=None, help="Why (kept in history).")
 @_drain_options
 @pass_ctx
@@ -154,7 +154,7 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None, drain_timeou
 
 
 @click.command()
-@click.option("--wait", type=float, default=0.0, help="Wait this long for another operation's lock.")
+@click.option("--wait", type=SECONDS, default=0.0, help="Wait this long for another operation's lock.")
 @_drain_options
 @pass_ctx
 def rollback(ctx: Ctx, wait: float, drain_timeout: float | None, no_drain: bool) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
-from deploy_tool.cli.names import SuggestingGroup
+from deploy_tool.cli.names import SECONDS, SuggestingGroup
 
 
 def _log(ctx: Ctx):
@@ -68,7 +68,7 @@ def releases(cctx: click.Context, ctx: Ctx) -> None:
 @releases.command("prune")
 @click.option("--keep", type=click.IntRange(min=1), default=None,
               help="Releases to keep (default: supervision.keep_releases); those with a role are kept besides.")
-@click.option("--wait", type=click.FloatRange(min=0), default=0.0, help="Seconds to wait for the lock.")
+@click.option("--wait", type=SECONDS, default=0.0, help="Seconds to wait for the lock.")
 @pass_ctx
 def prune(ctx: Ctx, keep: int | None, wait: float) -> None:
     """Remove the releases beyond the newest N, never the current, previous or last-good one."""
@@ -85,7 +85,7 @@ def prune(ctx: Ctx, keep: int | None, wait: float) -> None:
 
 @releases.command("remove")
 @click.argument("release_id", metavar="ID")
-@click.option("--wait", type=click.FloatRange(min=0), default=0.0, help="Seconds to wait for the lock.")
+@click.option("--wait", type=SECONDS, default=0.0, help="Seconds to wait for the lock.")
 @pass_ctx
 def remove(ctx: Ctx, release_id: str, wait: float) -> None:
     """Remove release ID (refused for the current, previous or last-good release)."""
@@ -106,7 +106,7 @@ def can_ask() -> bool:
 @click.option("--purge", is_flag=True,
               help="Also remove the config, the trusted keys and the sequence record (the replay guard).")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask first (needed where there is no terminal to ask on).")
-@click.option("--wait", type=click.FloatRange(min=0), default=0.0, help="Seconds to wait for the lock.")
+@click.option("--wait", type=SECONDS, default=0.0, help="Seconds to wait for the lock.")
 @pass_ctx
 def uninstall(ctx: Ctx, purge: bool, yes: bool, wait: float) -> None:
     """Stop the backends and remove what install laid down: units, env files, releases, state.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from deploy_tool.cli.context import Ctx, pass_ctx
-from deploy_tool.cli.names import BACKEND
+from deploy_tool.cli.names import BACKEND, SECONDS
 from deploy_tool.errors import DeployError, ExitCode
 from deploy_tool.textsafe import safe
 
@@ -162,7 +162,7 @@ def _pin_text(name: str, n: int, had_pins: bool, changes: list, *, dry: bool) ->
 
 @click.command("await-ready")
 @click.argument("backend", type=BACKEND)
-@click.option("--timeout", type=click.FloatRange(min=0), default=None,
+@click.option("--timeout", type=SECONDS, default=None,
               help="Seconds to wait (default: the backend's start timeout, which the unit's TimeoutStartSec= is "
                    "rendered from).")
 @pass_ctx
