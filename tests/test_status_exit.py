@@ -273,3 +273,17 @@ def test_status_help_documents_the_codes() -> None:
     for code, word in ((0, "serving as recorded"), (20, "degraded"), (21, "pending"), (22, "not serving")):
         assert f"{code}  " in out and word in out, out
     assert "20 degraded" in CliRunner().invoke(main, ["--help"]).output
+
+
+def test_thousands_of_drifted_files_are_counted_not_listed() -> None:
+    """A release half laid down drifts in thousands of files: the verdict names the first few and counts the rest
+    (it was 126 KB of paths), the JSON's fingerprints keep them all."""
+    from deploy_tool.box import status as st_mod
+
+    rows = [{"label": f"release/tool/venv/f{i}.pyc"} for i in range(3000)]
+    rep = {"installed": True, "active_backend": F, "units": {F: {"active": "active", "sub": "running"}},
+           "health": {"ok": True}, "fingerprints": {F: {"ok": False, "drift": rows}}}
+    code, reasons = st_mod.verdict(rep)
+    assert code == ExitCode.DEGRADED
+    (reason,) = [r for r in reasons if "drifted" in r]
+    assert "f4.pyc" in reason and "f5.pyc" not in reason and "and 2995 more" in reason and len(reason) < 400

@@ -168,7 +168,7 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
                         f"while no backend is ready; `systemctl start {FRONT_SOCKET}`)")
     for name, fp in sorted((rep.get("fingerprints") or {}).items()):
         if not fp.get("ok"):
-            what = fp.get("error") or ", ".join(d.get("label", "?") for d in fp.get("drift") or []) or "drifted"
+            what = fp.get("error") or _drifted(fp.get("drift") or []) or "drifted"
             degraded.append(f"{name} drifted from its pins: {what}"
                             + (f" ({fp['config_moved']})" if fp.get("config_moved") else ""))
     g = rep.get("gpu")
@@ -233,6 +233,18 @@ def boot_enablement(sd: Any, unit: str) -> str:
         return str(sd.is_enabled(unit))
     except DeployError:
         return "unknown"
+
+
+#: drifted items a reason or a unit's row names; the rest are counted (the JSON's `fingerprints` has them all)
+DRIFT_NAMED = 5
+
+
+def _drifted(rows: list[dict[str, Any]]) -> str:
+    """The first DRIFT_NAMED drifted items by label, and how many more (a release half laid down drifts in
+    thousands of files: the verdict stays readable)."""
+    labels = [str(d.get("label", "?")) for d in rows]
+    more = len(labels) - DRIFT_NAMED
+    return ", ".join(labels[:DRIFT_NAMED]) + (f" and {more} more (`deploytool verify` lists them)" if more > 0 else "")
 
 
 def _health(cfg: Config, active: str | None) -> dict[str, Any]:
@@ -328,7 +340,7 @@ def format_status(rep: dict[str, Any]) -> str:
         fp = rep["fingerprints"].get(name)
         fps = "" if fp is None else ("  fingerprints " + (ok(True) if fp.get("ok") else
                                                           ok(False) + " " + (fp.get("error") or
-                                                                             ", ".join(d["label"] for d in fp["drift"]))))
+                                                                             _drifted(fp["drift"]))))
         lines.append(f"  {name:20} {u['active']}/{u['sub']:10} {u['enabled']:9} pid {u['main_pid'] or '-':>7}"
                      f"  restarts {u['restarts']}{fps}")
     if rep.get("gpu"):
