@@ -4,6 +4,7 @@ and history, written atomically, rewritten by every operation (on the fake syste
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -486,3 +487,22 @@ def test_an_operation_that_cannot_write_the_state_writes_no_metrics(box: Box, mo
     monkeypatch.setattr(Store, "lock", lambda *a, **k: (_ for _ in ()).throw(OSFailure("state: permission denied")))
     out = box.run("switch", L)
     assert out.code == 17 and calls == []
+
+
+def test_a_damaged_state_still_gives_metrics_and_exit_0(tmp_path: Path) -> None:
+    """state.json damaged (status exits 13): `metrics` still exits 0 (a timer keeps writing), the file says
+    deploytool_status_code 13 and claims nothing of what serves; `--json metrics` is one JSON object."""
+    data = example_dict("cpu-demo")
+    set_key(data, "paths.state_dir", str(tmp_path / "state"))
+    cfg = load_dict(tmp_path, data)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text("{not json")
+    out = tmp_path / "m.prom"
+    r = CliRunner().invoke(main, ["--config", str(cfg.source_path), "metrics", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    fams = parse(out.read_text())
+    assert value(fams, "status_code") == 13 and "deploytool_serving" not in fams
+    r = CliRunner().invoke(main, ["--config", str(cfg.source_path), "--json", "metrics"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert value(parse(doc["metrics"]), "status_code") == 13

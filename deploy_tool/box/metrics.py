@@ -208,6 +208,17 @@ def render(cfg: Config, rep: dict[str, Any], events: Iterable[dict[str, Any]]) -
     return out.text()
 
 
+def unreadable_text(exc: DeployError) -> str:
+    """The metrics when the box's state cannot be read at all (a damaged state.json: `status` exits 13): its exit
+    code as deploytool_status_code, so an alert sees it (a file left as it was would still say serving); nothing is
+    claimed of what serves, which is not known."""
+    out = _Out()
+    out.family("status_code", "gauge", "the exit code of deploytool status: 0 serving, 20 degraded, 21 "
+               "interrupted operation pending, 22 not serving; here the box's state could not be read: "
+               + exc.message.splitlines()[0], [({}, int(exc.exit_code))])
+    return out.text()
+
+
 def collect_text(cfg: Config, *, sd: Any = None) -> tuple[str, dict[str, Any]]:
     """(the metrics text, the status report it was made from)."""
     rep = status.collect(cfg, sd=sd, boot=False)

@@ -259,7 +259,7 @@ def metrics_cmd(ctx: Ctx, write_: bool, out: Path | None) -> None:
     metrics carry it: deploytool_serving, deploytool_status_code).
     """
     from deploy_tool.box import metrics
-    from deploy_tool.errors import InputError
+    from deploy_tool.errors import InputError, OSFailure, StateError
 
     cfg = ctx.load_config()
     if write_ and out is not None:
@@ -270,9 +270,16 @@ def metrics_cmd(ctx: Ctx, write_: bool, out: Path | None) -> None:
             raise InputError(f"paths.metrics_file is off in {cfg.source_path}",
                              hint="set paths.metrics_file, or pass --out PATH")
         target = Path(cfg.paths.metrics_file)
-    text, _ = metrics.collect_text(cfg)
+    try:
+        text, _ = metrics.collect_text(cfg)
+    except (StateError, OSFailure) as exc:  # still exit 0, the metrics say what `status` would exit with
+        click.echo(f"warning: {exc.message}", err=True)
+        text = metrics.unreadable_text(exc)
     if target is None:
-        click.echo(text, nl=False)
+        if ctx.json:  # the text exposition, as one JSON object
+            ctx.emit({"format": "prometheus-text-0.0.4", "metrics": text})
+        else:
+            click.echo(text, nl=False)
         return
     if ctx.dry_run:
         ctx.emit({"would_write": str(target), "bytes": len(text.encode())},
