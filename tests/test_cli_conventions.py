@@ -314,7 +314,18 @@ def test_logs_names_a_failing_journalctl(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, sandbox=None, systemctl=[str(bin_ / "fake-systemctl")], journalctl=[str(bin_ / "journalctl")])
     r = run("--config", str(cfg), "logs")
     assert r.exit_code == 8 and "journalctl exited 1 reading the journal of ftllm-dflash.service" in r.stderr
+    assert "Failed to open journal" in r.stderr  # journalctl's own line, passed on
     assert "Traceback" not in r.output
+
+
+def test_a_time_journalctl_cannot_read_is_a_usage_error(tmp_path: Path) -> None:
+    """`logs --since garbage`: journalctl refuses the time (as the real one words it), which is the caller's
+    mistake, not the journal's: exit 2 naming --since, not exit 8 asking whether journald runs."""
+    bin_, _ = _fake_tools(tmp_path)
+    (bin_ / "journalctl").write_text("#!/bin/sh\necho 'Failed to parse timestamp: garbage' >&2\nexit 1\n")
+    cfg = _cfg(tmp_path, sandbox=None, systemctl=[str(bin_ / "fake-systemctl")], journalctl=[str(bin_ / "journalctl")])
+    r = run("--config", str(cfg), "logs", "--since", "garbage")
+    assert r.exit_code == 2 and "--since" in r.output and "garbage" in r.output, r.output
 
 
 # ------------------------------------------------------------------------------------------------ paths given as output

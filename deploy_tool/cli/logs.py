@@ -76,8 +76,9 @@ def logs(ctx: Ctx, backend: str | None, follow: bool, lines: int, since: str | N
         click.echo(click.style(f"-- {unit} ({name}) and deploytool's events", bold=True), err=True)
     # read through a pipe and echoed line by line as it comes (--follow too): what click prints goes where
     # click's output goes, and journalctl's error lines to stderr as they are
-    p = proc.spawn([*sd.journalctl, *args], stdout=subprocess.PIPE, stderr=None, new_session=False)
-    assert p.stdout is not None
+    # (journalctl's error lines, a few at most, are read once it ends: one about --since is a usage error)
+    p = proc.spawn([*sd.journalctl, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, new_session=False)
+    assert p.stdout is not None and p.stderr is not None
     try:
         for line in iter(p.stdout.readline, b""):
             click.echo(line.decode("utf-8", "replace"), nl=False)
@@ -88,6 +89,13 @@ def logs(ctx: Ctx, backend: str | None, follow: bool, lines: int, since: str | N
         rc = 0
     finally:
         p.stdout.close()
+        err = p.stderr.read().decode("utf-8", "replace")
+        p.stderr.close()
+    if since and rc != 0 and "timestamp" in err.lower():
+        raise click.BadParameter(f"{since!r} is not a time journalctl reads ({err.strip().splitlines()[-1]}); "
+                                 "e.g. '1 hour ago', '2026-01-31 10:00', 'today'", param_hint="'--since'")
+    if err:
+        click.echo(err, err=True, nl=False)
     if rc != 0:
         from deploy_tool.errors import SystemdError
 
