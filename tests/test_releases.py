@@ -119,8 +119,16 @@ def test_an_install_prunes_beyond_keep_but_never_what_the_box_needs(box_a: Box) 
     ev = [e for e in box_a.history() if e["event"] == "prune"]
     # the automatic prune measures what it removes (and only that: nobody sees the others' sizes)
     assert ev and ev[-1]["removed"] == [old] and ev[-1]["freed_bytes"] == size > 0
-    with pytest.raises(StateError, match="previous"):
+    with pytest.raises(StateError, match="previous") as ei:
         releases.remove(box_a.cfg, _rid(box_a.b.a))
+    assert "install another release first" in (ei.value.hint or "") and "switch or" not in (ei.value.hint or "")
+    # a release id given to install (it takes a bundle): named as such, with what install takes
+    from deploy_tool.box import install
+    from deploy_tool.errors import InputError
+
+    with pytest.raises(InputError) as ie:
+        install.find_bundle(box_a.cfg, _rid(box_a.b.a))
+    assert "is a release laid down on this box" in ie.value.message and ".tar.zst" in (ie.value.hint or "")
 
 
 def test_prune_on_demand_dry_run_and_remove(box_a: Box) -> None:

@@ -93,7 +93,12 @@ def find_bundle(cfg: Config, given: str | None) -> Path:
     if given:
         p = Path(given)
         if not p.exists():
-            raise InputError(f"bundle not found: {p}")
+            laid = "/" not in given and (Path(cfg.paths.releases_dir) / given).is_dir()
+            raise InputError(f"bundle not found: {p}" + (f" ({given} is a release laid down on this box, not a "
+                                                         "bundle)" if laid else ""),
+                             hint="install takes a bundle: its directory (artifacts/NAME-ID) or its .tar.zst; going "
+                                  "back to a release still laid down takes its bundle too, and unpacks nothing"
+                                  if laid else "name the bundle's directory or .tar.zst")
         return p
     places = [cfg.base_dir / "artifacts", Path.cwd() / "artifacts", cfg.base_dir]
     seen: list[Path] = []

@@ -268,7 +268,8 @@ def remove(cfg: Config, rid: str, *, dry_run: bool = False, wait: float = 0.0,
         r = found[0]
         if r.roles:
             raise StateError(f"release {rid} is the box's {' and '.join(r.roles)} release; it is kept",
-                             hint="switch or install another release first; `deploytool releases` shows the roles")
+                             hint="install another release first (a switch changes the backend, not the release); "
+                                  "`deploytool releases` shows the roles")
         return r
 
     if dry_run:
