@@ -449,6 +449,14 @@ def _write_atomic(path: Path, data: bytes, mode: int, *, force: bool) -> None:
             os.unlink(tmp)
 
 
+def refuse_existing(*paths: Path, force: bool) -> None:
+    """InputError naming the first of `paths` that exists (a key pair is not overwritten without --force)."""
+    if not force:
+        for p in paths:
+            if p.exists() or p.is_symlink():
+                raise InputError(f"{q(p)} already exists", hint="pass --force to overwrite it")
+
+
 def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os.PathLike[str], *,
                      force: bool = False, not_after: str | None = None) -> str:
     """Write a new Ed25519 key pair (private PEM 0600, public PEM 0644), atomically; return the key id.
@@ -457,10 +465,7 @@ def generate_keypair(private_path: str | os.PathLike[str], public_path: str | os
     if not_after is not None and keyring.parse_not_after(not_after) is None:
         raise InputError(f"not-after {not_after!r} is not a UTC time YYYY-MM-DDTHH:MM:SSZ",
                          hint="e.g. --not-after 2027-01-31T00:00:00Z")
-    if not force:
-        for p in (priv_p, pub_p):
-            if p.exists() or p.is_symlink():
-                raise InputError(f"{q(p)} already exists", hint="pass --force to overwrite it")
+    refuse_existing(priv_p, pub_p, force=force)
     key = ed25519.Ed25519PrivateKey.generate()
     priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())

@@ -378,3 +378,29 @@ def test_a_wait_that_is_not_a_finite_number_of_seconds_is_a_usage_error(tmp_path
     anything is read of the box."""
     r = run("--config", str(_cfg(tmp_path)), *cmd, "--wait", wait)
     assert r.exit_code == 2 and "--wait" in r.output, r.output
+
+
+@pytest.mark.parametrize(("argv", "prepare"), [
+    (["pack"], "key"),  # no requirements.lock: the run refuses it first
+    (["lock"], "no-requirements"),
+    (["keygen", "--out", "{dir}/keys"], "keys"),  # a key pair there already, no --force
+    (["pin", "ftllm", "--reason", "  "], None),
+])
+def test_a_dry_run_refuses_what_its_run_refuses_first(tmp_path: Path, argv: list[str], prepare: str | None) -> None:
+    """--dry-run as a script's preflight: the same refusal and exit code (5) as the run, and nothing written."""
+    from deploy_tool.manifest import generate_keypair
+
+    cfg = _cfg(tmp_path)
+    if prepare in ("key", "keys"):
+        (tmp_path / "keys").mkdir()
+        generate_keypair(tmp_path / "keys" / "deploytool.key", tmp_path / "keys" / "deploytool.pub")
+    if prepare == "no-requirements":
+        data = yaml.safe_load(cfg.read_text())
+        data["bundle"]["requirements"] = str(tmp_path / "nowhere.in")
+        cfg.write_text(yaml.safe_dump(data))
+    full = [a.replace("{dir}", str(tmp_path)) for a in argv]
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    dry = run("--config", str(cfg), "--dry-run", *full)
+    real = run("--config", str(cfg), *full) if argv[0] != "lock" else dry  # lock would reach for the index
+    assert dry.exit_code == real.exit_code == 5, (dry.output, real.output)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before

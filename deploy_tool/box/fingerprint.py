@@ -975,6 +975,14 @@ def load_pins(cfg: Config, backend: Backend | str) -> PinSet:
 HISTORY_CHANGED = 20
 
 
+def pin_reason(reason: str | None, backend: str) -> str:
+    """The reason a pin records, stripped; InputError when there is none (a dry run of `pin` checks it too)."""
+    reason = (reason or "").strip()
+    if not reason:
+        raise InputError("a pin needs a reason", hint=f"deploytool pin {backend} --reason 'why this change is wanted'")
+    return reason
+
+
 def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None = None, store=None,
         workers: int | None = None, fresh: HashCache | None = None) -> PinSet:
     """Fingerprint the backend afresh (no cache read), write the pins atomically, record who/why/when. A tree
@@ -983,9 +991,7 @@ def pin(cfg: Config, backend: Backend | str, reason: str, *, release: str | None
     `fresh`: an in-memory HashCache shared by the pins of several backends in one run (install pins every
     backend: the release they share is read once); only values computed in this process are in it."""
     b = _resolve(cfg, backend)
-    reason = (reason or "").strip()
-    if not reason:
-        raise InputError("a pin needs a reason", hint=f"deploytool pin {b.name} --reason 'why this change is wanted'")
+    reason = pin_reason(reason, b.name)
     previous: PinSet | None = None
     with contextlib.suppress(DeployError):
         previous = load_pins(cfg, b)

@@ -105,14 +105,21 @@ def write_lock(entries: list[LockEntry], path: Path, *, source_sha: str) -> None
     atomic_write(path, ("\n".join(lines) + "\n").encode(), 0o644)
 
 
+def requirements_input(cfg: Config) -> Path:
+    """bundle.requirements, a file; InputError otherwise (`lock --dry-run` checks it too)."""
+    if not cfg.bundle.requirements:
+        raise InputError("bundle.requirements is not set", hint="point it at a requirements.in file")
+    req = Path(cfg.bundle.requirements)
+    if not req.is_file():
+        raise InputError(f"requirements input not found: {req}" + (" (a directory)" if req.is_dir() else ""),
+                         hint="point bundle.requirements at a requirements.in file (`deploytool init` writes one)")
+    return req
+
+
 def lock(cfg: Config, *, python: str | None = None) -> tuple[Path, list[LockEntry]]:
     """Download every wheel of the requirements into wheels_dir (wheels only) and write the hash-pinned lock."""
     b = cfg.bundle
-    if not b.requirements:
-        raise InputError("bundle.requirements is not set", hint="point it at a requirements.in file")
-    req = Path(b.requirements)
-    if not req.is_file():
-        raise InputError(f"requirements input not found: {req}")
+    req = requirements_input(cfg)
     wheels = Path(b.wheels_dir)
     wheels.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="deploytool-lock-") as tmp:

@@ -32,7 +32,7 @@ def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool, not_after: str | Non
     KEYS_DIR/revoked on every box (docs/trust.md, "Rotating the signing key", has the steps).
     """
     from deploy_tool.keyring import parse_not_after
-    from deploy_tool.manifest import generate_keypair
+    from deploy_tool.manifest import generate_keypair, refuse_existing
 
     if not name or "/" in name or name.startswith("."):
         raise InputError(f"--name {name!r} must be a plain file name stem")
@@ -42,6 +42,7 @@ def keygen(ctx: Ctx, out_dir: Path, name: str, force: bool, not_after: str | Non
                          hint="give a time to come (UTC), e.g. a year from now")
     priv, pub = out_dir / f"{name}.key", out_dir / f"{name}.pub"
     if ctx.dry_run:
+        refuse_existing(priv, pub, force=force)  # as the run would
         ctx.emit({"would_write": [str(priv), str(pub)]}, f"would write {priv} and {pub}")
         return
     key_id = generate_keypair(priv, pub, force=force, not_after=not_after)

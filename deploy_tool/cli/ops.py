@@ -38,6 +38,7 @@ def lock(ctx: Ctx) -> None:
 
     cfg = ctx.load_config()
     if ctx.dry_run:
+        pack.requirements_input(cfg)  # refused as the run would
         ctx.emit({"would_lock": cfg.bundle.requirements}, f"would lock {cfg.bundle.requirements} into "
                  f"{cfg.bundle.lock} with wheels in {cfg.bundle.wheels_dir}")
         return
@@ -68,7 +69,8 @@ def pack(ctx: Ctx, key_path: Path | None, out_dir: Path | None, sequence: int | 
                          hint=f"create one with `deploytool keygen --out {key.parent}`, or pass --key")
     seq = pack_mod.sequence_of(cfg, sequence)
     if ctx.dry_run:
-        ctx.emit({"would_pack_into": str(out), "sequence": seq},
+        entries = pack_mod.read_lock(Path(cfg.bundle.lock))  # refused as the run would: no lock, no pack
+        ctx.emit({"would_pack_into": str(out), "sequence": seq, "packages": len(entries)},
                  f"would pack {cfg.bundle.name} (sequence {seq}) into {out} signed with {key}")
         return
     info = pack_mod.pack(cfg, out_dir=out, key_path=key, progress=_progress(ctx), log=_log(ctx), sequence=seq)

@@ -132,6 +132,7 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
         previous = fingerprint.load_pins(cfg, b)
     except DeployError:
         previous = None
+    reason = fingerprint.pin_reason(reason, b.name)  # refused before anything is touched, dry run or not
     if ctx.dry_run:
         items = fingerprint.collect(cfg, b, use_cache=False, cache_file=False)
         changes = fingerprint.diff(previous.all_items(), items) if previous else []
