@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from deploy_tool import config
 from deploy_tool.box import operations, releases, sequence
+from deploy_tool.box.state import Store
 from deploy_tool.errors import DeployError, DowngradeError, InputError, StateError
 from tests.support import fake_systemd as fs
 from tests.support.examples import examples
@@ -232,3 +233,15 @@ def test_uninstall_with_an_interrupted_install_says_recover_first(box_a: Box) ->
     with box_a.world.running(), pytest.raises(DeployError, match="recover"):
         releases.uninstall(box_a.cfg, sd=box_a.world.systemd())
     assert box_a.state()["operation"]["kind"] == "install"  # nothing changed
+
+
+def test_a_release_installed_again_counts_from_its_latest_install(box_a: Box) -> None:
+    """A, then B, then A again (going back): A is the newer install now, for the list and for what a prune keeps,
+    not dated by its first install."""
+    a, b = _rid(box_a.b.a), _rid(box_a.b.b)
+    assert box_a.install(box_a.b.b, cfg=box_a.b.cfg_b).what == "installed"
+    assert box_a.install(box_a.b.a).what == "installed", box_a.log
+    store = Store(box_a.cfg.paths.state_dir)
+    rels = {r.id: r for r in releases.releases(box_a.cfg, store.load(), store.history())}
+    firsts = [e["time"] for e in box_a.history() if e["event"] == "install" and e.get("release") == a and e.get("ok")]
+    assert len(firsts) == 2 and rels[a].installed == firsts[-1] > rels[b].installed

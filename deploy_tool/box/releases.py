@@ -64,7 +64,7 @@ class Release:
     sequence: int | None = None
     bytes: int = 0
     frees: int = 0  # what removing it frees: its files that no other release shares
-    installed: str | None = None  # the first install of it that history records
+    installed: str | None = None  # the latest install of it that history records
     last_active: str | None = None  # the last event that had it serving
     roles: list[str] = field(default_factory=list)
 
@@ -160,7 +160,7 @@ def releases(cfg: Config, st: State | None = None, events: list[dict[str, Any]] 
         for e in events:
             if e.get("release") != p.name or e.get("ok") is not True:
                 continue
-            if e.get("event") == "install" and r.installed is None:
+            if e.get("event") == "install":  # the latest: a release removed and laid down again is that new
                 r.installed = e.get("time")
             if metrics.gate_result(e) is True or e.get("event") == "install":
                 r.last_active = e.get("time")

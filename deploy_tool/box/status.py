@@ -322,10 +322,10 @@ def format_status(rep: dict[str, Any]) -> str:
     if rep.get("interrupted"):
         op = rep["interrupted"]
         if rep.get("operation_running"):
-            lines.append(click.style(f"IN PROGRESS {op['kind']} {op.get('from_backend')} -> {op.get('to_backend')} "
+            lines.append(click.style(f"IN PROGRESS {op['kind']} {op.get('from_backend') or '-'} -> {op.get('to_backend') or '-'} "
                                      f"at step {op['step']} (pid {op['pid']})", fg="yellow"))
         else:
-            lines.append(click.style(f"INTERRUPTED {op['kind']} {op.get('from_backend')} -> {op.get('to_backend')} "
+            lines.append(click.style(f"INTERRUPTED {op['kind']} {op.get('from_backend') or '-'} -> {op.get('to_backend') or '-'} "
                                      f"at step {op['step']} (pid {op['pid']}): run `deploytool recover`", fg="yellow"))
     if rep.get("systemd_error"):
         lines.append(click.style(f"systemd: {rep['systemd_error']}", fg="red"))
