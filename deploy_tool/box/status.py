@@ -161,7 +161,8 @@ def verdict(rep: dict[str, Any]) -> tuple[ExitCode, list[str]]:
         if "error" in u:
             degraded.append(f"{name}: {u['error']}")
         elif name != active and u.get("active") == "failed":
-            degraded.append(f"{name} is failed ({u.get('result')}): it cannot take over")
+            degraded.append(f"{name} is failed ({u.get('result')}): the fallback's last start failed (why: "
+                            f"`deploytool logs {name}`; once fixed, `systemctl reset-failed {name}.service` clears it)")
     front = rep.get("front")
     if front and front.get("installed") and front.get("socket") != "active" and rep.get("installed"):
         degraded.append(f"the public port is not held: {FRONT_SOCKET} is {front.get('socket')} (clients are refused "

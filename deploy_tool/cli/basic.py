@@ -7,6 +7,7 @@ ExecStartPre verify (the same CLI) must not depend on.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def init(ctx: Ctx, example: str, out: Path, force: bool) -> None:
     for p, data in files.items():
         atomic_write(p, data, 0o644)
     ctx.emit({"wrote": [str(p) for p in files], "example": example},
-             "\n".join(f"wrote {p}" for p in files) + f"\nnext: deploytool --config {out} check")
+             "\n".join(f"wrote {p}" for p in files) + f"\nnext: deploytool --config {shlex.quote(str(out))} check")
 
 
 @click.command()
