@@ -99,6 +99,12 @@ def install(ctx: Ctx, bundle: str | None, keys_dir: str | None, rebuild: bool, n
     refused (exit 25); one older than the newest of its name this box installed (its signed sequence is lower)
     is refused (exit 24) unless --allow-downgrade --reason TEXT; a release still laid down on the box is not a
     downgrade. A path the root steps read that is not root's alone is refused first (exit 23).
+
+    \b
+    For example: deploytool install ~/deploy/cpu-demo-0123abcd   (a bundle directory, or its .tar.zst)
+    Exit 0 installed (or already), 5 no such bundle, 6 bundle refused (tampered, unsigned, another config),
+    12 locked, 14 install failed (its health gate included: the previous release serves again), 17 disk full and
+    the like, 23 unsafe path, 24 downgrade, 25 key refused.
     """
     from deploy_tool.box import operations
 
@@ -160,7 +166,13 @@ def switch(ctx: Ctx, backend: str, wait: float, reason: str | None, drain_timeou
 @_drain_options
 @pass_ctx
 def rollback(ctx: Ctx, wait: float, drain_timeout: float | None, no_drain: bool) -> None:
-    """Switch back to the previous backend through the same health gate (drained like a switch)."""
+    """Switch back to the previous backend through the same health gate (drained like a switch).
+
+    \b
+    For example: deploytool rollback --dry-run   (which backend, and the steps)
+    Exit 0 switched back, 4 or 7 its preflight refused (nothing changed), 10 rolled back again, 11 that failed too,
+    12 locked, 13 no previous backend recorded.
+    """
     from deploy_tool.box import operations
 
     drain_s = _drain_s(drain_timeout, no_drain)
@@ -171,7 +183,14 @@ def rollback(ctx: Ctx, wait: float, drain_timeout: float | None, no_drain: bool)
 @click.command()
 @pass_ctx
 def recover(ctx: Ctx) -> None:
-    """Finish an interrupted install, switch or rollback (a killed run) to a consistent end."""
+    """Finish an interrupted install, switch or rollback (a killed run) to a consistent end.
+
+    \b
+    For example: deploytool status   (exit 21: an operation awaits recover), then deploytool recover
+    An install is undone (the previous release serves again); a switch is committed when its target passed its
+    gate, else rolled back. Exit 0 recovered (or nothing to recover), 11 the backend could not be brought back,
+    12 locked.
+    """
     from deploy_tool.box import operations
 
     cfg = ctx.load_config()
