@@ -119,7 +119,8 @@ def pin(ctx: Ctx, backend: str, reason: str) -> None:
     """Re-pin BACKEND's fingerprints to what is installed now, recording who, why and when in history.
 
     \b
-    Use it after a deliberate change (a new model file, an edited env file); `install` pins on its own.
+    Use it after a deliberate change (a model file replaced in place, an edited env file); `install` pins on its
+    own. It pins what the installed release's units load: a config naming other files takes a bundle packed with it.
     With --dry-run, show what would change and write nothing.
     """
     from deploy_tool.box import fingerprint
