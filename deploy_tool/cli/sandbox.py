@@ -5,6 +5,7 @@ The sandbox module is imported when a command runs: it is rehearsal machinery, n
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def sandbox() -> None:
 
 
 def _a_directory(dir: Path) -> None:
-    if dir.exists() and not dir.is_dir():
+    # os.path's answers: a path this user may not look at is no error here (up then says it needs root)
+    if os.path.lexists(dir) and not os.path.isdir(dir):
         raise SandboxError(f"{dir} is not a directory, so not a sandbox", hint="name a new, empty or sandbox directory")
 
 
@@ -41,7 +43,7 @@ def _would(ctx: Ctx, dir: Path, down: str, up: str) -> None:
     """A dry run of up or down: the sandbox's state now, and what the command would do about it."""
     from deploy_tool.rehearsal.sandbox import Sandbox
 
-    state = Sandbox(dir).status().state if dir.is_dir() else "absent"
+    state = Sandbox(dir).status().state if os.path.isdir(dir) else "absent"
     what = up if state == "up" else down
     ctx.emit({"dry_run": True, "dir": str(dir), "state": state, "would": what},
              f"sandbox {dir} is {state}: would {what}" if not what.startswith(("nothing", "already")) else
