@@ -104,14 +104,8 @@ def installed_differences(cfg: Config) -> list[Difference] | None:
 def installed_serve(cfg: Config) -> Serve | None:
     """The `serve` section of the config the current release was packed with (where and what its units serve) when
     it differs from the box's; None when they agree, or there is no release or no readable one to ask."""
-    try:
-        with open(os.path.join(cfg.paths.current, "config.json"), "rb") as f:
-            packed = json.loads(f.read())["serve"]
-        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in packed.items()}
-        serve = Serve(**fields)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return serve if serve != cfg.serve else None
+    released = installed_config(cfg)
+    return released.serve if released is not None and released.serve != cfg.serve else None
 
 
 def installed_config(cfg: Config) -> Config | None:

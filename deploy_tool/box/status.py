@@ -80,16 +80,18 @@ def collect(cfg: Config, *, deep: bool = False, sd: Any = None, boot: bool = Tru
     # where the installed release's units serve: a config edited since (another port or model name) must not make a
     # box that serves look down; the edit itself is named first below
     released = packedconfig.installed_serve(cfg) if rep["installed"] else None
-    rep["health"] = _health(replace(cfg, serve=released) if released is not None else cfg, serving)
+    asked = replace(cfg, serve=released) if released is not None else cfg
+    rep["health"] = _health(asked, serving)
     if released is not None:
         rep["health"]["detail"] += f" (asked as the installed release serves: {released.model_name!r} on port " \
-                                   f"{replace(cfg, serve=released).backend_port})"
+                                   f"{asked.backend_port})"
     for name in sorted(cfg.backends) if rep["installed"] else ():  # no pins before the first install: no drift
         try:
             v = fingerprint.verify(cfg, cfg.backends[name])
             rep["fingerprints"][name] = {"ok": v.ok, "drift": [r.to_json() for r in v.rows]}
-            if v.config_moved():
-                rep["fingerprints"][name]["config_moved"] = v.config_moved()
+            moved = v.config_moved()
+            if moved:
+                rep["fingerprints"][name]["config_moved"] = moved
         except DeployError as exc:
             rep["fingerprints"][name] = {"ok": False, "error": exc.message.splitlines()[0]}
     active = cfg.backends.get(st.active_backend or "")

@@ -329,10 +329,11 @@ class Switcher:
             if not wait:
                 self.store.refuse_if_held(f"{action} to {target.name}")
             st = self.store.load()
-            if not self.facts(st, target).noop:
+            facts = self.facts(st, target)
+            if not facts.noop:
                 self._preflight(self.cfg, target)
-            return planned(st, target.name, self.store.lock_steps(st) + self.plan(st, target, action=action,
-                                                                                  drain_s=drain_s))
+            return planned(st, target.name, self.store.lock_steps(st) + switch_plan(
+                self.cfg, st, target, facts, action=action, drain_s=drain_s))
         with self.store.locked(what=f"{action} to {target.name}", wait=wait, finish=self.finish,
                                log=self.log) as st:
             return self.switch_locked(st, target, reason=reason, action=action, drain_s=drain_s)
