@@ -180,4 +180,11 @@ def test_a_dry_run_previews_the_lock_refusal(tmp_path: Path) -> None:
     finally:
         os.killpg(bare.pid, signal.SIGKILL)  # flock and its sleep, which holds the lock too: the group we started
         bare.wait()
-    store.refuse_if_held("switch to x")
+    deadline = time.monotonic() + 10
+    while True:  # free again once the sleep is gone too (its death, not flock's, lets go of the lock)
+        try:
+            store.refuse_if_held("switch to x")
+            break
+        except LockedError:
+            assert time.monotonic() < deadline, "the lock was still held 10 s after its holders were killed"
+            time.sleep(0.02)
